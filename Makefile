@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# A GPU user picks another build, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: install train test test-fast bench sweep clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+train: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m lightning_moe.train $(ARGS)
+
+test: install
+	$(PY) -m pytest tests -q $(ARGS)
+
+test-fast: install
+	$(PY) -m pytest tests -q -m "not slow" $(ARGS)
+
+bench: install
+	$(PY) -m experiments.bench $(ARGS)
+
+sweep: install
+	$(PY) -m lightning_moe.train --multirun experiment=router_sweep $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun wandb

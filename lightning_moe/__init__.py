@@ -1,0 +1,13 @@
+"""lightning-moe: Mixture-of-Experts training in PyTorch Lightning with 5D parallelism.
+
+``import lightning_moe`` registers the ``"moe5d"`` strategy, so ``Trainer(strategy="moe5d")`` works.
+"""
+
+from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.parallelize import parallelize
+from lightning_moe.strategy import MoE5DStrategy, register
+
+register()
+
+__all__ = ["MoE5DStrategy", "ParallelDims", "parallelize"]
+__version__ = "0.1.0"

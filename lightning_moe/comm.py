@@ -1,0 +1,103 @@
+"""Communication accounting: every collective our code issues goes through these wrappers.
+
+Each wrapper records, under a parallel-dimension name (``"tp"``, ``"cp"``, ``"ep"``, ``"dp"``,
+``"pp"``), the bytes this rank sends to *other* ranks and the number of calls, forward and
+backward alike (the backward of a differentiable collective is recorded through a gradient hook).
+Bytes are logical payload: an all-to-all counts the splits addressed to other ranks, an all-gather
+counts the local tensor once per peer, a reduce-scatter counts the chunks owned by peers.
+
+Example::
+
+    from lightning_moe import comm
+    comm.reset()
+    ...  # run a step
+    comm.snapshot()   # {"ep": {"bytes": 123456, "calls": 8}}
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+COUNTERS: defaultdict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "calls": 0})
+
+
+def record(dim: str, nbytes: int) -> None:
+    entry = COUNTERS[dim]
+    entry["bytes"] += int(nbytes)
+    entry["calls"] += 1
+
+
+def reset() -> None:
+    COUNTERS.clear()
+
+
+def snapshot() -> dict[str, dict[str, int]]:
+    return {dim: dict(entry) for dim, entry in COUNTERS.items()}
+
+
+def _record_backward(output: torch.Tensor, dim: str, nbytes: int) -> None:
+    if output.requires_grad:
+        output.register_hook(lambda grad: record(dim, nbytes))
+
+
+def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup, dim: str) -> torch.Tensor:
+    """Exchange one equal-sized block per rank (e.g. token counts per expert); not differentiable."""
+    out = torch.empty_like(counts)
+    dist.all_to_all_single(out, counts, group=group)
+    size = dist.get_world_size(group)
+    record(dim, counts.numel() * counts.element_size() * (size - 1) // size)
+    return out
+
+
+def all_to_all_autograd(
+    x: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    group: dist.ProcessGroup,
+    dim: str,
+) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` with uneven splits along dim 0."""
+    me = dist.get_rank(group)
+    row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    sent = (sum(input_split_sizes) - input_split_sizes[me]) * row_bytes
+    received = (sum(output_split_sizes) - output_split_sizes[me]) * row_bytes
+    record(dim, sent)
+    out = funcol.all_to_all_single_autograd(x, output_split_sizes, input_split_sizes, group)
+    out = funcol.wait_tensor(out)
+    # The backward all-to-all sends back what this rank received.
+    _record_backward(out, dim, received)
+    return out
+
+
+def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup, dim: str) -> torch.Tensor:
+    """Differentiable all-gather along dim 0 (backward: reduce-scatter)."""
+    size = dist.get_world_size(group)
+    nbytes = x.numel() * x.element_size()
+    record(dim, nbytes * (size - 1))
+    out = funcol.wait_tensor(funcol.all_gather_tensor_autograd(x, 0, group))
+    _record_backward(out, dim, nbytes * (size - 1))
+    return out
+
+
+def reduce_scatter_autograd(x: torch.Tensor, group: dist.ProcessGroup, dim: str) -> torch.Tensor:
+    """Differentiable sum reduce-scatter along dim 0 (backward: all-gather)."""
+    size = dist.get_world_size(group)
+    chunk_bytes = x.numel() * x.element_size() // size
+    record(dim, chunk_bytes * (size - 1))
+    out = funcol.wait_tensor(funcol.reduce_scatter_tensor_autograd(x, "sum", 0, group))
+    _record_backward(out, dim, chunk_bytes * (size - 1))
+    return out
+
+
+def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place, non-differentiable all-reduce (statistics, counts); a no-op for a 1-rank group."""
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor
+    size = dist.get_world_size(group)
+    record(dim, 2 * tensor.numel() * tensor.element_size() * (size - 1) // size)
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor

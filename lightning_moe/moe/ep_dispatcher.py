@@ -1,0 +1,113 @@
+"""Expert-parallel dispatchers: move routed token slots to the ep rank that owns their expert.
+
+Experts are split contiguously over the ep group: rank r owns experts ``[r*L, (r+1)*L)`` with
+``L = num_experts // ep``. Both dispatchers are differentiable end to end and follow the contract
+of :mod:`lightning_moe.moe.dispatcher` (``dispatch`` -> context, ``combine`` -> ``[T, H]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe import comm
+from lightning_moe.moe.dispatcher import DispatchContext, permute_by_expert, unpermute_and_combine
+
+
+@dataclass
+class AllToAllContext(DispatchContext):
+    input_splits: list[int] | None = None
+    output_splits: list[int] | None = None
+    regroup: torch.Tensor | None = None
+
+
+class AllToAllDispatcher:
+    """Exchange counts, then tokens with ``all_to_all_single`` (uneven splits), and back.
+
+    Example::
+
+        dispatcher = AllToAllDispatcher(num_experts=8, ep_group=dims.ep_group)
+        ctx = dispatcher.dispatch(x, topk_idx, keep_mask=None)
+        y = dispatcher.combine(experts(ctx.expert_input, ctx.tokens_per_local_expert), topk_weights, ctx)
+    """
+
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup) -> None:
+        self.num_experts = num_experts
+        self.group = ep_group
+        self.ep_size = dist.get_world_size(ep_group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts")
+        self.num_local_experts = num_experts // self.ep_size
+
+    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> AllToAllContext:
+        permuted, sorted_slots, counts = permute_by_expert(hidden, topk_idx, keep_mask, self.num_experts)
+        ep, local = self.ep_size, self.num_local_experts
+        # recv_counts[s, l]: tokens that source rank s sends to my local expert l.
+        recv_counts = comm.all_to_all_counts(counts, self.group, "ep").view(ep, local)
+        input_splits = counts.view(ep, local).sum(1).tolist()
+        output_splits = recv_counts.sum(1).tolist()
+        received = comm.all_to_all_autograd(permuted, output_splits, input_splits, self.group, "ep")
+        # Received rows are ordered (source, local expert); the grouped GEMM needs (local expert, source).
+        block_of_row = torch.repeat_interleave(torch.arange(ep * local, device=hidden.device), recv_counts.reshape(-1))
+        source, expert = block_of_row // local, block_of_row % local
+        regroup = torch.argsort(expert * ep + source, stable=True)
+        return AllToAllContext(
+            expert_input=received.index_select(0, regroup),
+            tokens_per_local_expert=recv_counts.sum(0),
+            sorted_slots=sorted_slots,
+            num_tokens=hidden.shape[0],
+            top_k=topk_idx.shape[1],
+            input_splits=input_splits,
+            output_splits=output_splits,
+            regroup=regroup,
+        )
+
+    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
+        by_source = torch.empty_like(expert_output).index_copy(0, ctx.regroup, expert_output)
+        returned = comm.all_to_all_autograd(by_source, ctx.input_splits, ctx.output_splits, self.group, "ep")
+        return unpermute_and_combine(returned, topk_weights, ctx)
+
+
+@dataclass
+class AllGatherContext(DispatchContext):
+    gathered_weights: torch.Tensor | None = None
+
+
+class AllGatherDispatcher:
+    """All-gather the tokens of the ep group, compute the local experts, reduce-scatter the outputs.
+
+    Every rank of the group must hold the same number of tokens (same micro-batch shape).
+    """
+
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup) -> None:
+        self.num_experts = num_experts
+        self.group = ep_group
+        self.ep_size = dist.get_world_size(ep_group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts")
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = dist.get_rank(ep_group) * self.num_local_experts
+
+    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> AllGatherContext:
+        all_hidden = comm.all_gather_autograd(hidden, self.group, "ep")
+        all_idx = comm.all_gather_autograd(topk_idx, self.group, "ep")
+        local_idx = all_idx - self.first_expert
+        mine = (local_idx >= 0) & (local_idx < self.num_local_experts)
+        if keep_mask is not None:
+            # gloo cannot gather bool tensors
+            mine &= comm.all_gather_autograd(keep_mask.to(torch.uint8), self.group, "ep").bool()
+        permuted, sorted_slots, counts = permute_by_expert(all_hidden, local_idx.clamp(0, self.num_local_experts - 1), mine, self.num_local_experts)
+        return AllGatherContext(
+            expert_input=permuted,
+            tokens_per_local_expert=counts,
+            sorted_slots=sorted_slots,
+            num_tokens=all_hidden.shape[0],
+            top_k=topk_idx.shape[1],
+        )
+
+    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllGatherContext) -> torch.Tensor:
+        all_weights = comm.all_gather_autograd(topk_weights, self.group, "ep")
+        partial = unpermute_and_combine(expert_output, all_weights, ctx)
+        return comm.reduce_scatter_autograd(partial, self.group, "ep")

@@ -1,0 +1,195 @@
+"""The five parallel dimensions and the two views (dense, expert) of one DeviceMesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    """Sizes of the tensor, context, expert, data and pipeline parallel dimensions.
+
+    ``world_size = tp * cp * ep * dp * pp``; ranks vary fastest in tp and slowest in pp (Megatron's
+    ``tp-cp-ep-dp-pp`` order), so the mesh is ``(pp, dp, ep, cp, tp)``. ``dp=-1`` is inferred from
+    the world size; ``etp=None`` means expert tensor parallel equals ``tp``.
+
+    Example::
+
+        dims = ParallelDims(ep=2)
+        dims.validate(world_size=4)          # dp becomes 2
+        mesh = dims.build_mesh("cpu")        # after torch.distributed.init_process_group
+        dims.dp_ep_mesh.size()               # 4: ranks that load different samples
+    """
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = -1
+    pp: int = 1
+    etp: int | None = None
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "ep", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.dp, int) or (self.dp < 1 and self.dp != -1):
+            raise ValueError(f"dp={self.dp!r} must be an integer >= 1, or -1 to infer it from the world size")
+        if self.etp is None:
+            self.etp = self.tp
+        if self.etp not in (1, self.tp):
+            raise ValueError(f"etp={self.etp} must be 1 or equal to tp={self.tp} (expert tensor parallel size)")
+
+    @property
+    def non_dp_size(self) -> int:
+        return self.tp * self.cp * self.ep * self.pp
+
+    def validate(self, world_size: int) -> None:
+        """Infer ``dp`` if needed and check that the product of the sizes equals ``world_size``."""
+        if self.dp == -1:
+            if world_size % self.non_dp_size:
+                raise ValueError(
+                    f"world_size {world_size} is not divisible by tp*cp*ep*pp = {self.tp}*{self.cp}*{self.ep}*{self.pp}"
+                    f" = {self.non_dp_size}: change devices/num_nodes or the parallel sizes"
+                )
+            self.dp = world_size // self.non_dp_size
+        product = self.non_dp_size * self.dp
+        if product != world_size:
+            raise ValueError(
+                f"world_size {world_size} != tp*cp*ep*dp*pp = {self.tp}*{self.cp}*{self.ep}*{self.dp}*{self.pp}"
+                f" = {product}: set devices*num_nodes to {product} or change the parallel sizes"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.non_dp_size * self.dp
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp, self.ep, self.cp, self.tp)
+
+    # -- mesh -------------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Build the full ``(pp, dp, ep, cp, tp)`` DeviceMesh (process group must be initialised)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.dp == -1:
+            self.validate(dist.get_world_size())
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        self.attach(mesh)
+        return mesh
+
+    def attach(self, mesh: DeviceMesh) -> None:
+        """Use an existing full mesh (its shape must match these sizes)."""
+        if tuple(mesh.mesh_dim_names or ()) != MESH_DIM_NAMES or tuple(mesh.shape) != self.shape:
+            raise ValueError(
+                f"mesh {tuple(mesh.mesh_dim_names or ())} of shape {tuple(mesh.shape)} does not match "
+                f"ParallelDims {MESH_DIM_NAMES} = {self.shape}"
+            )
+        self._mesh = mesh
+        for name in ("dp_ep_mesh", "dense_grad_mesh", "edp_mesh"):
+            self.__dict__.pop(name, None)
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, etp: int | None = None) -> ParallelDims:
+        """The dims of a full mesh built by :meth:`build_mesh` (or with the same names)."""
+        sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+        missing = [n for n in MESH_DIM_NAMES if n not in sizes]
+        if missing:
+            raise ValueError(f"mesh needs the dims {MESH_DIM_NAMES}, it lacks {missing}: build it with ParallelDims.build_mesh")
+        dims = cls(**{n: sizes[n] for n in MESH_DIM_NAMES}, etp=etp)
+        dims.attach(mesh)
+        return dims
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        if self._mesh is None:
+            raise RuntimeError("ParallelDims.build_mesh(device_type) must run before the meshes are used")
+        return self._mesh
+
+    def _flatten(self, dims: tuple[str, ...], name: str) -> DeviceMesh:
+        return self.mesh[dims]._flatten(name)
+
+    # Dense view -----------------------------------------------------------------------------------
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    @property
+    def cp_mesh(self) -> DeviceMesh:
+        return self.mesh["cp"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self.mesh["pp"]
+
+    @cached_property
+    def dp_ep_mesh(self) -> DeviceMesh:
+        """Ranks that load different samples (dp x ep)."""
+        return self._flatten(("dp", "ep"), "dp_ep")
+
+    @cached_property
+    def dense_grad_mesh(self) -> DeviceMesh:
+        """Gradient reduction of dense parameters: dp x ep x cp."""
+        return self._flatten(("dp", "ep", "cp"), "dp_ep_cp")
+
+    # Expert view ----------------------------------------------------------------------------------
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        return self.mesh["ep"]
+
+    @property
+    def etp_mesh(self) -> DeviceMesh:
+        """Expert tensor parallel mesh: the tp dim when ``etp == tp``."""
+        if self.etp != self.tp:
+            raise NotImplementedError("etp=1 with tp>1 is not supported yet (expert tensor parallel issue)")
+        return self.mesh["tp"]
+
+    @cached_property
+    def edp_mesh(self) -> DeviceMesh:
+        """Expert data parallel: dp x cp, and tp too when experts are not tensor-parallel (etp=1)."""
+        dims = ("dp", "cp", "tp") if self.etp == 1 and self.tp > 1 else ("dp", "cp")
+        return self._flatten(dims, "edp")
+
+    # Process groups -------------------------------------------------------------------------------
+    @property
+    def dp_ep_group(self) -> dist.ProcessGroup:
+        return self.dp_ep_mesh.get_group()
+
+    @property
+    def dense_grad_group(self) -> dist.ProcessGroup:
+        return self.dense_grad_mesh.get_group()
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.ep_mesh.get_group()
+
+    @property
+    def edp_group(self) -> dist.ProcessGroup:
+        return self.edp_mesh.get_group()
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.tp_mesh.get_group()
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.cp_mesh.get_group()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.pp_mesh.get_group()
+
+    def as_dict(self) -> dict[str, int]:
+        """The layout as written to ``summary.json``."""
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp, "etp": int(self.etp or self.tp)}

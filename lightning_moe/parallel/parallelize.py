@@ -1,0 +1,60 @@
+"""``parallelize``: apply expert, tensor, context, pipeline and data parallelism to any module."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_moe.parallel.data_parallel import apply_data_parallel
+from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.expert_parallel import apply_expert_parallel
+
+DataParallelKind = Literal["fsdp", "ddp", "none"]
+DATA_PARALLEL_KINDS: tuple[str, ...] = ("fsdp", "ddp", "none")
+
+_PARALLELIZED_ATTR = "_lightning_moe_parallelized"
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """True once :func:`parallelize` ran on ``module`` (or the user applied FSDP2/DTensor themselves)."""
+    if getattr(module, _PARALLELIZED_ATTR, False):
+        return True
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def parallelize(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    data_parallel: DataParallelKind = "fsdp",
+    sequence_parallel: bool = True,
+    etp: int | None = None,
+) -> nn.Module:
+    """Parallelize ``module`` in place over the full ``(pp, dp, ep, cp, tp)`` mesh and return it.
+
+    Order: expert parallel for every ``MoELayer``, then data parallel last (FSDP2 ``fully_shard``,
+    DDP-style ``replicate``, or ``"none"``: parameters stay replicated and gradients unreduced).
+
+    Example::
+
+        dims = ParallelDims(ep=2); dims.validate(dist.get_world_size())
+        mesh = dims.build_mesh("cpu")
+        layer = parallelize(MoELayer(64, 128, num_experts=8), mesh, data_parallel="none")
+    """
+    if data_parallel not in DATA_PARALLEL_KINDS:
+        raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL_KINDS}")
+    dims = ParallelDims.from_mesh(mesh, etp=etp)
+    for name in ("tp", "cp", "pp"):
+        if getattr(dims, name) > 1:
+            raise NotImplementedError(f"{name}={getattr(dims, name)} > 1 is not supported yet by lightning_moe.parallelize")
+    apply_expert_parallel(module, dims)
+    apply_data_parallel(module, dims, data_parallel)
+    setattr(module, _PARALLELIZED_ATTR, True)
+    return module
