@@ -1,0 +1,183 @@
+"""``summary.json``: the layout, loss curve and throughput of a run, for sweeps and reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_moe.callbacks.moe_metrics import data_parallel_sum
+
+LAYOUT_DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp", "etp")
+
+
+def parallel_layout(trainer: pl.Trainer) -> dict[str, int]:
+    """``{tp, cp, ep, dp, pp, etp}`` of the run: from ``trainer.strategy.parallel_dims`` when the
+    strategy has it (``MoE5DStrategy``), otherwise plain data parallel over ``trainer.world_size``.
+
+    Example::
+
+        parallel_layout(trainer)  # {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1}
+    """
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    if dims is None:
+        return {"tp": 1, "cp": 1, "ep": 1, "dp": trainer.world_size, "pp": 1, "etp": 1}
+    layout = {name: getattr(dims, name) for name in LAYOUT_DIMS}
+    if layout["etp"] is None:  # etp defaults to tp (DESIGN §1)
+        layout["etp"] = layout["tp"]
+    return {name: int(size) for name, size in layout.items()}
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory: os.replace stays atomic
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class SummaryCallback(Callback):
+    """Write ``summary.json`` at the end of training (global rank 0, atomically).
+
+    Fields:
+
+    - ``layout``: ``{tp, cp, ep, dp, pp, etp}`` (see :func:`parallel_layout`);
+    - ``losses``: per optimizer step, the mean training loss over the global batch (the mean of the
+      step's micro-batch losses, averaged over data-parallel ranks), identical on every rank and
+      equal to the single-device run's value for the same global batch;
+    - ``final_loss``: the last entry of ``losses``;
+    - ``tokens_per_second``: training tokens of the global batch per wall-clock second, without
+      the first optimizer step (start-up) and without validation;
+    - whatever other callbacks contribute through a ``summary_fields() -> dict`` method, e.g.
+      ``expert_load`` from :class:`~lightning_moe.callbacks.MoEMetricsCallback`.
+
+    The file goes to ``dirpath``, by default ``trainer.default_root_dir`` (the Hydra output
+    directory under ``python -m lightning_moe.train``). ``path`` holds its location once written.
+
+    Example::
+
+        summary = SummaryCallback()
+        trainer = pl.Trainer(max_steps=10, callbacks=[MoEMetricsCallback(), summary])
+        trainer.fit(model, datamodule=dm)
+        json.loads(summary.path.read_text())["final_loss"]
+    """
+
+    def __init__(self, dirpath: str | os.PathLike[str] | None = None, filename: str = "summary.json") -> None:
+        self.dirpath = dirpath
+        self.filename = filename
+        self.path: Path | None = None
+        self.layout: dict[str, int] = {}
+        self.losses: list[float] = []
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # parallel_dims is complete (dp inferred) once the strategy is set up.
+        self.layout = parallel_layout(trainer)
+        self.losses = []
+        self._step_loss_sum = torch.zeros((), dtype=torch.float64)
+        self._step_micro_batches = 0
+        self._step_tokens = 0
+        self._first_step_tokens = 0
+        self._step_at_batch_start = -1
+        self._timed_tokens = 0  # this rank's tokens of every step after the first
+        self._first_batch_start: float | None = None
+        self._first_step_end: float | None = None
+        self._last_step_end = 0.0
+        self._validation_seconds = 0.0  # after the first step
+        self._validation_start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._first_batch_start is None:
+            self._first_batch_start = time.perf_counter()
+        self._step_at_batch_start = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        if loss is None:  # training_step skipped this batch
+            return
+        # Under automatic optimization Lightning hands callbacks the loss already divided by
+        # accumulate_grad_batches (it is the loss that was backpropagated); undo it.
+        scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+        # A tensor sum: no device sync per micro-batch.
+        self._step_loss_sum = self._step_loss_sum + loss.detach().double() * scale
+        self._step_micro_batches += 1
+        self._step_tokens += _count_tokens(batch)
+        if trainer.global_step > self._step_at_batch_start:
+            self._end_step(trainer)
+
+    def _end_step(self, trainer: pl.Trainer) -> None:
+        local_mean = self._step_loss_sum / self._step_micro_batches
+        # Every data-parallel rank ran the same number of micro-batches, so the mean of the ranks'
+        # means is the mean over the global batch.
+        self.losses.append(float(trainer.strategy.reduce(local_mean, reduce_op="mean")))
+        now = time.perf_counter()
+        if self._first_step_end is None:
+            self._first_step_end = now
+            self._first_step_tokens = self._step_tokens
+        else:
+            self._timed_tokens += self._step_tokens
+        self._last_step_end = now
+        self._step_loss_sum, self._step_micro_batches, self._step_tokens = torch.zeros((), dtype=torch.float64), 0, 0
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or self._first_step_end is None:
+            return
+        self._validation_seconds += time.perf_counter() - self._validation_start
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tokens_per_second = self._tokens_per_second(trainer)  # collective: before the rank-0 check
+        if not trainer.is_global_zero:
+            return
+        summary: dict[str, Any] = {
+            "layout": self.layout,
+            "losses": self.losses,
+            "final_loss": self.final_loss,
+            "tokens_per_second": tokens_per_second,
+        }
+        for callback in trainer.callbacks:
+            fields = getattr(callback, "summary_fields", None)
+            if callable(fields):
+                summary.update(fields())
+        self.path = Path(self.dirpath if self.dirpath is not None else trainer.default_root_dir) / self.filename
+        write_json_atomic(self.path, summary)
+
+    def _tokens_per_second(self, trainer: pl.Trainer) -> float | None:
+        if self._first_step_end is None:
+            return None
+        if self._timed_tokens:
+            local_tokens, seconds = self._timed_tokens, self._last_step_end - self._first_step_end - self._validation_seconds
+        else:  # a single step: time it whole, start-up included
+            assert self._first_batch_start is not None
+            local_tokens, seconds = self._first_step_tokens, self._first_step_end - self._first_batch_start
+        tokens = data_parallel_sum(trainer, torch.tensor(float(local_tokens), device=trainer.strategy.root_device))
+        return float(tokens) / max(seconds, 1e-9)
+
+
+def _count_tokens(batch: Any) -> int:
+    """Tokens of a batch: ``input_ids`` of a dict batch (DESIGN §6), else the first tensor's elements."""
+    if isinstance(batch, dict) and "input_ids" in batch:
+        return int(batch["input_ids"].numel())
+    tensor = batch if isinstance(batch, torch.Tensor) else next(t for t in batch if isinstance(t, torch.Tensor))
+    return int(tensor.numel())

@@ -1,0 +1,358 @@
+"""Byte-level text data built from files already on the machine (no download).
+
+The corpus is a flat uint8 file (`.bin`): by default the Python standard library's sources, or
+any folder of text files, concatenated in sorted path order and cached under a name that
+encodes what built it. Samples are non-overlapping windows of `seq_len + 1` bytes; the last
+`val_fraction` of the windows is the validation split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import sysconfig
+import uuid
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_moe.data.sampler import LayoutInvariantSampler, resolve_batch_layout
+
+__all__ = [
+    "ByteTextDataModule",
+    "ByteWindowDataset",
+    "build_corpus",
+    "default_cache_dir",
+    "stdlib_source_files",
+]
+
+CACHE_ENV = "LIGHTNING_MOE_CACHE"
+# Directories of the stdlib tree that are not the library itself (third-party packages, the test
+# suite) or whose contents depend on how this particular interpreter was built.
+_STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def default_cache_dir() -> Path:
+    """`$LIGHTNING_MOE_CACHE` if set, else `~/.cache/lightning_moe`."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_moe"
+
+
+def stdlib_source_files() -> list[Path]:
+    """The standard library's `*.py` files in sorted relative-path order (the default corpus).
+
+    Third-party packages, the test suite and build-specific files (`_sysconfigdata*`,
+    `config-*`) are left out so that the same Python version gives the same bytes everywhere.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [
+            d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(("config-", "."))
+        ]
+        files += [
+            Path(dirpath, f)
+            for f in filenames
+            if f.endswith(".py") and not f.startswith("_sysconfigdata")
+        ]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """Every regular file under `folder` except hidden ones (`.git`...), sorted by relative path."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        files += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
+    files = [f for f in files if f.is_file()]
+    return sorted(files, key=lambda p: p.relative_to(folder).as_posix())
+
+
+def _take_up_to(files: list[Path], max_bytes: int) -> list[tuple[Path, int]]:
+    """The leading files (with sizes) whose bytes reach `max_bytes`; only these enter the corpus."""
+    taken, total = [], 0
+    for f in files:
+        if total >= max_bytes:
+            break
+        size = f.stat().st_size
+        taken.append((f, size))
+        total += size
+    return taken
+
+
+def _write_atomically(out: Path, files: list[tuple[Path, int]], max_bytes: int) -> None:
+    """Concatenate `files` (capped at `max_bytes`) into `out` through a private temporary file.
+
+    Several ranks may build the same corpus at once: each writes its own temporary file and
+    `os.replace` makes the final name appear complete, whichever rank finishes last.
+    """
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            remaining = max_bytes
+            for f, _ in files:
+                chunk = f.read_bytes()[:remaining]
+                fh.write(chunk)
+                remaining -= len(chunk)
+                if remaining <= 0:
+                    break
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def build_corpus(
+    path: str | os.PathLike | None = None,
+    *,
+    max_bytes: int = 4_000_000,
+    cache_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Return a uint8 `.bin` corpus file, building and caching it when needed.
+
+    - `path=None`: the standard library's sources (`stdlib_source_files()`), capped at `max_bytes`.
+    - `path=` a folder: its files (recursive, sorted by relative path), capped at `max_bytes`.
+    - `path=` a `.bin` file: used as is (one token per byte).
+
+    The cache name encodes the source, the cap and a digest of the files used (relative paths and
+    sizes, plus modification times for a user folder), so a changed folder gets a new file.
+
+    >>> corpus = build_corpus(max_bytes=100_000)  # doctest: +SKIP
+    >>> corpus.stat().st_size
+    100000
+    """
+    if max_bytes < 1:
+        raise ValueError(f"max_corpus_bytes must be >= 1, got {max_bytes}")
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if path is None:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files = _take_up_to(stdlib_source_files(), max_bytes)
+        version = ".".join(map(str, sys.version_info[:3]))
+        label = f"stdlib-py{version}"
+        key = [(f.relative_to(stdlib).as_posix(), size) for f, size in files]
+    else:
+        source = Path(path).expanduser()
+        if not source.exists():
+            raise ValueError(
+                f"path={str(path)!r} does not exist: pass a folder of text files, a .bin file "
+                "of uint8 tokens, or path=None for the default standard-library corpus"
+            )
+        if source.is_file():
+            if source.suffix != ".bin":
+                raise ValueError(
+                    f"path={str(path)!r} is a file but not a .bin token file: pass a .bin file "
+                    "of uint8 tokens, or the folder that holds your text files"
+                )
+            return source
+        files = _take_up_to(_folder_files(source), max_bytes)
+        if sum(size for _, size in files) == 0:
+            raise ValueError(
+                f"path={str(path)!r} is an empty data folder (no non-empty files): put text "
+                "files in it, or pass path=None for the default standard-library corpus"
+            )
+        label = "dir-" + (re.sub(r"[^A-Za-z0-9_.-]", "_", source.resolve().name) or "root")
+        key = [str(source.resolve())] + [
+            (f.relative_to(source).as_posix(), size, f.stat().st_mtime_ns) for f, size in files
+        ]
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    out = cache / f"{label}-{max_bytes}-{digest}.bin"
+    if not out.exists():
+        _write_atomically(out, files, max_bytes)
+    return out
+
+
+class ByteWindowDataset(Dataset):
+    """Windows `[first_window, first_window + num_windows)` of `seq_len + 1` bytes of a `.bin`.
+
+    Item `i` is `{"input_ids": window[:-1], "labels": window[1:]}` (int64, shape `[seq_len]`).
+    The memmap is opened lazily so that the dataset pickles cheaply into worker processes.
+
+    Example:
+        >>> ds = ByteWindowDataset(build_corpus(), seq_len=128)  # doctest: +SKIP
+        >>> ds[0]["input_ids"].shape
+        torch.Size([128])
+    """
+
+    def __init__(
+        self,
+        corpus: str | os.PathLike,
+        seq_len: int,
+        first_window: int = 0,
+        num_windows: int | None = None,
+    ) -> None:
+        self.corpus = Path(corpus)
+        self.seq_len = seq_len
+        total = self.corpus.stat().st_size // (seq_len + 1)
+        self.first_window = first_window
+        self.num_windows = total - first_window if num_windows is None else num_windows
+        if first_window < 0 or self.num_windows < 0 or first_window + self.num_windows > total:
+            raise ValueError(
+                f"windows [{first_window}, {first_window + self.num_windows}) out of range: "
+                f"{self.corpus} holds {total} windows of seq_len+1 = {seq_len + 1} bytes"
+            )
+        self._tokens: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.num_windows:
+            raise IndexError(f"window {index} out of range [0, {self.num_windows})")
+        if self._tokens is None:
+            self._tokens = np.memmap(self.corpus, dtype=np.uint8, mode="r")
+        start = (self.first_window + index) * (self.seq_len + 1)
+        window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return {"input_ids": window[:-1], "labels": window[1:]}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+
+class ByteTextDataModule(pl.LightningDataModule):
+    """Byte-level language-modelling data whose optimizer steps do not depend on the layout.
+
+    Args:
+        path: None (the standard library's sources), a folder of text files, or a uint8 `.bin`.
+        seq_len: tokens per sample; a sample is a window of `seq_len + 1` bytes.
+        global_batch_size: samples per optimizer step, summed over data-parallel ranks and
+            micro-batches.
+        micro_batch_size: samples per forward/backward on one rank; None means
+            `global_batch_size / num_replicas` (no gradient accumulation).
+        max_corpus_bytes: cap on the bytes read from the default corpus or a folder.
+        val_fraction: fraction of the windows (the corpus tail) used for validation.
+        cache_dir: where built corpora are cached (default `$LIGHTNING_MOE_CACHE` or
+            `~/.cache/lightning_moe`).
+        seed: seed of the per-epoch permutation (`seed + epoch`).
+        num_workers: DataLoader workers.
+
+    `num_replicas`/`rank` come from `trainer.strategy.distributed_sampler_kwargs` (the strategy's
+    `dp_ep` group) and are 1/0 without a distributed strategy. `setup()` sets
+    `trainer.accumulate_grad_batches = global_batch_size // (micro_batch_size * num_replicas)`.
+
+    Example:
+        >>> dm = ByteTextDataModule(seq_len=128, global_batch_size=16, micro_batch_size=4)
+        >>> trainer = lightning.Trainer(max_steps=60)  # doctest: +SKIP
+        >>> trainer.fit(MoEGPT(), datamodule=dm)  # 4 micro-batches accumulated per step # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        seq_len: int = 128,
+        global_batch_size: int = 16,
+        micro_batch_size: int | None = None,
+        max_corpus_bytes: int = 4_000_000,
+        val_fraction: float = 0.05,
+        cache_dir: str | os.PathLike | None = None,
+        seed: int = 1234,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        resolve_batch_layout(global_batch_size, micro_batch_size, 1)
+        self.save_hyperparameters()
+        self.path = path
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.max_corpus_bytes = max_corpus_bytes
+        self.val_fraction = val_fraction
+        self.cache_dir = cache_dir
+        self.seed = seed
+        self.num_workers = num_workers
+        self.requested_micro_batch_size = micro_batch_size
+        # Resolved by setup() from the attached strategy's data-parallel layout.
+        self.micro_batch_size: int | None = micro_batch_size
+        self.num_replicas = 1
+        self.rank = 0
+        self.accumulate_grad_batches = 1
+        self.corpus: Path | None = None
+        self.train_dataset: ByteWindowDataset | None = None
+        self.val_dataset: ByteWindowDataset | None = None
+
+    def _replica_layout(self) -> tuple[int, int]:
+        strategy = getattr(self.trainer, "strategy", None)
+        # Single-device strategies have no distributed_sampler_kwargs at all.
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+        if not kwargs:
+            return 1, 0
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
+
+    def prepare_data(self) -> None:
+        build_corpus(self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        self.num_replicas, self.rank = self._replica_layout()
+        self.micro_batch_size, self.accumulate_grad_batches = resolve_batch_layout(
+            self.global_batch_size, self.requested_micro_batch_size, self.num_replicas
+        )
+        # Every rank builds (or finds) the corpus: the build is atomic, so racing is harmless.
+        self.corpus = build_corpus(
+            self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir
+        )
+        corpus_bytes = self.corpus.stat().st_size
+        windows = corpus_bytes // (self.seq_len + 1)
+        if windows == 0:
+            raise ValueError(
+                f"seq_len {self.seq_len} is longer than the corpus ({corpus_bytes} bytes at "
+                f"{self.corpus}): lower seq_len, raise max_corpus_bytes or use a larger path"
+            )
+        num_val = round(windows * self.val_fraction)
+        num_train = windows - num_val
+        if num_train < self.global_batch_size or 0 < num_val < self.global_batch_size:
+            raise ValueError(
+                f"too few windows for one global batch: the corpus ({corpus_bytes} bytes) gives "
+                f"{num_train} train and {num_val} validation windows of seq_len+1 = "
+                f"{self.seq_len + 1} bytes, but global_batch_size is {self.global_batch_size}: "
+                "lower seq_len or global_batch_size, raise max_corpus_bytes or use a larger path"
+            )
+        self.train_dataset = ByteWindowDataset(self.corpus, self.seq_len, 0, num_train)
+        self.val_dataset = ByteWindowDataset(self.corpus, self.seq_len, num_train, num_val)
+        if self.trainer is not None:
+            requested = self.trainer.accumulate_grad_batches
+            if requested not in (1, self.accumulate_grad_batches):
+                raise ValueError(
+                    f"Trainer(accumulate_grad_batches={requested}) conflicts with the data "
+                    f"layout: global_batch_size // (micro_batch_size*dp_ep) = "
+                    f"{self.accumulate_grad_batches}; leave accumulate_grad_batches at 1 and set "
+                    "global_batch_size / micro_batch_size instead"
+                )
+            # Lightning's loops read this attribute at every batch, so setting it here is enough.
+            self.trainer.accumulate_grad_batches = self.accumulate_grad_batches
+
+    def _loader(self, dataset: ByteWindowDataset | None, shuffle: bool) -> DataLoader:
+        if dataset is None or self.micro_batch_size is None:
+            raise RuntimeError("call ByteTextDataModule.setup() before asking for a dataloader")
+        sampler = LayoutInvariantSampler(
+            dataset,
+            global_batch_size=self.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            num_replicas=self.num_replicas,
+            rank=self.rank,
+            shuffle=shuffle,
+            seed=self.seed,
+        )
+        return DataLoader(
+            dataset,
+            batch_size=self.micro_batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_dataset, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is not None and len(self.val_dataset) == 0:
+            return []  # val_fraction=0: Lightning skips validation for an empty list
+        return self._loader(self.val_dataset, shuffle=False)

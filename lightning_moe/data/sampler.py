@@ -1,0 +1,110 @@
+"""A sampler whose optimizer steps see the same samples whatever the data-parallel layout.
+
+Lightning's own `DistributedSampler` gives each replica a strided slice of one permutation, so the
+samples of an optimizer step change with the number of replicas. Here the permutation is fixed
+first, cut into global batches (one per optimizer step) and then into micro-batches; micro-batch
+`j` of a step goes to rank `j % num_replicas`. A run on 1 process with gradient accumulation and a
+run on 4 data-parallel processes therefore average their gradients over the same samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sized
+
+import torch
+from torch.utils.data import DistributedSampler
+
+__all__ = ["LayoutInvariantSampler", "resolve_batch_layout"]
+
+
+def resolve_batch_layout(
+    global_batch_size: int, micro_batch_size: int | None, num_replicas: int
+) -> tuple[int, int]:
+    """Check a batch layout and return `(micro_batch_size, accumulate_grad_batches)`.
+
+    `micro_batch_size=None` means `global_batch_size // num_replicas` (no accumulation).
+    `num_replicas` is the data-parallel size `dp_ep` (dp x ep).
+
+    >>> resolve_batch_layout(16, 4, 2)
+    (4, 2)
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if micro_batch_size is None:
+        if global_batch_size % num_replicas:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} not divisible by dp_ep = {num_replicas} "
+                f"(the data-parallel replicas): make global_batch_size a multiple of {num_replicas}"
+            )
+        return global_batch_size // num_replicas, 1
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+    per_step = micro_batch_size * num_replicas
+    if global_batch_size % per_step:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} not divisible by micro_batch_size*dp_ep = "
+            f"{micro_batch_size}*{num_replicas} = {per_step}: make global_batch_size a multiple "
+            f"of {per_step} or change micro_batch_size"
+        )
+    return micro_batch_size, global_batch_size // per_step
+
+
+class LayoutInvariantSampler(DistributedSampler):
+    """Per-rank sample indices such that every optimizer step uses the same samples on any layout.
+
+    One permutation per epoch (seeded by `seed + epoch`, independent of `num_replicas`) is
+    truncated to whole global batches. Global batch `s` is cut into `global_batch_size //
+    micro_batch_size` micro-batches and micro-batch `j` goes to rank `j % num_replicas`, so each
+    rank accumulates `global_batch_size // (micro_batch_size * num_replicas)` micro-batches per
+    step. Use it with `DataLoader(batch_size=micro_batch_size, drop_last=True)`. It subclasses
+    `DistributedSampler` so that Lightning keeps it instead of injecting its own.
+
+    Example:
+        >>> sampler = LayoutInvariantSampler(range(64), global_batch_size=16, micro_batch_size=4,
+        ...                                  num_replicas=2, rank=1)
+        >>> loader = torch.utils.data.DataLoader(range(64), batch_size=4, sampler=sampler,
+        ...                                      drop_last=True)
+        >>> len(loader)  # 4 steps x 2 micro-batches of this rank
+        8
+    """
+
+    def __init__(
+        self,
+        dataset: Sized,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        resolve_batch_layout(global_batch_size, micro_batch_size, num_replicas)
+        super().__init__(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.num_steps = len(dataset) // global_batch_size
+        # The parent's bookkeeping (`__len__` reads num_samples) with our truncation.
+        self.total_size = self.num_steps * global_batch_size
+        self.num_samples = self.total_size // num_replicas
+
+    def global_order(self) -> torch.Tensor:
+        """The epoch's sample order shared by all ranks: `num_steps * global_batch_size` indices."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator)  # type: ignore[arg-type]
+        else:
+            order = torch.arange(len(self.dataset))  # type: ignore[arg-type]
+        return order[: self.total_size]
+
+    def __iter__(self) -> Iterator[int]:
+        micro_batches = self.global_order().view(
+            self.num_steps, self.global_batch_size // self.micro_batch_size, self.micro_batch_size
+        )
+        mine = micro_batches[:, self.rank :: self.num_replicas]  # micro-batch j -> rank j % n
+        return iter(mine.reshape(-1).tolist())

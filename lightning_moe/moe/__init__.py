@@ -1,0 +1,51 @@
+"""Mixture-of-Experts building blocks in plain torch: router, losses, capacity, experts, layer.
+
+Example::
+
+    from lightning_moe.moe import MoELayer, update_expert_biases
+    layer = MoELayer(hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2)
+    y = layer(torch.randn(2, 16, 64))      # aux losses reach the router by themselves
+    update_expert_biases(model)            # once per optimizer step (expert_bias=True layers)
+"""
+
+from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
+from lightning_moe.moe.dispatcher import DISPATCHERS, DispatchContext, LocalDispatcher, build_dispatcher
+from lightning_moe.moe.experts import GroupedExperts, SharedExpert
+from lightning_moe.moe.layer import LOAD_BALANCING, MoELayer, update_expert_biases
+from lightning_moe.moe.losses import (
+    MoEAuxLossAutoScaler,
+    global_aux_loss,
+    load_balancing_loss,
+    seq_aux_loss,
+    set_aux_loss_scale,
+    sinkhorn,
+    switch_aux_loss,
+    z_loss,
+)
+from lightning_moe.moe.router import SCORE_FUNCS, RouterOutput, TopKRouter
+
+__all__ = [
+    "DISPATCHERS",
+    "DROP_POLICIES",
+    "LOAD_BALANCING",
+    "SCORE_FUNCS",
+    "DispatchContext",
+    "GroupedExperts",
+    "LocalDispatcher",
+    "MoEAuxLossAutoScaler",
+    "MoELayer",
+    "RouterOutput",
+    "SharedExpert",
+    "TopKRouter",
+    "build_dispatcher",
+    "capacity_keep_mask",
+    "expert_capacity",
+    "global_aux_loss",
+    "load_balancing_loss",
+    "seq_aux_loss",
+    "set_aux_loss_scale",
+    "sinkhorn",
+    "switch_aux_loss",
+    "update_expert_biases",
+    "z_loss",
+]

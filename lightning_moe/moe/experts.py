@@ -1,0 +1,141 @@
+"""SwiGLU experts computed as grouped GEMMs, and the dense shared expert."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["GroupedExperts", "SharedExpert", "compute_dtype", "grouped_mm_available"]
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype matmuls on ``x`` run in: the autocast dtype when autocast is on, else ``x.dtype``."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` can run this case (CPU: any float dtype; CUDA: bf16 kernels)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return device.type == "cpu" or dtype == torch.bfloat16
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # Expert parallelism makes the weights DTensors Shard(0) over ep; the math is per rank.
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    ``torch._grouped_mm``'s backward rejects a stride-0 gradient such as the one ``y.sum()`` sends.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    offsets = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32)  # _grouped_mm wants int32
+    hidden = F.silu(torch._grouped_mm(x, w1, offsets)) * torch._grouped_mm(x, w3, offsets)
+    return _ContiguousGrad.apply(torch._grouped_mm(hidden, w2, offsets))
+
+
+def _padded_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tokens_per_expert: torch.Tensor
+) -> torch.Tensor:
+    """Fallback without ``_grouped_mm``: scatter rows into ``[E, max_count, H]`` and use ``bmm``.
+
+    Three batched GEMMs instead of a Python loop over experts; the padding rows are zeros, so they
+    add nothing to the weight gradients, and their outputs are never gathered back.
+    """
+    num_experts, hidden_size = w1.shape[0], x.shape[1]
+    counts = tokens_per_expert.to(x.device)
+    max_count = int(counts.max()) if num_experts else 0
+    expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts, output_size=x.shape[0])
+    starts = torch.cumsum(counts, 0) - counts
+    rows = torch.arange(x.shape[0], device=x.device)
+    slot = expert_of_row * max_count + rows - starts[expert_of_row]
+    padded = x.new_zeros(num_experts * max_count, hidden_size).index_copy(0, slot, x)
+    padded = padded.view(num_experts, max_count, hidden_size)
+    hidden = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
+    out = torch.bmm(hidden, w2).view(num_experts * max_count, -1)
+    return out.index_select(0, slot)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`` as grouped GEMMs.
+
+    Parameters ``w1 [E, H, F]`` (gate), ``w3 [E, H, F]`` (up), ``w2 [E, F, H]`` (down).
+    ``forward(x [N, H], tokens_per_expert [E])`` takes rows already grouped by expert (expert 0
+    first) and returns ``[N, H]`` in the compute dtype (the autocast dtype under autocast, else
+    ``x.dtype``). It uses ``torch._grouped_mm`` where available and a padded ``bmm`` otherwise
+    (``use_grouped_mm=False`` forces the fallback). Under expert parallelism the weights are
+    DTensors and their local shards (the local experts) are used.
+
+    Example::
+
+        experts = GroupedExperts(num_experts=4, hidden_size=16, ffn_hidden_size=32)
+        y = experts(torch.randn(10, 16), torch.tensor([3, 0, 5, 2]))   # expert 1 gets no rows
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, use_grouped_mm: bool | None = None
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default bound per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        for weight in (self.w1, self.w3, self.w2):
+            bound = 1.0 / math.sqrt(weight.shape[1])
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x)
+        x = x.to(dtype)
+        w1, w3, w2 = (_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+        use_grouped = self.use_grouped_mm
+        if use_grouped is None:
+            use_grouped = grouped_mm_available(x.device, dtype)
+        if use_grouped:
+            return _grouped_swiglu(x, w1, w3, w2, tokens_per_expert)
+        return _padded_swiglu(x, w1, w3, w2, tokens_per_expert)
+
+
+class SharedExpert(nn.Module):
+    """A dense SwiGLU MLP every token goes through: ``w2(silu(w1(x)) * w3(x))``, no biases.
+
+    Example::
+
+        shared = SharedExpert(hidden_size=16, ffn_hidden_size=32)
+        y = shared(torch.randn(4, 16))
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
+        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

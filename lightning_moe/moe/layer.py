@@ -1,0 +1,247 @@
+"""``MoELayer``: router -> (capacity) -> dispatch -> grouped SwiGLU experts -> combine (+ shared expert)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_moe import comm
+from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
+from lightning_moe.moe.dispatcher import DISPATCHERS, LocalDispatcher
+from lightning_moe.moe.experts import GroupedExperts, SharedExpert, compute_dtype
+from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
+from lightning_moe.moe.router import RouterOutput, TopKRouter
+
+__all__ = ["LOAD_BALANCING", "MoELayer", "update_expert_biases"]
+
+LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts SwiGLU feed-forward layer: ``x [..., H] -> y [..., H]``.
+
+    Each token goes to ``top_k`` of ``num_experts`` experts chosen by ``router`` (fp32 math);
+    ``y = sum_k w_k * expert_{i_k}(x)`` (+ the shared expert). Parameters: ``router.weight [E, H]``,
+    ``experts.w1/w3 [E, H, F]``, ``experts.w2 [E, F, H]`` and, with ``shared_expert_hidden_size``,
+    ``shared_expert.w1/w3/w2`` (``nn.Linear``). See shared/DESIGN.md section 3.
+
+    Load balancing (``load_balancing``): ``"aux_loss"`` (Switch, ``coeff * E * sum_i f_i P_i``),
+    ``"seq_aux_loss"`` (the same per sequence, averaged; the sequence is the second-last dim of
+    ``x``), ``"global_aux_loss"`` (``f`` from counts summed over ``data_group``), ``"sinkhorn"``
+    (balanced assignment, no aux loss) or ``"none"`` (e.g. with ``expert_bias=True``, DeepSeek-V3's
+    aux-loss-free balancing). The aux and z losses reach the router through
+    :class:`MoEAuxLossAutoScaler`: never add them to the task loss.
+
+    ``capacity_factor=None`` is dropless; otherwise each expert keeps at most
+    ``ceil(T * k / E * capacity_factor)`` slots by ``drop_policy`` and dropped slots add zero.
+
+    ``stats`` (detached, after every forward): ``tokens_per_expert [E]`` (slots before dropping),
+    ``aux_loss``, ``z_loss``, ``dropped_fraction``, ``router_entropy``; reduced over
+    ``sequence_group`` when it is set.
+
+    ``sequence_group``/``data_group`` are set by :func:`lightning_moe.parallelize` (None on one
+    device): the ranks sharing one micro-batch's tokens, and all ranks of one optimizer step.
+
+    Example::
+
+        layer = MoELayer(64, 128, num_experts=8, top_k=2, score_func="sigmoid",
+                         load_balancing="none", expert_bias=True, shared_expert_hidden_size=128)
+        y = layer(torch.randn(2, 16, 64))
+        y.square().mean().backward()     # the aux losses train the router without being added
+        layer.update_expert_bias()       # once per optimizer step
+        layer.stats["tokens_per_expert"]
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        top_k: int = 2,
+        *,
+        score_func: str = "softmax",
+        topk_norm: bool = True,
+        load_balancing: str = "aux_loss",
+        aux_loss_coeff: float = 1e-2,
+        z_loss_coeff: float = 0.0,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        capacity_factor: float | None = None,
+        drop_policy: str = "probs",
+        shared_expert_hidden_size: int | None = None,
+        dispatcher: str = "alltoall",
+    ) -> None:
+        super().__init__()
+        if hidden_size < 1 or ffn_hidden_size < 1:
+            raise ValueError(f"hidden_size and ffn_hidden_size must be >= 1, got {hidden_size} and {ffn_hidden_size}")
+        if load_balancing not in LOAD_BALANCING:
+            raise ValueError(f"load_balancing={load_balancing!r} is unknown: choose one of {LOAD_BALANCING}")
+        if load_balancing == "sinkhorn" and expert_bias:
+            raise ValueError("expert_bias=True and load_balancing='sinkhorn' both balance the load: pick one")
+        if aux_loss_coeff < 0 or z_loss_coeff < 0:
+            raise ValueError(f"aux_loss_coeff and z_loss_coeff must be >= 0, got {aux_loss_coeff} and {z_loss_coeff}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 (or None for dropless routing), got {capacity_factor}")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy={drop_policy!r} is unknown: choose one of {DROP_POLICIES}")
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher={dispatcher!r} is unknown: choose one of {DISPATCHERS}")
+        if shared_expert_hidden_size is not None and shared_expert_hidden_size < 1:
+            raise ValueError(f"shared_expert_hidden_size must be >= 1 (or None), got {shared_expert_hidden_size}")
+        self.router = TopKRouter(
+            hidden_size,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            topk_norm=topk_norm,
+            expert_bias=expert_bias,
+            bias_update_rate=bias_update_rate,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            use_sinkhorn=load_balancing == "sinkhorn",
+        )
+        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size)
+        self.shared_expert = (
+            SharedExpert(hidden_size, shared_expert_hidden_size) if shared_expert_hidden_size is not None else None
+        )
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.load_balancing = load_balancing
+        self.aux_loss_coeff = aux_loss_coeff
+        self.z_loss_coeff = z_loss_coeff
+        self.capacity_factor = capacity_factor
+        self.drop_policy = drop_policy
+        self.dispatcher_kind = dispatcher
+        self.dispatcher = LocalDispatcher(num_experts)
+        self.sequence_group: dist.ProcessGroup | None = None
+        self.data_group: dist.ProcessGroup | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoELayer expects inputs [..., {self.hidden_size}], got {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.hidden_size)
+        routing = self.router(tokens)
+        keep = None
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(tokens.shape[0], self.num_experts, self.top_k, self.capacity_factor)
+            keep = capacity_keep_mask(
+                routing.topk_idx, routing.topk_weights.detach(), self.num_experts, capacity, self.drop_policy
+            )
+        # Cast before dispatch so that the permutation (and any all-to-all) moves bf16 under autocast.
+        ctx = self.dispatcher.dispatch(tokens.to(compute_dtype(tokens)), routing.topk_idx, keep)
+        expert_output = self.experts(ctx.expert_input, ctx.tokens_per_local_expert)
+        out = self.dispatcher.combine(expert_output, routing.topk_weights, ctx)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        loss = self._losses_and_stats(routing, keep, x.shape)
+        if loss is not None and loss.requires_grad:
+            out = MoEAuxLossAutoScaler.apply(out, loss)
+        return out.view(x.shape)
+
+    def update_expert_bias(self) -> None:
+        """Apply the expert-bias rule to the loads accumulated since the last call (no-op without bias).
+
+        Call once per optimizer step; loads are summed over ``data_group`` first.
+        """
+        self.router.update_expert_bias(self.data_group)
+
+    def _losses_and_stats(self, routing: RouterOutput, keep: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+        """Record ``stats`` and return the differentiable sum of the aux and z losses (None if unused).
+
+        Under a ``sequence_group`` the counts and token totals are all-reduced (no gradient) and each
+        rank's differentiable part is its partial sum over its own tokens divided by the group's
+        token count, so the group's local losses add up to the loss of the whole micro-batch.
+        """
+        num_experts, top_k = self.num_experts, self.top_k
+        num_tokens = routing.logits.shape[0]
+        probs = routing.probs
+        use_aux = self.aux_loss_coeff > 0 and self.load_balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss")
+        use_z = self.z_loss_coeff > 0
+        prob_sum = probs.sum(0)
+        lse_sq_sum = torch.logsumexp(routing.logits, dim=-1).square().sum() if use_z else None
+
+        with torch.no_grad():
+            kept = keep.sum() if keep is not None else num_tokens * top_k
+            entropy = -(probs * probs.clamp_min(1e-20).log()).sum()
+            zero = probs.new_zeros(())
+            # One all-reduce for everything that sums over the micro-batch.
+            totals = torch.cat(
+                [
+                    routing.tokens_per_expert.float(),
+                    prob_sum.detach(),
+                    torch.stack([
+                        probs.new_tensor(float(num_tokens)),
+                        torch.as_tensor(kept, dtype=torch.float32, device=probs.device),
+                        entropy,
+                        lse_sq_sum.detach() if lse_sq_sum is not None else zero,
+                    ]),
+                ]
+            )
+            comm.all_reduce_(totals, self.sequence_group, "cp")
+            counts, prob_sum_all = totals[:num_experts], totals[num_experts : 2 * num_experts]
+            total_tokens, total_kept, entropy_all, lse_sq_all = totals[2 * num_experts :].unbind()
+
+        loss = None
+        aux_value = zero
+        if use_aux:
+            if self.load_balancing == "seq_aux_loss":
+                loss, aux_value = self._seq_aux_loss(routing, shape)
+            else:
+                slot_counts, slot_tokens = counts, total_tokens
+                if self.load_balancing == "global_aux_loss":
+                    with torch.no_grad():
+                        local = torch.cat([routing.tokens_per_expert.float(), probs.new_tensor([float(num_tokens)])])
+                        comm.all_reduce_(local, self.data_group, "dp")
+                        slot_counts, slot_tokens = local[:num_experts], local[num_experts]
+                args = (slot_counts, total_tokens, slot_tokens * top_k, self.aux_loss_coeff)
+                loss = load_balancing_loss(prob_sum, *args)
+                aux_value = load_balancing_loss(prob_sum_all, *args)
+        z_value = zero
+        if use_z:
+            assert lse_sq_sum is not None
+            z = self.z_loss_coeff * lse_sq_sum / total_tokens
+            z_value = self.z_loss_coeff * lse_sq_all / total_tokens
+            loss = z if loss is None else loss + z
+
+        self.stats = {
+            "tokens_per_expert": counts,
+            "aux_loss": aux_value.detach(),
+            "z_loss": z_value.detach(),
+            "dropped_fraction": 1.0 - total_kept / (total_tokens * top_k),
+            "router_entropy": entropy_all / total_tokens,
+        }
+        return loss
+
+    def _seq_aux_loss(self, routing: RouterOutput, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sequence Switch loss, averaged over sequences: ``(differentiable, reduced value)``."""
+        num_experts, top_k = self.num_experts, self.top_k
+        seq_len = shape[-2] if len(shape) >= 3 else math.prod(shape[:-1])
+        batch = routing.logits.shape[0] // seq_len
+        probs = routing.probs.view(batch, seq_len, num_experts)
+        offsets = torch.arange(batch, device=probs.device).view(batch, 1, 1) * num_experts
+        topk_idx = routing.topk_idx.view(batch, seq_len, top_k)
+        prob_sum = probs.sum(1)
+        with torch.no_grad():
+            counts = torch.bincount((topk_idx + offsets).reshape(-1), minlength=batch * num_experts)
+            totals = torch.cat(
+                [counts.view(batch, num_experts).float(), prob_sum.detach(), probs.new_full((batch, 1), float(seq_len))],
+                dim=1,
+            )
+            comm.all_reduce_(totals, self.sequence_group, "cp")
+            counts, prob_sum_all, seq_tokens = totals[:, :num_experts], totals[:, num_experts:-1], totals[:, -1]
+        args = (counts, seq_tokens, seq_tokens * top_k, self.aux_loss_coeff)
+        return load_balancing_loss(prob_sum, *args), load_balancing_loss(prob_sum_all, *args)
+
+
+def update_expert_biases(module: nn.Module) -> None:
+    """Call :meth:`MoELayer.update_expert_bias` on every MoE layer of ``module`` (once per optimizer step)."""
+    for layer in module.modules():
+        if isinstance(layer, MoELayer):
+            layer.update_expert_bias()

@@ -1,0 +1,190 @@
+"""Top-k token router: fp32 scores, top-k selection (optionally group-limited, biased or Sinkhorn)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_moe import comm
+from lightning_moe.moe.losses import sinkhorn
+
+__all__ = ["SCORE_FUNCS", "RouterOutput", "TopKRouter"]
+
+SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")
+
+
+@dataclass
+class RouterOutput:
+    """What the router computed for ``T`` tokens (all fp32 except the indices)."""
+
+    logits: torch.Tensor  # [T, E] x @ weight.T
+    scores: torch.Tensor  # [T, E] score_func(logits): where the gate weights come from
+    probs: torch.Tensor  # [T, E] scores normalised to sum 1 per token (losses, entropy)
+    topk_idx: torch.Tensor  # [T, k] int64 chosen experts
+    topk_weights: torch.Tensor  # [T, k] gate weights (from unbiased scores)
+    tokens_per_expert: torch.Tensor  # [E] int64 routed slots per expert, before any capacity drop
+
+
+class TopKRouter(nn.Module):
+    """Route each token to ``top_k`` of ``num_experts`` experts, with the math in fp32.
+
+    - ``score_func``: ``"softmax"`` or ``"sigmoid"`` over the logits ``x @ weight.T``.
+    - ``topk_norm``: divide the k gate weights by their sum (Mixtral / DeepSeek-V3).
+    - ``expert_bias``: a buffer ``expert_bias [E]`` added to the scores *for selection only*; the
+      gate weights come from the unbiased scores (DeepSeek-V3 aux-loss-free balancing). Loads
+      accumulate while grad is enabled; :meth:`update_expert_bias` applies
+      ``b += rate * sign(mean_load - load)`` and resets them.
+    - ``num_groups``/``group_topk``: experts are split in ``num_groups`` contiguous groups; each
+      token first keeps the ``group_topk`` best groups, then picks its top-k experts inside them.
+      A group's score is the sum of its two best (biased) scores for sigmoid, as in DeepSeek-V3,
+      and its best score for softmax, as in DeepSeek-V2.
+    - ``use_sinkhorn``: in training, experts are chosen on the Sinkhorn-normalised logits
+      (balanced assignment, Megatron's ``"sinkhorn"``); gate weights still come from the scores.
+      In eval the scores choose.
+
+    Example::
+
+        router = TopKRouter(64, num_experts=8, top_k=2, score_func="sigmoid", expert_bias=True)
+        out = router(torch.randn(10, 64))
+        out.topk_idx.shape, out.topk_weights.shape   # (10, 2), (10, 2)
+        router.update_expert_bias()                  # once per optimizer step
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int = 2,
+        *,
+        score_func: str = "softmax",
+        topk_norm: bool = True,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        use_sinkhorn: bool = False,
+    ) -> None:
+        super().__init__()
+        _validate_routing(num_experts, top_k, score_func, num_groups, group_topk, bias_update_rate)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+        self.topk_norm = topk_norm
+        self.use_expert_bias = expert_bias
+        self.bias_update_rate = bias_update_rate
+        self.num_groups = num_groups
+        self.group_topk = group_topk
+        self.use_sinkhorn = use_sinkhorn
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            # Not checkpointed: it is reset after every optimizer step.
+            self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default initialisation.
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # `module.to(torch.bfloat16)` (pure-bf16 training) would cast the bias buffers too; they must
+        # stay fp32: bf16 cannot resolve bias_update_rate steps on a bias of order 1e-1.
+        fp32_buffers = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, old in fp32_buffers.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != torch.float32:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        """Route ``x [T, H]``; fp32 whatever the dtype of ``x`` or an enclosing autocast."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        if self.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+
+        with torch.no_grad():
+            choice = sinkhorn(logits) if self.use_sinkhorn and self.training else scores
+            if self.use_expert_bias:
+                choice = choice + self.expert_bias
+            if self.num_groups is not None:
+                choice = self._keep_best_groups(choice)
+            topk_idx = choice.topk(self.top_k, dim=-1).indices
+            tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
+            if self.use_expert_bias and torch.is_grad_enabled():
+                self.expert_load += tokens_per_expert
+
+        topk_weights = scores.gather(1, topk_idx)
+        if self.topk_norm:
+            # The epsilon only guards sigmoid scores that all underflow to 0.
+            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+        return RouterOutput(logits, scores, probs, topk_idx, topk_weights, tokens_per_expert)
+
+    def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Set the scores outside each token's ``group_topk`` best groups to -inf."""
+        assert self.num_groups is not None and self.group_topk is not None
+        num_tokens = choice.shape[0]
+        grouped = choice.view(num_tokens, self.num_groups, -1)
+        if self.score_func == "sigmoid":
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        best = group_scores.topk(self.group_topk, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """Apply ``b += rate * sign(mean_load - load)`` to the loads accumulated since the last call.
+
+        ``group``: the data-parallel ranks whose loads are summed first (None on one device).
+        A no-op without ``expert_bias``.
+        """
+        if not self.use_expert_bias:
+            return
+        load = self.expert_load.clone()
+        comm.all_reduce_(load, group, "dp")
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.expert_load.zero_()
+
+
+def _validate_routing(
+    num_experts: int, top_k: int, score_func: str, num_groups: int | None, group_topk: int | None, bias_update_rate: float
+) -> None:
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}: choose top_k <= num_experts")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func={score_func!r} is unknown: choose one of {SCORE_FUNCS}")
+    if bias_update_rate < 0:
+        raise ValueError(f"bias_update_rate must be >= 0, got {bias_update_rate}")
+    if group_topk is not None and num_groups is None:
+        raise ValueError(f"group_topk={group_topk} requires num_groups: set num_groups (a divisor of num_experts)")
+    if num_groups is None:
+        return
+    if group_topk is None:
+        raise ValueError(f"num_groups={num_groups} requires group_topk: set how many groups each token may use")
+    if num_groups < 1 or num_experts % num_groups:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by num_groups={num_groups}: choose num_groups dividing num_experts"
+        )
+    if not 1 <= group_topk <= num_groups:
+        raise ValueError(f"group_topk={group_topk} must be between 1 and num_groups={num_groups}")
+    if group_topk * (num_experts // num_groups) < top_k:
+        raise ValueError(
+            f"group_topk={group_topk} groups of {num_experts // num_groups} experts hold fewer than top_k={top_k} "
+            "experts: raise group_topk or lower top_k"
+        )

@@ -1,0 +1,156 @@
+"""Hydra entry point: ``python -m lightning_moe.train [overrides]``.
+
+The config tree lives in ``lightning_moe/conf`` (inside the package), so the command works from
+any working directory and from an installed package. Every object (model, data module, strategy,
+loggers, callbacks, trainer) is built from its ``_target_``; see ``conf/train.yaml``.
+
+Examples::
+
+    python -m lightning_moe.train                                   # tiny model, one process, W&B offline
+    python -m lightning_moe.train parallel=dp2_ep2                  # 4 CPU processes, same losses
+    python -m lightning_moe.train parallel.ep=2 trainer.devices=2   # sizes set one by one
+    python -m lightning_moe.train -m model.moe.top_k=1,2 logger=csv # a sweep, one output dir per job
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as pl
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from lightning.pytorch.loggers import WandbLogger
+from omegaconf import DictConfig, OmegaConf, read_write
+
+from lightning_moe.callbacks import SummaryCallback
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+_PARALLEL_SIZES = ("tp", "cp", "ep", "dp", "pp")
+
+
+def devices_per_node(parallel: DictConfig, num_nodes: int = 1) -> int:
+    """Processes per node implied by the parallel sizes; ``dp="auto"`` counts as 1.
+
+    Registered as the ``lmoe.devices`` resolver, which ``conf/trainer/default.yaml`` uses for
+    ``trainer.devices``. Example::
+
+        devices_per_node(OmegaConf.create({"ep": 2, "dp": 2}))  # 4
+    """
+    sizes = [parallel.get(name, 1) for name in _PARALLEL_SIZES]
+    world_size = math.prod(size if isinstance(size, int) else 1 for size in sizes)
+    if world_size % num_nodes:
+        raise ValueError(
+            f"the parallel sizes give {world_size} processes, not divisible by trainer.num_nodes={num_nodes}: "
+            "set trainer.devices (processes per node) yourself or change the sizes"
+        )
+    return world_size // num_nodes
+
+
+# Registered at import so that configs composed elsewhere (tests, notebooks) resolve too.
+OmegaConf.register_new_resolver("lmoe.devices", devices_per_node, replace=True)
+
+
+def _launch_children_for_this_job_only() -> None:
+    """Make Lightning's process launcher re-run this sweep job, not the whole ``--multirun``.
+
+    Lightning starts processes 1..N-1 by re-executing ``sys.argv`` with ``hydra.run.dir`` set to
+    ``HydraConfig.run.dir``. In a sweep that command line still holds ``--multirun`` and the swept
+    lists, and ``run.dir`` is not the job's directory, so the children would start a sweep of their
+    own. Point both at this job: its own overrides and its output directory.
+    """
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return
+    # Keep the options that choose the config (--config-name, --config-dir, ...), drop the sweep.
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(sys.argv[1:])
+    argv = [sys.argv[0]]
+    for flag, value in (
+        ("--config-path", args.config_path),
+        ("--config-name", args.config_name),
+        ("--config-dir", args.config_dir),
+    ):
+        if value is not None:
+            argv += [flag, value]
+    sys.argv = argv + list(hydra_cfg.overrides.task)
+    with read_write(hydra_cfg.run):
+        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
+
+
+def _instantiate_all(group: DictConfig | None) -> list[Any]:
+    """Build every named entry of a group such as ``callbacks`` or ``logger`` (null entries skipped)."""
+    if not group:
+        return []
+    return [hydra.utils.instantiate(node) for node in group.values() if node is not None]
+
+
+@dataclass
+class TrainingRun:
+    """Everything :func:`build` makes from a config, ready for ``trainer.fit(model, datamodule=datamodule)``."""
+
+    trainer: pl.Trainer
+    model: pl.LightningModule
+    datamodule: pl.LightningDataModule
+    callbacks: list[Any]
+    loggers: list[Any]
+
+
+def build(cfg: DictConfig) -> TrainingRun:
+    """Instantiate the data module, model, strategy, callbacks, loggers and trainer of ``cfg``.
+
+    Example (the config composed as the CLI would, without Hydra's run directory)::
+
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=["trainer.default_root_dir=/tmp/run", "parallel=ep2"])
+        built = build(cfg)
+        built.trainer.strategy.parallel_dims.ep  # 2
+    """
+    datamodule = hydra.utils.instantiate(cfg.data)
+    model = hydra.utils.instantiate(cfg.model)
+    strategy = hydra.utils.instantiate(cfg.parallel)
+    callbacks = _instantiate_all(cfg.callbacks)
+    loggers = _instantiate_all(cfg.logger)
+    trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
+    return TrainingRun(trainer, model, datamodule, callbacks, loggers)
+
+
+def train(cfg: DictConfig) -> float | None:
+    """Build everything from ``cfg``, fit, and report where the outputs are; returns the final loss."""
+    _launch_children_for_this_job_only()
+    pl.seed_everything(cfg.seed, workers=True)
+    run = build(cfg)
+    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+
+    summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
+    wandb_runs = [logger.experiment for logger in run.loggers if isinstance(logger, WandbLogger)]
+    if run.trainer.is_global_zero:
+        if summary is not None and summary.path is not None:
+            print(f"summary.json: {summary.path}")
+        for wandb_run in wandb_runs:
+            print(f"W&B run ({wandb_run.settings.mode}): {wandb_run.settings.sync_dir}")
+            if wandb_run.settings.mode == "offline":
+                print(f"  upload it with: wandb sync {wandb_run.settings.sync_dir}")
+    for wandb_run in wandb_runs:
+        # The next job of a sweep (same process) must start a new W&B run, not append to this one.
+        wandb_run.finish()
+    if dist.is_initialized():
+        # The next job of a sweep starts new processes and needs a fresh process group.
+        dist.destroy_process_group()
+    return summary.final_loss if summary is not None else None
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """``python -m lightning_moe.train``; the return value serves Hydra sweepers (e.g. Optuna)."""
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()

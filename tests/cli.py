@@ -1,0 +1,48 @@
+"""Run the training CLI in a subprocess (Lightning's launcher re-executes sys.argv, so never in-process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A tiny model and a short run: enough steps for layouts to drift apart if anything is wrong.
+TINY_RUN = [
+    "logger=none",
+    "trainer.max_steps=10",
+    "trainer.val_check_interval=null",
+    "trainer.limit_val_batches=0",
+    "trainer.enable_checkpointing=false",
+    "data.seq_len=32",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=2",
+    "data.max_corpus_bytes=200000",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.moe.num_experts=4",
+    "model.moe.ffn_hidden_size=32",
+]
+
+
+def run_cli(run_dir: Path, *overrides: str, timeout: int = 600) -> dict:
+    """Run ``python -m lightning_moe.train`` with ``overrides`` and return its summary.json."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
+    cmd = [sys.executable, "-m", "lightning_moe.train", *TINY_RUN, *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def run_cli_error(run_dir: Path, *overrides: str, timeout: int = 300) -> str:
+    """Run the CLI expecting a failure; return its combined output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "lightning_moe.train", *TINY_RUN, *overrides, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode != 0, f"{' '.join(cmd)} unexpectedly succeeded"
+    return proc.stdout + proc.stderr

@@ -1,0 +1,102 @@
+"""A pool of gloo worker processes kept alive across tests, so process groups are reused.
+
+Tests send a module-level function by reference; every rank runs it and the results come back
+in rank order. Spawning 4 processes costs several seconds on 2 cores, so each pool starts once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+TASK_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module_name, fn_name, kwargs = task
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            results.put((rank, True, fn(**kwargs)))
+        except BaseException:  # noqa: BLE001 - the parent re-raises with the traceback
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistributedPool:
+    """``world_size`` gloo processes that run test functions on demand.
+
+    Example::
+
+        pool = DistributedPool(4)
+        outputs = pool.run(my_module_level_fn, seed=0)   # list, one entry per rank
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(rank, world_size, port, self._tasks[rank], self._results), daemon=True)
+            for rank in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        for queue in self._tasks:
+            queue.put((fn.__module__, fn.__name__, kwargs))
+        outputs: list[Any] = [None] * self.world_size
+        failures = []
+        for _ in range(self.world_size):
+            try:
+                rank, ok, value = self._results.get(timeout=TASK_TIMEOUT_S)
+            except Exception as err:  # queue.Empty: a rank hung, most likely after another failed
+                self.close()
+                raise RuntimeError(f"{fn.__name__}: no result within {TASK_TIMEOUT_S}s; failures so far: {failures}") from err
+            if ok:
+                outputs[rank] = value
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+                if len(failures) == 1:
+                    # The other ranks may be stuck in a collective with the failed one.
+                    self.close()
+                    raise AssertionError(f"{fn.__name__} failed on rank {rank}:\n{value}")
+        return outputs
+
+    @property
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self._procs)
+
+    def close(self) -> None:
+        for queue in self._tasks:
+            try:
+                queue.put(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()

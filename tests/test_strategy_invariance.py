@@ -1,0 +1,79 @@
+"""Trainer level: every layout trains MoEGPT with the single-process per-step losses (rel 1e-5, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cli import run_cli, run_cli_error
+
+REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def single_losses(tmp_path_factory) -> list[float]:
+    summary = run_cli(tmp_path_factory.mktemp("single") / "run", "parallel=single")
+    assert summary["layout"] == {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1, "etp": 1}
+    assert len(summary["losses"]) == 10
+    return summary["losses"]
+
+
+def _assert_same_curve(losses: list[float], reference: list[float]) -> None:
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=REL, atol=0.0)
+
+
+LAYOUTS = [
+    ("dp2", ["parallel=dp2"], {"dp": 2, "ep": 1}),
+    ("ep2", ["parallel=ep2"], {"dp": 1, "ep": 2}),
+    ("ep2_ddp_allgather", ["parallel=ep2", "parallel.data_parallel=ddp", "model.moe.dispatcher=allgather"], {"dp": 1, "ep": 2}),
+    ("dp2_ep2", ["parallel=dp2_ep2"], {"dp": 2, "ep": 2}),
+    ("ep4", ["parallel=ep4"], {"dp": 1, "ep": 4}),
+    ("dp2_ep2_ddp", ["parallel=dp2_ep2", "parallel.data_parallel=ddp"], {"dp": 2, "ep": 2}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,overrides,layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+def test_layout_matches_single_process(tmp_path, single_losses, name, overrides, layout):
+    summary = run_cli(tmp_path / name, *overrides)
+    for key, value in layout.items():
+        assert summary["layout"][key] == value
+    _assert_same_curve(summary["losses"], single_losses)
+
+
+@pytest.mark.slow
+def test_cli_overrides_select_the_layout(tmp_path, single_losses):
+    summary = run_cli(tmp_path / "override", "parallel.ep=2", "trainer.devices=2")
+    assert summary["layout"]["ep"] == 2
+    _assert_same_curve(summary["losses"], single_losses)
+
+
+@pytest.mark.slow
+def test_resume_continues_the_same_curve(tmp_path, single_losses):
+    first = tmp_path / "first"
+    run_cli(first, "parallel=ep2", "trainer.max_steps=5", "model.max_steps=10", "trainer.enable_checkpointing=true",
+            "+callbacks.checkpoint._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"+callbacks.checkpoint.dirpath={first}/ckpt", "+callbacks.checkpoint.save_last=true")
+    ckpt = first / "ckpt" / "last.ckpt"
+    assert ckpt.exists()
+    resumed = run_cli(tmp_path / "resumed", "parallel=ep2", "model.max_steps=10", f"+ckpt_path={ckpt}")
+    _assert_same_curve(resumed["losses"][-5:], single_losses[5:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["parallel=ep2", "trainer.devices=3"], r"world_size 3 .*not divisible|world_size 3 != "),
+        (["parallel=ep4", "model.moe.num_experts=6"], r"num_experts 6 .*not divisible by ep 4"),
+        (["parallel=dp2", "data.global_batch_size=6"], r"global_batch_size 6 .*not divisible"),
+        (["model.moe.dispatcher=broadcast"], r"dispatcher"),
+        (["parallel.etp=3"], r"etp=3 must be 1 or equal to tp"),
+    ],
+)
+def test_bad_configuration_fails_before_training(tmp_path, overrides, message):
+    import re
+
+    output = run_cli_error(tmp_path / "bad", *overrides)
+    assert re.search(message, output), output[-3000:]
+    assert "Epoch 0" not in output
