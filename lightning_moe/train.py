@@ -128,18 +128,18 @@ def train(cfg: DictConfig) -> float | None:
     run = build(cfg)
     run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
 
-    summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
     wandb_runs = [logger.experiment for logger in run.loggers if isinstance(logger, WandbLogger)]
-    if run.trainer.is_global_zero:
-        if summary is not None and summary.path is not None:
-            print(f"summary.json: {summary.path}")
-        for wandb_run in wandb_runs:
-            print(f"W&B run ({wandb_run.settings.mode}): {wandb_run.settings.sync_dir}")
-            if wandb_run.settings.mode == "offline":
-                print(f"  upload it with: wandb sync {wandb_run.settings.sync_dir}")
     for wandb_run in wandb_runs:
         # The next job of a sweep (same process) must start a new W&B run, not append to this one.
         wandb_run.finish()
+    summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
+    if run.trainer.is_global_zero:  # last, after W&B's own closing messages
+        if summary is not None and summary.path is not None:
+            print(f"summary.json: {summary.path}")
+        for wandb_run in wandb_runs:
+            print(f"W&B {wandb_run.settings.mode} run: {wandb_run.settings.sync_dir}")
+            if wandb_run.settings.mode == "offline":
+                print(f"  upload it with: wandb sync {wandb_run.settings.sync_dir}")
     if dist.is_initialized():
         # The next job of a sweep starts new processes and needs a fresh process group.
         dist.destroy_process_group()

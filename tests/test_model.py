@@ -78,7 +78,8 @@ def test_causal():
 
 
 def test_position_ids_drive_rope():
-    model = small_model().eval()
+    # A larger init makes attention position-sensitive enough to see RoPE in the logits.
+    model = small_model(init_std=0.2).eval()
     x = tokens()
     arange = torch.arange(12).expand(2, 12)
     with torch.no_grad():
@@ -215,29 +216,28 @@ def _byte_bin(tmp_path, size: int = 20_000):
 
 
 def test_optimizer_step_updates_expert_bias_once_per_step(tmp_path, monkeypatch):
-    calls = []
-    real = moe_gpt.update_expert_biases
-
-    def counting(module):
-        calls.append(module.trainer.global_step)
-        real(module)
-
-    monkeypatch.setattr(moe_gpt, "update_expert_biases", counting)
     moe = {**SMALL_MOE, "score_func": "sigmoid", "load_balancing": "none", "expert_bias": True,
            "bias_update_rate": 0.01}
     model = small_model(moe=moe)
-    biases = [b.feed_forward.router.expert_bias for b in model.layers.values()]
-    assert all(torch.count_nonzero(b) == 0 for b in biases)
-    # 2 micro-batches accumulated per step: still one update per optimizer step.
+    routers = [block.feed_forward.router for block in model.layers.values()]
+    updates = []
+    real = moe_gpt.update_expert_biases
+
+    def checked(module):
+        loads = [r.expert_load.clone() for r in routers]
+        before = [r.expert_bias.clone() for r in routers]
+        real(module)
+        for load, old, router in zip(loads, before, routers):
+            # b += rate * sign(mean_load - load), with the loads of the whole optimizer step
+            torch.testing.assert_close(router.expert_bias - old, 0.01 * torch.sign(load.mean() - load))
+            updates.append(load.sum().item())
+
+    monkeypatch.setattr(moe_gpt, "update_expert_biases", checked)
+    # 2 micro-batches of 4 x 16 tokens per optimizer step: one update per step, after both.
     dm = ByteTextDataModule(path=_byte_bin(tmp_path), seq_len=16, global_batch_size=8, micro_batch_size=4)
     quiet_trainer(max_steps=3, limit_val_batches=0).fit(model, datamodule=dm)
-    assert len(calls) == 3
-    for bias in biases:
-        assert torch.count_nonzero(bias) > 0
-        # b += rate * sign(...) three times: every entry is a multiple of the rate
-        steps = bias / 0.01
-        torch.testing.assert_close(steps, steps.round(), atol=1e-4, rtol=0)
-        assert steps.abs().max() <= 3
+    assert updates == [2 * 4 * 16 * 2] * (3 * len(routers))  # micro-batches x tokens x top_k
+    assert any(torch.count_nonzero(r.expert_bias) for r in routers)
 
 
 def test_tensor_parallel_plan_names_real_modules():

@@ -52,7 +52,9 @@ class MoEMetricsCallback(Callback):
     - the same per MoE layer as ``moe/layer{i}/<name>`` when ``per_layer`` (``i`` numbers the MoE
       layers in module order, dense layers are skipped).
 
-    ``expert_load`` keeps the global tokens per expert of the last step, per MoE layer;
+    They reach ``trainer.loggers`` every ``log_every_n_steps`` optimizer steps, at the step of the
+    training loss. ``metrics`` keeps the values of the last step and ``expert_load`` its global
+    tokens per expert, per MoE layer;
     :class:`~lightning_moe.callbacks.SummaryCallback` writes it to ``summary.json`` through
     :meth:`summary_fields`.
 
@@ -67,6 +69,7 @@ class MoEMetricsCallback(Callback):
 
     def __init__(self, per_layer: bool = True) -> None:
         self.per_layer = per_layer
+        self.metrics: dict[str, float] = {}
         self.expert_load: dict[str, list[float]] = {}
         self._layers: list[MoELayer] = []
         self._reset_step()
@@ -126,10 +129,14 @@ class MoEMetricsCallback(Callback):
             for i, row in enumerate(per_layer):
                 for j, name in enumerate(names):
                     metrics[f"moe/layer{i}/{name}"] = row[j]
-        # Already reduced and identical on every rank: no sync_dist.
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        self.metrics = metrics
         self.expert_load = {f"layer{i}": c.tolist() for i, c in enumerate(counts)}
         self._reset_step()
+        # Straight to the loggers at Lightning's cadence and step, as LearningRateMonitor does:
+        # self.log() costs milliseconds per key, too much for dozens of per-layer keys every step.
+        if trainer._logger_connector.should_update_logs:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
 
     def summary_fields(self) -> dict[str, Any]:
         """Fields for ``summary.json``: ``expert_load`` of the last step, per MoE layer."""

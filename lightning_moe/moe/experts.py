@@ -35,7 +35,8 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous.
 
-    ``torch._grouped_mm``'s backward rejects a stride-0 gradient such as the one ``y.sum()`` sends.
+    ``torch._grouped_mm``'s backward rejects a stride-0 gradient such as the one ``y.sum()`` sends,
+    also when it has no rows (``contiguous()`` keeps the strides of an empty tensor).
     """
 
     @staticmethod
@@ -44,7 +45,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
+        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
 
 
 def _grouped_swiglu(
@@ -65,7 +66,7 @@ def _padded_swiglu(
     """
     num_experts, hidden_size = w1.shape[0], x.shape[1]
     counts = tokens_per_expert.to(x.device)
-    max_count = int(counts.max()) if num_experts else 0
+    max_count = int(counts.max())
     expert_of_row = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts, output_size=x.shape[0])
     starts = torch.cumsum(counts, 0) - counts
     rows = torch.arange(x.shape[0], device=x.device)
@@ -73,7 +74,7 @@ def _padded_swiglu(
     padded = x.new_zeros(num_experts * max_count, hidden_size).index_copy(0, slot, x)
     padded = padded.view(num_experts, max_count, hidden_size)
     hidden = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
-    out = torch.bmm(hidden, w2).view(num_experts * max_count, -1)
+    out = torch.bmm(hidden, w2).view(num_experts * max_count, w2.shape[-1])
     return out.index_select(0, slot)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -91,7 +92,7 @@ class TopKRouter(nn.Module):
         # nn.Linear's default initialisation.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TopKRouter:
         # `module.to(torch.bfloat16)` (pure-bf16 training) would cast the bias buffers too; they must
         # stay fp32: bf16 cannot resolve bias_update_rate steps on a bias of order 1e-1.
         fp32_buffers = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.dtype == torch.float32}
@@ -113,6 +114,8 @@ class TopKRouter(nn.Module):
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(-1, keepdim=True)
 
+        # Loads count while grad is enabled (training), not in evaluation under no_grad.
+        accumulate_load = self.use_expert_bias and torch.is_grad_enabled()
         with torch.no_grad():
             choice = sinkhorn(logits) if self.use_sinkhorn and self.training else scores
             if self.use_expert_bias:
@@ -121,7 +124,7 @@ class TopKRouter(nn.Module):
                 choice = self._keep_best_groups(choice)
             topk_idx = choice.topk(self.top_k, dim=-1).indices
             tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
-            if self.use_expert_bias and torch.is_grad_enabled():
+            if accumulate_load:
                 self.expert_load += tokens_per_expert
 
         topk_weights = scores.gather(1, topk_idx)
