@@ -15,7 +15,10 @@ Examples::
 from __future__ import annotations
 
 import math
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,27 @@ def _launch_children_for_this_job_only() -> None:
         hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
 
 
+# Set by Lightning's process launcher in the main process; a later sweep job that finds LOCAL_RANK
+# set would think another tool started its processes and would wait for ranks that never come.
+_LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+@contextmanager
+def _separate_from_other_sweep_jobs() -> Iterator[None]:
+    """Leave the process as this job found it: launcher variables restored, process group closed."""
+    saved = {name: os.environ.get(name) for name in _LAUNCHER_ENV}
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def _instantiate_all(group: DictConfig | None) -> list[Any]:
     """Build every named entry of a group such as ``callbacks`` or ``logger`` (null entries skipped)."""
     if not group:
@@ -124,14 +148,15 @@ def build(cfg: DictConfig) -> TrainingRun:
 def train(cfg: DictConfig) -> float | None:
     """Build everything from ``cfg``, fit, and report where the outputs are; returns the final loss."""
     _launch_children_for_this_job_only()
-    pl.seed_everything(cfg.seed, workers=True)
-    run = build(cfg)
-    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+    with _separate_from_other_sweep_jobs():
+        pl.seed_everything(cfg.seed, workers=True)
+        run = build(cfg)
+        run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+        wandb_runs = [logger.experiment for logger in run.loggers if isinstance(logger, WandbLogger)]
+        for wandb_run in wandb_runs:
+            # The next job of a sweep (same process) must start a new W&B run, not append to this one.
+            wandb_run.finish()
 
-    wandb_runs = [logger.experiment for logger in run.loggers if isinstance(logger, WandbLogger)]
-    for wandb_run in wandb_runs:
-        # The next job of a sweep (same process) must start a new W&B run, not append to this one.
-        wandb_run.finish()
     summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
     if run.trainer.is_global_zero:  # last, after W&B's own closing messages
         if summary is not None and summary.path is not None:
@@ -140,9 +165,6 @@ def train(cfg: DictConfig) -> float | None:
             print(f"W&B {wandb_run.settings.mode} run: {wandb_run.settings.sync_dir}")
             if wandb_run.settings.mode == "offline":
                 print(f"  upload it with: wandb sync {wandb_run.settings.sync_dir}")
-    if dist.is_initialized():
-        # The next job of a sweep starts new processes and needs a fresh process group.
-        dist.destroy_process_group()
     return summary.final_loss if summary is not None else None
 
 

@@ -16,7 +16,6 @@ TINY_RUN = [
     "trainer.max_steps=10",
     "trainer.val_check_interval=null",
     "trainer.limit_val_batches=0",
-    "trainer.enable_checkpointing=false",
     "data.seq_len=32",
     "data.global_batch_size=8",
     "data.micro_batch_size=2",

@@ -290,3 +290,23 @@ def test_lightning_keeps_the_sampler_and_accumulates(tmp_path):
         assert isinstance(trainer.train_dataloader.sampler, LayoutInvariantSampler)
         weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-4, atol=1e-5)
+
+
+def test_resumed_sampler_skips_the_finished_micro_batches():
+    from lightning_moe.data import LayoutInvariantSampler, ResumableDataLoader
+
+    sampler = LayoutInvariantSampler(range(64), global_batch_size=16, micro_batch_size=4, num_replicas=2, rank=1)
+    full = list(sampler)
+    loader = ResumableDataLoader(range(64), batch_size=4, sampler=sampler, drop_last=True, progress=lambda: (0, 3))
+    state = loader.state_dict()
+    assert state == {"epoch": 0, "micro_batches_done": 3}
+
+    resumed_sampler = LayoutInvariantSampler(range(64), global_batch_size=16, micro_batch_size=4, num_replicas=2, rank=1)
+    resumed = ResumableDataLoader(range(64), batch_size=4, sampler=resumed_sampler, drop_last=True, progress=lambda: (0, 0))
+    resumed.load_state_dict(state)
+    assert [int(i) for batch in resumed for i in batch] == full[3 * 4 :]
+    # The skip applies once: the next pass over the epoch is whole again.
+    assert list(resumed_sampler) == full
+    # A state from another epoch does not cut this one.
+    resumed_sampler.resume_at(epoch=5, micro_batches_done=2)
+    assert list(resumed_sampler) == full

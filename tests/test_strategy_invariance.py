@@ -51,12 +51,12 @@ def test_cli_overrides_select_the_layout(tmp_path, single_losses):
 @pytest.mark.slow
 def test_resume_continues_the_same_curve(tmp_path, single_losses):
     first = tmp_path / "first"
-    run_cli(first, "parallel=ep2", "trainer.max_steps=5", "model.max_steps=10", "trainer.enable_checkpointing=true",
-            "+callbacks.checkpoint._target_=lightning.pytorch.callbacks.ModelCheckpoint",
-            f"+callbacks.checkpoint.dirpath={first}/ckpt", "+callbacks.checkpoint.save_last=true")
-    ckpt = first / "ckpt" / "last.ckpt"
-    assert ckpt.exists()
-    resumed = run_cli(tmp_path / "resumed", "parallel=ep2", "model.max_steps=10", f"+ckpt_path={ckpt}")
+    run_cli(first, "parallel=ep2", "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
+            "callbacks.checkpoint.every_n_train_steps=5")
+    ckpt = first / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir(), "a sharded DCP checkpoint folder"
+    assert not list(first.glob("checkpoints/*.staging")), "no half-written checkpoint is left behind"
+    resumed = run_cli(tmp_path / "resumed", "parallel=ep2", "model.max_steps=10", f"ckpt_path={ckpt}")
     _assert_same_curve(resumed["losses"][-5:], single_losses[5:])
 
 

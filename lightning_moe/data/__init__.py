@@ -7,12 +7,13 @@ from lightning_moe.data.byte_text import (
     default_cache_dir,
     stdlib_source_files,
 )
-from lightning_moe.data.sampler import LayoutInvariantSampler, resolve_batch_layout
+from lightning_moe.data.sampler import LayoutInvariantSampler, ResumableDataLoader, resolve_batch_layout
 
 __all__ = [
     "ByteTextDataModule",
     "ByteWindowDataset",
     "LayoutInvariantSampler",
+    "ResumableDataLoader",
     "build_corpus",
     "default_cache_dir",
     "resolve_batch_layout",

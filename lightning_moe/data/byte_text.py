@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_moe.data.sampler import LayoutInvariantSampler, resolve_batch_layout
+from lightning_moe.data.sampler import LayoutInvariantSampler, ResumableDataLoader, resolve_batch_layout
 
 __all__ = [
     "ByteTextDataModule",
@@ -340,14 +340,23 @@ class ByteTextDataModule(pl.LightningDataModule):
             shuffle=shuffle,
             seed=self.seed,
         )
-        return DataLoader(
-            dataset,
+        kwargs: dict[str, Any] = dict(
             batch_size=self.micro_batch_size,
             sampler=sampler,
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+        if shuffle:  # the training loader: resumable mid-epoch from a checkpoint
+            return ResumableDataLoader(dataset, progress=self._train_progress, **kwargs)
+        return DataLoader(dataset, **kwargs)
+
+    def _train_progress(self) -> tuple[int, int]:
+        """(epoch, micro-batches this rank finished in it), read from the trainer's fit loop."""
+        if self.trainer is None:
+            return 0, 0
+        # `processed` counts the batch whose on_train_batch_end is running (where checkpoints are saved).
+        return self.trainer.current_epoch, self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_dataset, shuffle=True)

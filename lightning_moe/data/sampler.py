@@ -9,12 +9,13 @@ run on 4 data-parallel processes therefore average their gradients over the same
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["LayoutInvariantSampler", "resolve_batch_layout"]
+__all__ = ["LayoutInvariantSampler", "ResumableDataLoader", "resolve_batch_layout"]
 
 
 def resolve_batch_layout(
@@ -91,6 +92,11 @@ class LayoutInvariantSampler(DistributedSampler):
         # The parent's bookkeeping (`__len__` reads num_samples) with our truncation.
         self.total_size = self.num_steps * global_batch_size
         self.num_samples = self.total_size // num_replicas
+        self._resume_at: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, micro_batches_done: int) -> None:
+        """Skip this rank's first ``micro_batches_done`` micro-batches the next time ``epoch`` is iterated."""
+        self._resume_at = (epoch, micro_batches_done)
 
     def global_order(self) -> torch.Tensor:
         """The epoch's sample order shared by all ranks: `num_steps * global_batch_size` indices."""
@@ -107,4 +113,30 @@ class LayoutInvariantSampler(DistributedSampler):
             self.num_steps, self.global_batch_size // self.micro_batch_size, self.micro_batch_size
         )
         mine = micro_batches[:, self.rank :: self.num_replicas]  # micro-batch j -> rank j % n
-        return iter(mine.reshape(-1).tolist())
+        indices = mine.reshape(-1).tolist()
+        if self._resume_at is not None and self._resume_at[0] == self.epoch:
+            indices = indices[self._resume_at[1] * self.micro_batch_size :]
+            self._resume_at = None
+        return iter(indices)
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that Lightning can resume mid-epoch (it implements ``state_dict``).
+
+    ``progress()`` returns ``(epoch, micro-batches this rank has finished in that epoch)``; the
+    data module reads it from the trainer's loop progress, which, unlike a count of yielded
+    batches, does not include the batch Lightning prefetched. On load, the sampler skips them.
+    """
+
+    def __init__(self, *args: Any, progress: Callable[[], tuple[int, int]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, LayoutInvariantSampler):
+            raise TypeError("ResumableDataLoader needs a LayoutInvariantSampler")
+        self._progress = progress
+
+    def state_dict(self) -> dict[str, int]:
+        epoch, done = self._progress()
+        return {"epoch": epoch, "micro_batches_done": done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.resume_at(state["epoch"], state["micro_batches_done"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from lightning_moe.moe import MoELayer
@@ -23,9 +24,12 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
         from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
 
     grad_divisor = float(dims.dense_grad_mesh.size())
+    # A custom divide factor becomes NCCL's PREMUL_SUM, which gloo lacks: sum, then scale.
+    sum_then_scale = dist.get_backend(dims.edp_group) != "nccl"
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         wrap(layer.experts, mesh=dims.edp_mesh)
         layer.experts.set_gradient_divide_factor(grad_divisor)
+        layer.experts.set_force_sum_reduction_for_comms(sum_then_scale)
     blocks = getattr(module, "layers", None)
     if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
         for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
