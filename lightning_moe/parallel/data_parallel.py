@@ -24,8 +24,10 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
         from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
 
     grad_divisor = float(dims.dense_grad_mesh.size())
-    # A custom divide factor becomes NCCL's PREMUL_SUM, which gloo lacks: sum, then scale.
-    sum_then_scale = dist.get_backend(dims.edp_group) != "nccl"
+    # FSDP turns a custom divide factor into NCCL's PREMUL_SUM for its reduce-scatter, which gloo
+    # lacks: there, sum and scale after. Only for a real reduce-scatter: without one (replicate, or
+    # a 1-rank group) torch 2.13 already divides once and forcing the sum would divide twice.
+    sum_then_scale = kind == "fsdp" and dims.edp_mesh.size() > 1 and dist.get_backend(dims.edp_group) != "nccl"
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         wrap(layer.experts, mesh=dims.edp_mesh)
         layer.experts.set_gradient_divide_factor(grad_divisor)
