@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_moe.moe import set_aux_loss_scale
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS, is_parallelized, parallelize
 
 _STAGING_SUFFIX = ".staging"
@@ -139,6 +140,10 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+        # Dense and expert parameters are DTensors on different meshes, which torch's
+        # clip_grad_norm_ cannot stack: Lightning's gradient_clip_val goes through ours.
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(plugin.main_params(optimizer), clip_val)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

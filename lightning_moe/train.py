@@ -26,6 +26,8 @@ from typing import Any
 import hydra
 import lightning.pytorch as pl
 import torch.distributed as dist
+# Hydra's own command-line parser (no public equivalent), to re-run one sweep job in the children.
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.loggers import WandbLogger
@@ -67,12 +69,10 @@ def _launch_children_for_this_job_only() -> None:
     lists, and ``run.dir`` is not the job's directory, so the children would start a sweep of their
     own. Point both at this job: its own overrides and its output directory.
     """
-    hydra_cfg = HydraConfig.get()
-    if hydra_cfg.mode != RunMode.MULTIRUN:
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return
+    hydra_cfg = HydraConfig.get()
     # Keep the options that choose the config (--config-name, --config-dir, ...), drop the sweep.
-    from hydra._internal.utils import get_args_parser
-
     args = get_args_parser().parse_args(sys.argv[1:])
     argv = [sys.argv[0]]
     for flag, value in (

@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = [
     "logger=none",
     "trainer.max_steps=10",
+    # Clipping is active at this size: a mis-scaled gradient would change the curve (Adam alone would hide it).
+    "++trainer.gradient_clip_val=0.05",
     "trainer.val_check_interval=null",
     "trainer.limit_val_batches=0",
     "data.seq_len=32",

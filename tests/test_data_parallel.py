@@ -24,7 +24,7 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-def dp_grad_case(ep: int, data_parallel: str, load_balancing: str) -> float:
+def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float | None = None) -> float:
     from torch.distributed.tensor import DTensor
 
     from lightning_moe import ParallelDims, parallelize
@@ -49,8 +49,15 @@ def dp_grad_case(ep: int, data_parallel: str, load_balancing: str) -> float:
     for replica in range(replicas):
         (reference.loss(_batch(replica)) / replicas).backward()
     set_aux_loss_scale(1.0)
-
     worst = 0.0
+    if clip is not None:
+        from lightning_moe.parallel.grad_norm import clip_grad_norm_
+
+        total = clip_grad_norm_(model.parameters(), clip)
+        ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        assert ref_total > 10 * clip, "the case must actually clip"
+        worst = (total - ref_total).abs().item()
+
     for (name, param), (ref_name, ref_param) in zip(model.named_parameters(), reference.named_parameters()):
         assert name == ref_name
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
@@ -69,4 +76,11 @@ def test_reduced_gradients_equal_single_process(ep, data_parallel):
 @pytest.mark.slow
 def test_seq_aux_loss_gradients_under_dp_ep():
     worst = get_pool(4).run(dp_grad_case, ep=2, data_parallel="fsdp", load_balancing="seq_aux_loss")
+    assert max(worst) < ATOL, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
+def test_gradient_clipping_across_dense_and_expert_meshes(data_parallel):
+    worst = get_pool(4).run(dp_grad_case, ep=2, data_parallel=data_parallel, load_balancing="aux_loss", clip=0.01)
     assert max(worst) < ATOL, worst

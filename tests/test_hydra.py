@@ -136,10 +136,11 @@ def test_model_schedule_and_sequence_length_follow_trainer_and_data(tmp_path):
     assert cfg.model.max_steps == 7 and cfg.model.max_seq_len == 48
 
 
-def _run_cli(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: int = 120) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+def _run_cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run the CLI in ``cwd`` (not the checkout: it must work from anywhere); returns its stdout."""
+    env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "lightning_moe.train", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc.stdout
@@ -186,17 +187,17 @@ def test_multirun_over_layouts_starts_processes_per_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_wandb_offline_run_from_another_directory(tmp_path):
-    run_dir, wandb_dir = tmp_path / "run", tmp_path / "wandb_home"
+def test_wandb_runs_offline_one_run_per_sweep_job(tmp_path):
+    sweep_dir, wandb_dir = tmp_path / "sweep", tmp_path / "wandb_home"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the default must be offline
     env["WANDB_DIR"] = str(wandb_dir)
-    proc = subprocess.run(
-        [sys.executable, "-m", "lightning_moe.train", "logger=wandb", *QUICK, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120,
+    stdout = _run_cli(
+        tmp_path, "--multirun", "model.moe.top_k=1,2", "logger=wandb", *QUICK, f"hydra.sweep.dir={sweep_dir}", env=env
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    _check_summary(run_dir / "summary.json", steps=3)
-    (offline_run,) = (wandb_dir / "wandb").glob("offline-run-*")
-    assert list(offline_run.glob("run-*.wandb"))
-    assert f"summary.json: {run_dir / 'summary.json'}" in proc.stdout
-    assert f"W&B offline run: {offline_run}" in proc.stdout
+    offline_runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2  # the second job did not append to the first job's run
+    for job, offline_run in enumerate(offline_runs):
+        _check_summary(sweep_dir / str(job) / "summary.json", steps=3)
+        assert list(offline_run.glob("run-*.wandb"))
+        assert f"summary.json: {sweep_dir / str(job) / 'summary.json'}" in stdout
+        assert f"W&B offline run: {offline_run}" in stdout

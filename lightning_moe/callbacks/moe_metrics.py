@@ -106,9 +106,9 @@ class MoEMetricsCallback(Callback):
         self._micro_batches += 1
         # global_step advances when this micro-batch completed an optimizer step.
         if trainer.global_step > self._step_at_batch_start:
-            self._log_step(trainer, pl_module)
+            self._log_step(trainer)
 
-    def _log_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _log_step(self, trainer: pl.Trainer) -> None:
         assert self._counts is not None and self._scalars is not None
         sizes = [c.numel() for c in self._counts]
         num_layers = len(self._layers)

@@ -80,28 +80,33 @@ class SummaryCallback(Callback):
         self.dirpath = dirpath
         self.filename = filename
         self.path: Path | None = None
+        self._reset()
+
+    def _reset(self) -> None:
         self.layout: dict[str, int] = {}
         self.losses: list[float] = []
+        # The optimizer step in progress (this rank's micro-batches).
+        self._step_loss_sum = torch.zeros((), dtype=torch.float64)
+        self._step_micro_batches = 0
+        self._step_tokens = 0
+        self._step_at_batch_start = -1
+        # Throughput: the first step is timed apart (start-up), validation time is subtracted.
+        self._first_batch_start: float | None = None
+        self._first_step_end: float | None = None
+        self._first_step_tokens = 0
+        self._last_step_end = 0.0
+        self._timed_tokens = 0  # this rank's tokens of every step after the first
+        self._validation_start = 0.0
+        self._validation_seconds = 0.0  # after the first step
 
     @property
     def final_loss(self) -> float | None:
         return self.losses[-1] if self.losses else None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._reset()
         # parallel_dims is complete (dp inferred) once the strategy is set up.
         self.layout = parallel_layout(trainer)
-        self.losses = []
-        self._step_loss_sum = torch.zeros((), dtype=torch.float64)
-        self._step_micro_batches = 0
-        self._step_tokens = 0
-        self._first_step_tokens = 0
-        self._step_at_batch_start = -1
-        self._timed_tokens = 0  # this rank's tokens of every step after the first
-        self._first_batch_start: float | None = None
-        self._first_step_end: float | None = None
-        self._last_step_end = 0.0
-        self._validation_seconds = 0.0  # after the first step
-        self._validation_start = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._first_batch_start is None:
