@@ -101,3 +101,70 @@ def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: str,
     record(dim, 2 * tensor.numel() * tensor.element_size() * (size - 1) // size)
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+class _SplitForwardGatherBackward(torch.autograd.Function):
+    """Forward: keep this rank's chunk of a tensor replicated over ``group``; backward: all-gather.
+
+    For a replicated activation whose consumers are replicated too, every rank needs the whole
+    gradient back (Megatron's ``scatter_to_sequence_parallel_region``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int, dim_name: str) -> torch.Tensor:  # noqa: ANN001
+        ctx.group, ctx.dim, ctx.dim_name = group, dim, dim_name
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size, dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        return _gather(grad.contiguous(), ctx.group, ctx.dim, ctx.dim_name), None, None, None
+
+
+class _GatherForwardSplitBackward(torch.autograd.Function):
+    """Forward: all-gather chunks into the replicated tensor; backward: keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int, dim_name: str) -> torch.Tensor:  # noqa: ANN001
+        ctx.group, ctx.dim = group, dim
+        return _gather(x.contiguous(), group, dim, dim_name)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, ctx.dim)[rank].contiguous(), None, None, None
+
+
+def _gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int, dim_name: str) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    record(dim_name, x.numel() * x.element_size() * (size - 1))
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim)
+
+
+def split_to_rank(x: torch.Tensor, group: dist.ProcessGroup, dim: int, dim_name: str) -> torch.Tensor:
+    """This rank's chunk of a tensor replicated over ``group`` (gradient all-gathered back)."""
+    return _SplitForwardGatherBackward.apply(x, group, dim, dim_name)
+
+
+def gather_from_ranks(x: torch.Tensor, group: dist.ProcessGroup, dim: int, dim_name: str) -> torch.Tensor:
+    """Concatenate every rank's chunk along ``dim`` (gradient: this rank's chunk only)."""
+    return _GatherForwardSplitBackward.apply(x, group, dim, dim_name)
+
+
+def all_gather_uneven_autograd(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, dim: str) -> torch.Tensor:
+    """Concatenate every rank's ``[sizes[r], ...]`` rows (backward: sum-reduce-scatter of the grads).
+
+    Built on the uneven all-to-all: this rank sends its rows to every peer.
+    """
+    size = dist.get_world_size(group)
+    return all_to_all_autograd(x.repeat(size, *([1] * (x.dim() - 1))), sizes, [x.shape[0]] * size, group, dim)
+
+
+def reduce_scatter_uneven_autograd(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, dim: str) -> torch.Tensor:
+    """Sum over ranks of row block ``r`` of ``x`` lands on rank r (inverse of :func:`all_gather_uneven_autograd`)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mine = sizes[rank]
+    received = all_to_all_autograd(x, [mine] * size, sizes, group, dim)
+    return received.view(size, mine, *x.shape[1:]).sum(0)

@@ -81,7 +81,7 @@ class MoE5DStrategy(ModelParallelStrategy):
             self.parallel_dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-        for name in ("tp", "cp", "pp"):
+        for name in ("cp", "pp"):
             if getattr(self.parallel_dims, name) > 1:
                 raise MisconfigurationException(
                     f"{name}={getattr(self.parallel_dims, name)}: {name} > 1 is not supported yet by MoE5DStrategy;"

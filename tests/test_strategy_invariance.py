@@ -29,6 +29,12 @@ LAYOUTS = [
     ("dp2_ep2", ["parallel=dp2_ep2"], {"dp": 2, "ep": 2}),
     ("ep4", ["parallel=ep4"], {"dp": 1, "ep": 4}),
     ("dp2_ep2_ddp", ["parallel=dp2_ep2", "parallel.data_parallel=ddp"], {"dp": 2, "ep": 2}),
+    ("tp2_sp", ["parallel=tp2"], {"tp": 2, "etp": 2}),
+    ("tp2_no_sp", ["parallel=tp2", "parallel.sequence_parallel=false"], {"tp": 2, "etp": 2}),
+    ("tp2_ep2", ["parallel=tp2_ep2"], {"tp": 2, "ep": 2, "etp": 2}),
+    ("tp2_etp1_ep2", ["parallel=tp2_etp1_ep2"], {"tp": 2, "ep": 2, "etp": 1}),
+    ("tp2_etp1_ep2_no_sp", ["parallel=tp2_etp1_ep2", "parallel.sequence_parallel=false"], {"tp": 2, "ep": 2, "etp": 1}),
+    ("dp2_tp2_ep2", ["parallel=dp2_tp2_ep2"], {"dp": 2, "tp": 2, "ep": 2, "etp": 2}),
 ]
 
 

@@ -2,19 +2,50 @@
 
 Example::
 
-    from lightning_moe.callbacks import MoEMetricsCallback, SummaryCallback
+    from lightning_moe.callbacks import (
+        CommAccountingCallback, ExpertLoadPlotCallback, MoEMetricsCallback, SummaryCallback, ThroughputCallback,
+    )
 
-    trainer = Trainer(strategy="moe5d", callbacks=[MoEMetricsCallback(), SummaryCallback()])
+    trainer = Trainer(strategy="moe5d", callbacks=[
+        MoEMetricsCallback(), ExpertLoadPlotCallback(every_n_steps=50), CommAccountingCallback(),
+        ThroughputCallback(), SummaryCallback(),
+    ])
 """
 
-from lightning_moe.callbacks.moe_metrics import MoEMetricsCallback, data_parallel_size, data_parallel_sum
+from lightning_moe.callbacks.base import OptimizerStepCallback, data_parallel_size, log_to_loggers
+from lightning_moe.callbacks.comm_accounting import CommAccountingCallback, count_collectives, group_dims, uncounted
+from lightning_moe.callbacks.expert_load_plots import ExpertLoadPlotCallback
+from lightning_moe.callbacks.moe_metrics import (
+    MoEMetricsCallback,
+    MoEStatsMetric,
+    MoEStepResult,
+    data_parallel_sum,
+    load_metrics,
+)
+from lightning_moe.callbacks.plots import plot_curves, plot_expert_load
 from lightning_moe.callbacks.summary import SummaryCallback, parallel_layout, write_json_atomic
+from lightning_moe.callbacks.throughput import ThroughputCallback, active_parameters, model_flops_per_token
 
 __all__ = [
+    "CommAccountingCallback",
+    "ExpertLoadPlotCallback",
     "MoEMetricsCallback",
+    "MoEStatsMetric",
+    "MoEStepResult",
+    "OptimizerStepCallback",
     "SummaryCallback",
+    "ThroughputCallback",
+    "active_parameters",
+    "count_collectives",
     "data_parallel_size",
     "data_parallel_sum",
+    "group_dims",
+    "load_metrics",
+    "log_to_loggers",
+    "model_flops_per_token",
     "parallel_layout",
+    "plot_curves",
+    "plot_expert_load",
+    "uncounted",
     "write_json_atomic",
 ]

@@ -11,8 +11,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 
+from lightning_moe.callbacks.base import OptimizerStepCallback, count_tokens
+from lightning_moe.callbacks.comm_accounting import uncounted
 from lightning_moe.callbacks.moe_metrics import data_parallel_sum
 
 LAYOUT_DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp", "etp")
@@ -50,7 +51,7 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
         raise
 
 
-class SummaryCallback(Callback):
+class SummaryCallback(OptimizerStepCallback):
     """Write ``summary.json`` at the end of training (global rank 0, atomically).
 
     Fields:
@@ -63,7 +64,11 @@ class SummaryCallback(Callback):
     - ``tokens_per_second``: training tokens of the global batch per wall-clock second, without
       the first optimizer step (start-up) and without validation;
     - whatever other callbacks contribute through a ``summary_fields() -> dict`` method, e.g.
-      ``expert_load`` from :class:`~lightning_moe.callbacks.MoEMetricsCallback`.
+      ``expert_load`` and ``moe_history`` from :class:`~lightning_moe.callbacks.MoEMetricsCallback`,
+      ``comm`` from :class:`~lightning_moe.callbacks.CommAccountingCallback`.
+
+    A run that raises writes no ``summary.json``; global rank 0 writes ``error.txt`` (the
+    exception) instead, so sweep reports can tell a crashed job from one still running.
 
     The file goes to ``dirpath``, by default ``trainer.default_root_dir`` (the Hydra output
     directory under ``python -m lightning_moe.train``). ``path`` holds its location once written.
@@ -89,7 +94,6 @@ class SummaryCallback(Callback):
         self._step_loss_sum = torch.zeros((), dtype=torch.float64)
         self._step_micro_batches = 0
         self._step_tokens = 0
-        self._step_at_batch_start = -1
         # Throughput: the first step is timed apart (start-up), validation time is subtracted.
         self._first_batch_start: float | None = None
         self._first_step_end: float | None = None
@@ -108,14 +112,11 @@ class SummaryCallback(Callback):
         # parallel_dims is complete (dp inferred) once the strategy is set up.
         self.layout = parallel_layout(trainer)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_step_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         if self._first_batch_start is None:
             self._first_batch_start = time.perf_counter()
-        self._step_at_batch_start = trainer.global_step
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_micro_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if loss is None:  # training_step skipped this batch
             return
@@ -125,15 +126,16 @@ class SummaryCallback(Callback):
         # A tensor sum: no device sync per micro-batch.
         self._step_loss_sum = self._step_loss_sum + loss.detach().double() * scale
         self._step_micro_batches += 1
-        self._step_tokens += _count_tokens(batch)
-        if trainer.global_step > self._step_at_batch_start:
-            self._end_step(trainer)
+        self._step_tokens += count_tokens(batch)
 
-    def _end_step(self, trainer: pl.Trainer) -> None:
+    def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._step_micro_batches:  # training_step skipped every micro-batch
+            return
         local_mean = self._step_loss_sum / self._step_micro_batches
         # Every data-parallel rank ran the same number of micro-batches, so the mean of the ranks'
         # means is the mean over the global batch.
-        self.losses.append(float(trainer.strategy.reduce(local_mean, reduce_op="mean")))
+        with uncounted():
+            self.losses.append(float(trainer.strategy.reduce(local_mean, reduce_op="mean")))
         now = time.perf_counter()
         if self._first_step_end is None:
             self._first_step_end = now
@@ -165,8 +167,17 @@ class SummaryCallback(Callback):
             fields = getattr(callback, "summary_fields", None)
             if callable(fields):
                 summary.update(fields())
-        self.path = Path(self.dirpath if self.dirpath is not None else trainer.default_root_dir) / self.filename
+        self.path = self._directory(trainer) / self.filename
         write_json_atomic(self.path, summary)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if trainer.is_global_zero:
+            error = self._directory(trainer) / "error.txt"
+            error.parent.mkdir(parents=True, exist_ok=True)
+            error.write_text(f"{type(exception).__name__}: {exception}\n")
+
+    def _directory(self, trainer: pl.Trainer) -> Path:
+        return Path(self.dirpath if self.dirpath is not None else trainer.default_root_dir)
 
     def _tokens_per_second(self, trainer: pl.Trainer) -> float | None:
         if self._first_step_end is None:
@@ -178,11 +189,3 @@ class SummaryCallback(Callback):
             local_tokens, seconds = self._first_step_tokens, self._first_step_end - self._first_batch_start
         tokens = data_parallel_sum(trainer, torch.tensor(float(local_tokens), device=trainer.strategy.root_device))
         return float(tokens) / max(seconds, 1e-9)
-
-
-def _count_tokens(batch: Any) -> int:
-    """Tokens of a batch: ``input_ids`` of a dict batch (DESIGN §6), else the first tensor's elements."""
-    if isinstance(batch, dict) and "input_ids" in batch:
-        return int(batch["input_ids"].numel())
-    tensor = batch if isinstance(batch, torch.Tensor) else next(t for t in batch if isinstance(t, torch.Tensor))
-    return int(tensor.numel())

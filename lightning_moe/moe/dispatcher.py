@@ -38,6 +38,21 @@ class DispatchContext:
     top_k: int
 
 
+class _GatherRows(torch.autograd.Function):
+    """``hidden[index]`` whose backward adds the row gradients in place into one zero buffer."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.num_rows = hidden.shape[0]
+        return hidden.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.num_rows, grad.shape[1]).index_add_(0, index, grad), None
+
+
 def permute_by_expert(
     hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,14 +70,15 @@ def permute_by_expert(
     sorted_slots = torch.argsort(experts, stable=True)
     if keep_mask is not None:
         sorted_slots = sorted_slots[: int(counts.sum())]
-    return hidden.index_select(0, sorted_slots // top_k), sorted_slots, counts
+    return _GatherRows.apply(hidden, sorted_slots // top_k), sorted_slots, counts
 
 
 class _WeightedScatterAdd(torch.autograd.Function):
-    """``y[token[n]] += weight[n] * rows[n]``, accumulated in fp32 and returned in ``rows.dtype``.
+    """``y[token[n]] += weight[n] * rows[n]`` in ``rows.dtype``, with fp32 gate weights.
 
-    A hand-written backward because autograd of the composed ops would run the
-    mixed-precision (bf16 rows x fp32 weights) elementwise products on a slow type-promotion path.
+    Hand-written so that every elementwise product runs in one dtype: autograd of the composed ops
+    would multiply bf16 rows by fp32 weights on torch's slow mixed-dtype path. The products are
+    rounded to ``rows.dtype`` before the (at most ``top_k``-term) sum, like any bf16 layer output.
     """
 
     @staticmethod
@@ -70,19 +86,18 @@ class _WeightedScatterAdd(torch.autograd.Function):
         ctx: Any, rows: torch.Tensor, weights: torch.Tensor, token_index: torch.Tensor, num_tokens: int
     ) -> torch.Tensor:
         ctx.save_for_backward(rows, weights, token_index)
-        weighted = rows.float() * weights.unsqueeze(1)
-        out = weighted.new_zeros(num_tokens, rows.shape[1]).index_add_(0, token_index, weighted)
-        return out.to(rows.dtype)
+        weighted = rows * weights.to(rows.dtype).unsqueeze(1)
+        return weighted.new_zeros(num_tokens, rows.shape[1]).index_add_(0, token_index, weighted)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         rows, weights, token_index = ctx.saved_tensors
-        grad_rows_in = grad.to(rows.dtype).index_select(0, token_index)
+        grad_per_row = grad.to(rows.dtype).index_select(0, token_index)
         grad_rows = grad_weights = None
         if ctx.needs_input_grad[0]:
-            grad_rows = grad_rows_in * weights.to(rows.dtype).unsqueeze(1)
+            grad_rows = grad_per_row * weights.to(rows.dtype).unsqueeze(1)
         if ctx.needs_input_grad[1]:
-            grad_weights = (grad_rows_in * rows).sum(-1, dtype=torch.float32)
+            grad_weights = torch.linalg.vecdot(grad_per_row, rows).float()
         return grad_rows, grad_weights, None, None
 
 

@@ -16,6 +16,22 @@ from lightning_moe import comm
 from lightning_moe.moe.dispatcher import DispatchContext, permute_by_expert, unpermute_and_combine
 
 
+def regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:
+    """Permutation from rows ordered (peer, local expert) to (local expert, peer).
+
+    ``counts[peer, expert]`` rows arrived from each peer for each local expert; the grouped GEMM
+    needs each expert's rows together.
+    """
+    peers, local = counts.shape
+    block_of_row = torch.repeat_interleave(torch.arange(peers * local, device=counts.device), counts.reshape(-1))
+    return torch.argsort((block_of_row % local) * peers + block_of_row // local, stable=True)
+
+
+def ungroup(rows: torch.Tensor, regroup: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``rows_by_expert = rows_by_peer[regroup]``."""
+    return torch.empty_like(rows).index_copy(0, regroup, rows)
+
+
 @dataclass
 class AllToAllContext(DispatchContext):
     input_splits: list[int] | None = None
@@ -49,10 +65,7 @@ class AllToAllDispatcher:
         input_splits = counts.view(ep, local).sum(1).tolist()
         output_splits = recv_counts.sum(1).tolist()
         received = comm.all_to_all_autograd(permuted, output_splits, input_splits, self.group, "ep")
-        # Received rows are ordered (source, local expert); the grouped GEMM needs (local expert, source).
-        block_of_row = torch.repeat_interleave(torch.arange(ep * local, device=hidden.device), recv_counts.reshape(-1))
-        source, expert = block_of_row // local, block_of_row % local
-        regroup = torch.argsort(expert * ep + source, stable=True)
+        regroup = regroup_by_local_expert(recv_counts)
         return AllToAllContext(
             expert_input=received.index_select(0, regroup),
             tokens_per_local_expert=recv_counts.sum(0),
@@ -65,7 +78,7 @@ class AllToAllDispatcher:
         )
 
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
-        by_source = torch.empty_like(expert_output).index_copy(0, ctx.regroup, expert_output)
+        by_source = ungroup(expert_output, ctx.regroup)
         returned = comm.all_to_all_autograd(by_source, ctx.input_splits, ctx.output_splits, self.group, "ep")
         return unpermute_and_combine(returned, topk_weights, ctx)
 
@@ -111,3 +124,53 @@ class AllGatherDispatcher:
         all_weights = comm.all_gather_autograd(topk_weights, self.group, "ep")
         partial = unpermute_and_combine(expert_output, all_weights, ctx)
         return comm.reduce_scatter_autograd(partial, self.group, "ep")
+
+
+@dataclass
+class ExpertTensorParallelContext(DispatchContext):
+    inner: DispatchContext | None = None
+    rows_per_rank: list[int] | None = None
+    regroup: torch.Tensor | None = None
+
+
+class ExpertTensorParallelDispatcher:
+    """Expert tensor parallelism (``etp = tp``) around any dispatcher.
+
+    Each tp rank holds every local expert's FFN dim sharded (w1/w3 by column, w2 by row). After
+    the inner dispatch, the tp ranks all-gather the rows their local experts received, so each
+    computes its FFN shard for all of them; the partial outputs are summed back to their owner
+    (reduce-scatter) before the inner combine. Tokens cross the ep network once.
+    """
+
+    def __init__(self, inner: AllToAllDispatcher | AllGatherDispatcher | object, tp_group: dist.ProcessGroup) -> None:
+        self.inner = inner
+        self.group = tp_group
+        self.tp_size = dist.get_world_size(tp_group)
+        self.num_experts = inner.num_experts
+        self.num_local_experts = inner.num_local_experts
+
+    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> ExpertTensorParallelContext:
+        inner = self.inner.dispatch(hidden, topk_idx, keep_mask)
+        tp, local = self.tp_size, self.num_local_experts
+        counts = inner.tokens_per_local_expert.to(torch.int64)
+        all_counts = torch.empty(tp * local, dtype=torch.int64, device=counts.device)
+        dist.all_gather_into_tensor(all_counts, counts, group=self.group)
+        all_counts = all_counts.view(tp, local)
+        rows_per_rank = all_counts.sum(1).tolist()
+        gathered = comm.all_gather_uneven_autograd(inner.expert_input, rows_per_rank, self.group, "tp")
+        regroup = regroup_by_local_expert(all_counts)
+        return ExpertTensorParallelContext(
+            expert_input=gathered.index_select(0, regroup),
+            tokens_per_local_expert=all_counts.sum(0),
+            sorted_slots=inner.sorted_slots,
+            num_tokens=inner.num_tokens,
+            top_k=inner.top_k,
+            inner=inner,
+            rows_per_rank=rows_per_rank,
+            regroup=regroup,
+        )
+
+    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: ExpertTensorParallelContext) -> torch.Tensor:
+        by_rank = ungroup(expert_output, ctx.regroup)
+        mine = comm.reduce_scatter_uneven_autograd(by_rank, ctx.rows_per_rank, self.group, "tp")
+        return self.inner.combine(mine, topk_weights, ctx.inner)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.moe import MoELayer
 from lightning_moe.parallel.dims import ParallelDims
@@ -12,9 +13,11 @@ from lightning_moe.parallel.dims import ParallelDims
 def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> None:
     """Reduce dense gradients over dp x ep x cp and expert gradients over ``edp``.
 
-    Both are *averaged* over the ``dp x ep x cp`` ranks that hold different tokens: an expert's
-    gradient already sums the contributions of its ep peers through the all-to-all backward, so
-    the expert groups divide by the dense size rather than by their own.
+    Every gradient is *averaged* over the ``dp x ep x cp`` ranks, whatever group reduces it:
+    - experts reduce over ``edp``, but their gradient already sums the tokens of their ep (and,
+      with etp = 1, tp) peers through the dispatch backward;
+    - with tp > 1 the router and shared expert see only their tp rank's tokens, so they reduce
+      over the token mesh dp x ep x cp x tp.
     """
     if kind == "none":
         return
@@ -23,15 +26,23 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
     else:
         from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
 
-    grad_divisor = float(dims.dense_grad_mesh.size())
-    # FSDP turns a custom divide factor into NCCL's PREMUL_SUM for its reduce-scatter, which gloo
-    # lacks: there, sum and scale after. Only for a real reduce-scatter: without one (replicate, or
-    # a 1-rank group) torch 2.13 already divides once and forcing the sum would divide twice.
-    sum_then_scale = kind == "fsdp" and dims.edp_mesh.size() > 1 and dist.get_backend(dims.edp_group) != "nccl"
+    divisor = float(dims.dense_grad_mesh.size())
+
+    def wrap_averaged(modules: nn.Module | list[nn.Module], mesh: DeviceMesh) -> None:
+        wrap(modules, mesh=mesh)
+        unit = modules[0] if isinstance(modules, list) else modules
+        unit.set_gradient_divide_factor(divisor)
+        # FSDP turns a custom divide factor into NCCL's PREMUL_SUM for its reduce-scatter, which
+        # gloo lacks: there, sum and scale after. Only for a real reduce-scatter: without one
+        # (replicate, or a 1-rank group) torch 2.13 already divides once and would divide twice.
+        unit.set_force_sum_reduction_for_comms(
+            kind == "fsdp" and mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "nccl"
+        )
+
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-        wrap(layer.experts, mesh=dims.edp_mesh)
-        layer.experts.set_gradient_divide_factor(grad_divisor)
-        layer.experts.set_force_sum_reduction_for_comms(sum_then_scale)
+        wrap_averaged(layer.experts, dims.edp_mesh)
+        if dims.tp > 1:
+            wrap_averaged([m for m in (layer.router, layer.shared_expert) if m is not None], dims.token_mesh)
     blocks = getattr(module, "layers", None)
     if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
         for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class ParallelDims:
                 f"ParallelDims {MESH_DIM_NAMES} = {self.shape}"
             )
         self._mesh = mesh
-        for name in ("dp_ep_mesh", "dense_grad_mesh", "edp_mesh"):
+        for name in ("dp_ep_mesh", "dense_grad_mesh", "edp_mesh", "token_mesh", "sequence_mesh", "expert_root_mesh"):
             self.__dict__.pop(name, None)
 
     @classmethod
@@ -143,23 +144,55 @@ class ParallelDims:
         """Gradient reduction of dense parameters: dp x ep x cp."""
         return self._flatten(("dp", "ep", "cp"), "dp_ep_cp")
 
+    @cached_property
+    def sequence_mesh(self) -> DeviceMesh:
+        """Ranks that split the tokens of one micro-batch: cp x tp (tp ranks hold sequence shards)."""
+        return self._flatten(("cp", "tp"), "cp_tp")
+
+    @cached_property
+    def token_mesh(self) -> DeviceMesh:
+        """Every rank holding different tokens of one optimizer step: dp x ep x cp x tp.
+
+        Parameters replicated over tp that see only their rank's tokens (the router) reduce here.
+        """
+        return self._flatten(("dp", "ep", "cp", "tp"), "dp_ep_cp_tp")
+
     # Expert view ----------------------------------------------------------------------------------
     @property
     def ep_mesh(self) -> DeviceMesh:
         return self.mesh["ep"]
 
+    @cached_property
+    def expert_root_mesh(self) -> DeviceMesh:
+        """The same ranks as ``(pp, edp, ep, etp)``: the expert view as a mesh of its own (collective).
+
+        Expert data parallel mixes dims on both sides of ``ep`` in the full mesh (cp, and tp when
+        etp = 1), which no slice of it can express; FSDP needs the expert weights' mesh and its
+        data-parallel mesh to be dims of one root in ascending order, so the view gets its own root.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(self.world_size).view(self.shape)  # (pp, dp, ep, cp, tp)
+        if self.etp == self.tp:
+            ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp, self.dp * self.cp, self.ep, self.tp)
+        else:
+            ranks = ranks.permute(0, 1, 3, 4, 2).reshape(self.pp, self.dp * self.cp * self.tp, self.ep, 1)
+        return DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "etp"))
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """The mesh expert weights are DTensors on: ``(ep, etp)``."""
+        return self.expert_root_mesh["ep", "etp"]
+
     @property
     def etp_mesh(self) -> DeviceMesh:
-        """Expert tensor parallel mesh: the tp dim when ``etp == tp``."""
-        if self.etp != self.tp:
-            raise NotImplementedError("etp=1 with tp>1 is not supported yet (expert tensor parallel issue)")
-        return self.mesh["tp"]
+        """Expert tensor parallel: the tp ranks when ``etp == tp``, else one rank."""
+        return self.expert_root_mesh["etp"]
 
-    @cached_property
+    @property
     def edp_mesh(self) -> DeviceMesh:
         """Expert data parallel: dp x cp, and tp too when experts are not tensor-parallel (etp=1)."""
-        dims = ("dp", "cp", "tp") if self.etp == 1 and self.tp > 1 else ("dp", "cp")
-        return self._flatten(dims, "edp")
+        return self.expert_root_mesh["edp"]
 
     # Process groups -------------------------------------------------------------------------------
     @property
@@ -175,8 +208,20 @@ class ParallelDims:
         return self.ep_mesh.get_group()
 
     @property
+    def etp_group(self) -> dist.ProcessGroup:
+        return self.etp_mesh.get_group()
+
+    @property
     def edp_group(self) -> dist.ProcessGroup:
         return self.edp_mesh.get_group()
+
+    @property
+    def sequence_group(self) -> dist.ProcessGroup:
+        return self.sequence_mesh.get_group()
+
+    @property
+    def token_group(self) -> dist.ProcessGroup:
+        return self.token_mesh.get_group()
 
     @property
     def tp_group(self) -> dist.ProcessGroup:

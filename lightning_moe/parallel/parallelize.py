@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_moe.parallel.data_parallel import apply_data_parallel
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
+from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 
 DataParallelKind = Literal["fsdp", "ddp", "none"]
 DATA_PARALLEL_KINDS: tuple[str, ...] = ("fsdp", "ddp", "none")
@@ -39,7 +40,8 @@ def parallelize(
 ) -> nn.Module:
     """Parallelize ``module`` in place over the full ``(pp, dp, ep, cp, tp)`` mesh and return it.
 
-    Order: expert parallel for every ``MoELayer``, then data parallel last (FSDP2 ``fully_shard``,
+    Order: expert parallel for every ``MoELayer``, the module's tensor-parallel plan
+    (``tensor_parallel_plan()``), then data parallel last (FSDP2 ``fully_shard``,
     DDP-style ``replicate``, or ``"none"``: parameters stay replicated and gradients unreduced).
 
     Example::
@@ -51,10 +53,12 @@ def parallelize(
     if data_parallel not in DATA_PARALLEL_KINDS:
         raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL_KINDS}")
     dims = ParallelDims.from_mesh(mesh, etp=etp)
-    for name in ("tp", "cp", "pp"):
+    for name in ("cp", "pp"):
         if getattr(dims, name) > 1:
             raise NotImplementedError(f"{name}={getattr(dims, name)} > 1 is not supported yet by lightning_moe.parallelize")
     apply_expert_parallel(module, dims)
+    if dims.tp > 1:
+        apply_tensor_parallel(module, dims, sequence_parallel)
     apply_data_parallel(module, dims, data_parallel)
     setattr(module, _PARALLELIZED_ATTR, True)
     return module

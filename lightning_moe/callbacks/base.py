@@ -1,0 +1,93 @@
+"""Plumbing shared by the observability callbacks: optimizer-step boundaries and direct logging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+
+class OptimizerStepCallback(Callback):
+    """A callback that acts once per optimizer step, whatever ``accumulate_grad_batches`` is.
+
+    Subclasses implement any of three hooks instead of Lightning's per-batch ones:
+
+    - :meth:`on_step_start`: before the forward of the step's first micro-batch;
+    - :meth:`on_micro_batch_end`: after every micro-batch (its forward and backward);
+    - :meth:`on_step_end`: after the micro-batch that stepped the optimizer (gradients reduced,
+      parameters updated, ``trainer.global_step`` advanced).
+
+    A subclass that overrides ``on_train_batch_start`` or ``on_train_batch_end`` must call
+    ``super()``.
+
+    Example::
+
+        class StepTimer(OptimizerStepCallback):
+            def on_step_start(self, trainer, pl_module, batch):
+                self.start = time.perf_counter()
+
+            def on_step_end(self, trainer, pl_module):
+                print(trainer.global_step, time.perf_counter() - self.start)
+    """
+
+    # Class attributes: subclasses need not call Callback.__init__ for these to exist.
+    _in_step: bool = False
+    _step_at_batch_start: int = -1
+
+    def on_step_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Called before the forward of the first micro-batch of an optimizer step."""
+
+    def on_micro_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any) -> None:
+        """Called after every micro-batch."""
+
+    def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Called after the micro-batch that completed an optimizer step."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+        if not self._in_step:
+            self._in_step = True
+            self.on_step_start(trainer, pl_module, batch)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.on_micro_batch_end(trainer, pl_module, outputs, batch)
+        # global_step advances when this micro-batch completed an optimizer step.
+        if trainer.global_step > self._step_at_batch_start:
+            self._in_step = False
+            self.on_step_end(trainer, pl_module)
+
+
+def logging_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs the current optimizer step's training loss at (0 for the first step)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """Send ``metrics`` to every logger at Lightning's cadence (``log_every_n_steps``) and step.
+
+    Straight to the loggers, as ``LearningRateMonitor`` does: ``LightningModule.log`` costs
+    milliseconds per key, too much for dozens of per-layer keys every step. Call it from
+    :meth:`OptimizerStepCallback.on_step_end`; it is a no-op on ranks without loggers.
+    """
+    if metrics and trainer._logger_connector.should_update_logs:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=logging_step(trainer))
+
+
+def count_tokens(batch: Any) -> int:
+    """Tokens of a batch: ``input_ids`` of a dict batch (DESIGN §6), else the first tensor's elements."""
+    if isinstance(batch, dict) and "input_ids" in batch:
+        return int(batch["input_ids"].numel())
+    tensor = batch if isinstance(batch, torch.Tensor) else next(t for t in batch if isinstance(t, torch.Tensor))
+    return int(tensor.numel())
+
+
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """Number of ranks that hold different samples: the sampler's replica count (``dp x ep`` under
+    ``MoE5DStrategy``), the world size under plain DDP, 1 on one device."""
+    sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(sampler_kwargs.get("num_replicas", trainer.world_size))

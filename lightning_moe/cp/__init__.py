@@ -1,0 +1,49 @@
+"""Context parallelism: sequence sharding and exact ring attention (pure torch, no Lightning).
+
+Example::
+
+    from lightning_moe.cp import ring_attention, zigzag_shard, context_parallel_attention
+
+    q, k, v = (zigzag_shard(t, cp_rank, cp_size, dim=2) for t in (Q, K, V))
+    out = ring_attention(q, k, v, cp_group)            # this rank's part of causal attention
+    with context_parallel_attention(cp_group):         # or: any module calling SDPA
+        y = model(zigzag_shard(x, cp_rank, cp_size))
+"""
+
+from lightning_moe.cp.ring_attention import AttentionTrace, BlockRecord, ring_attention, trace_ring_attention
+from lightning_moe.cp.sdpa_dispatch import RingAttentionMode, context_parallel_attention
+from lightning_moe.cp.sharding import (
+    LAYOUTS,
+    Layout,
+    check_seq_len,
+    chunk_ids,
+    contiguous_shard,
+    contiguous_unshard,
+    num_chunks,
+    shard_sequence,
+    unshard_sequence,
+    zigzag_position_ids,
+    zigzag_shard,
+    zigzag_unshard,
+)
+
+__all__ = [
+    "LAYOUTS",
+    "AttentionTrace",
+    "BlockRecord",
+    "Layout",
+    "RingAttentionMode",
+    "check_seq_len",
+    "chunk_ids",
+    "context_parallel_attention",
+    "contiguous_shard",
+    "contiguous_unshard",
+    "num_chunks",
+    "ring_attention",
+    "shard_sequence",
+    "trace_ring_attention",
+    "unshard_sequence",
+    "zigzag_position_ids",
+    "zigzag_shard",
+    "zigzag_unshard",
+]

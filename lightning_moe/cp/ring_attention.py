@@ -1,0 +1,412 @@
+"""Ring attention: exact attention over a sequence sharded across a context-parallel group.
+
+Each rank holds the queries, keys and values of its own part of the sequence (see
+:mod:`lightning_moe.cp.sharding`). The K/V blocks travel around the ring of cp ranks by P2P; every
+rank attends its queries to each block as it passes and merges the partial results with an online
+log-sum-exp, so the output equals attention over the whole sequence while no rank ever holds more
+than two K/V blocks. The next block's transfer is posted before the current block is computed, so
+communication overlaps with compute.
+
+The backward sends the K/V blocks around again, each together with the dK/dV accumulated for it so
+far; every rank adds its contribution and passes it on, and after a full turn each block's gradient
+arrives back at its owner.
+
+Causal masking under the zigzag layout: rank ``r`` holds query chunks ``(r, 2c-1-r)`` and a K/V block
+from rank ``s`` covers key chunks ``(s, 2c-1-s)``. Then
+
+- ``s == r``: the block is the diagonal; plain causal attention on the local sequence is right
+  because the local order of positions is increasing;
+- ``s < r``: key chunk ``s`` precedes both query chunks and key chunk ``2c-1-s`` follows both, so all
+  queries attend to the first half of the block only;
+- ``s > r``: both key chunks follow query chunk ``r`` and precede query chunk ``2c-1-r``, so only the
+  second half of the queries attends, to the whole block.
+
+Every step therefore costs every rank the same half block, and fully masked work is never done.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_moe.cp.sharding import LAYOUTS, Layout
+
+KERNELS = ("auto", "flash", "torch")
+# Distinct P2P tags: the K/V transfer of step i+1 and the dK/dV transfer of step i are in flight together.
+_KV_TAG, _DKV_TAG = 0, 1
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Which part of a K/V block each rank attends to
+
+
+class _Block(NamedTuple):
+    q: slice  # rows of the local queries that attend to the block
+    kv: slice  # rows of the K/V block they attend to
+    causal: bool  # a square block on the diagonal, causally masked
+
+
+def _plan_block(rank: int, src: int, seq_local: int, causal: bool, layout: str) -> _Block | None:
+    """The visible part of the K/V block from ``src`` for the queries of ``rank``; None if fully masked."""
+    whole = slice(0, seq_local)
+    if not causal:
+        return _Block(whole, whole, False)
+    if src == rank:
+        return _Block(whole, whole, True)
+    if layout == "contiguous":
+        return _Block(whole, whole, False) if src < rank else None
+    half = seq_local // 2
+    if src < rank:
+        return _Block(whole, slice(0, half), False)
+    return _Block(slice(half, seq_local), whole, False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Observability: which blocks each rank computed
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """One attention block computed by ring attention on this rank."""
+
+    phase: str  # "forward" or "backward"
+    src: int  # cp rank whose K/V block it was
+    q_rows: int
+    kv_rows: int
+    causal: bool
+    batch_heads: int  # batch * query heads
+
+    @property
+    def pairs(self) -> int:
+        """(query, key) pairs attended, summed over batch and heads (causal blocks count the visible triangle)."""
+        per_head = self.q_rows * (self.q_rows + 1) // 2 if self.causal else self.q_rows * self.kv_rows
+        return per_head * self.batch_heads
+
+
+@dataclass
+class AttentionTrace:
+    """The blocks computed while a :func:`trace_ring_attention` context was open."""
+
+    blocks: list[BlockRecord] = field(default_factory=list)
+
+    def pairs(self, phase: str = "forward") -> int:
+        """Attended (query, key) pairs of ``phase`` (FLOPs = 4 * pairs * head_dim in the forward)."""
+        return sum(b.pairs for b in self.blocks if b.phase == phase)
+
+
+_ACTIVE_TRACES: list[AttentionTrace] = []
+
+
+@contextmanager
+def trace_ring_attention() -> Iterator[AttentionTrace]:
+    """Record every attention block this process computes inside the context.
+
+    Example::
+
+        with trace_ring_attention() as trace:
+            ring_attention(q, k, v, group).sum().backward()
+        trace.pairs("forward"), [b.src for b in trace.blocks]
+    """
+    trace = AttentionTrace()
+    _ACTIVE_TRACES.append(trace)
+    try:
+        yield trace
+    finally:
+        _ACTIVE_TRACES.remove(trace)
+
+
+# --------------------------------------------------------------------------------------------------
+# Block kernels: forward (q, k, v, causal, scale) -> (out, lse fp32 [B, H, Sq], aux)
+#                backward (dout, q, k, v, out, lse, causal, scale, aux) -> (dq, dk, dv)
+# The backward receives the *final* output and log-sum-exp of the query rows, so the softmax it
+# rebuilds is the global one and the per-block gradients simply add up.
+
+
+class _Kernel(NamedTuple):
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _causal_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+    if causal:
+        rows, cols = scores.shape[-2:]
+        scores.masked_fill_(torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    return scores
+
+
+def _torch_forward(q, k, v, causal, scale):
+    scores = _causal_scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_()
+    return torch.matmul(probs, v.float()), lse, ()
+
+
+def _torch_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    dout = dout.float()
+    probs = _causal_scores(q, k, causal, scale).sub_(lse.unsqueeze(-1)).exp_()
+    dv = torch.matmul(probs.transpose(-1, -2), dout)
+    # softmax backward: dS = P * (dP - rowsum(dO * O)), with O the final output of the rows
+    delta = (dout * out.float()).sum(-1, keepdim=True)
+    dscores = probs.mul_(torch.matmul(dout, v.float().transpose(-1, -2)).sub_(delta)).mul_(scale)
+    return torch.matmul(dscores, k.float()), torch.matmul(dscores.transpose(-1, -2), q.float()), dv
+
+
+def _cpu_flash_forward(q, k, v, causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def _cuda_flash_forward(q, k, v, causal, scale):
+    out, lse, _, _, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse, (rng_state, unused)
+
+
+def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale, aux):
+    # Without dropout the RNG state is never read; any forward's state has the right type.
+    rng_state, unused = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, rng_state, unused, scale=scale
+    )
+
+
+_TORCH = _Kernel(_torch_forward, _torch_backward)
+_CPU_FLASH = _Kernel(_cpu_flash_forward, _cpu_flash_backward)
+_CUDA_FLASH = _Kernel(_cuda_flash_forward, _cuda_flash_backward)
+
+
+def _flash_kernel(q: torch.Tensor) -> _Kernel | None:
+    """The fused kernel with log-sum-exp output for these inputs, or None where there is none."""
+    if q.device.type == "cpu":
+        has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+        return _CPU_FLASH if has_op and q.dtype in _CPU_FLASH_DTYPES else None
+    if q.device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled():
+        # Same-shaped K/V stand in for the (possibly grouped) blocks: the check is about dtype, head dim and GPU.
+        params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, False, False)
+        return _CUDA_FLASH if torch.backends.cuda.can_use_flash_attention(params) else None
+    return None
+
+
+def _select_kernel(kernel: str, q: torch.Tensor) -> _Kernel:
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown ring attention kernel {kernel!r}; choose one of {KERNELS}")
+    if kernel == "torch":
+        return _TORCH
+    flash = _flash_kernel(q)
+    if flash is None and kernel == "flash":
+        raise ValueError(f"no flash attention kernel for {q.dtype} on {q.device}; use kernel='torch' or 'auto'")
+    return flash or _TORCH
+
+
+# --------------------------------------------------------------------------------------------------
+# The ring
+
+
+class _Pending:
+    """Tensors being received from the previous rank; ``wait()`` returns them once they arrived."""
+
+    def __init__(self, tensors: list[torch.Tensor], works: list[Any]) -> None:
+        self._tensors, self._works = tensors, works
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        return self._tensors
+
+
+class _Ring:
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def shift(self, tensors: list[torch.Tensor], tag: int) -> _Pending:
+        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous rank."""
+        if self.size == 1:
+            return _Pending(tensors, [])
+        received = [torch.empty_like(t) for t in tensors]
+        nxt, prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        ops = []
+        for i, (out, into) in enumerate(zip(tensors, received)):
+            ops.append(dist.P2POp(dist.isend, out, group=self.group, group_peer=nxt, tag=2 * i + tag))
+            ops.append(dist.P2POp(dist.irecv, into, group=self.group, group_peer=prev, tag=2 * i + tag))
+        return _Pending(received, dist.batch_isend_irecv(ops))
+
+
+def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped-query K/V repeated to one head per query head (SDPA's ``enable_gqa`` convention)."""
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of :func:`_expand_kv`: sum the query heads that shared a K/V head."""
+    return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
+
+
+def _record(phase: str, src: int, block: _Block, q: torch.Tensor, seq_local: int) -> None:
+    if _ACTIVE_TRACES:
+        rows = range(seq_local)
+        record = BlockRecord(phase, src, len(rows[block.q]), len(rows[block.kv]), block.causal, q.shape[0] * q.shape[1])
+        for trace in _ACTIVE_TRACES:
+            trace.blocks.append(record)
+
+
+@dataclass
+class _Config:
+    ring: _Ring
+    causal: bool
+    scale: float
+    layout: str
+    kernel: _Kernel
+    groups: int  # query heads per K/V head
+
+
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: _Config) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    ring, seq_local = cfg.ring, q.shape[2]
+    out: torch.Tensor | None = None  # fp32 accumulators, filled by the diagonal block (step 0)
+    lse: torch.Tensor | None = None
+    aux: tuple = ()
+    kv = [k, v]
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        pending = ring.shift(kv, _KV_TAG) if step + 1 < ring.size else None
+        block = _plan_block(ring.rank, src, seq_local, cfg.causal, cfg.layout)
+        if block is not None:
+            _record("forward", src, block, q, seq_local)
+            blk_out, blk_lse, aux = cfg.kernel.forward(
+                q[:, :, block.q], _expand_kv(kv[0][:, :, block.kv], cfg.groups),
+                _expand_kv(kv[1][:, :, block.kv], cfg.groups), block.causal, cfg.scale,
+            )
+            if out is None:
+                out, lse = blk_out.float(), blk_lse.float()
+            else:
+                _merge(out[:, :, block.q], lse[:, :, block.q], blk_out, blk_lse)
+        if pending is not None:
+            kv = pending.wait()
+    assert out is not None and lse is not None  # step 0 is the own block, never fully masked
+    return out.to(q.dtype), lse, aux
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Fold one block's softmax-normalised output into the running (out, lse), in place (fp32)."""
+    new_lse = torch.logaddexp(lse, blk_lse)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(blk_out.float() * torch.exp(blk_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def _ring_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    aux: tuple, cfg: _Config,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ring, seq_local = cfg.ring, q.shape[2]
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv = [k, v]
+    incoming: _Pending | None = None  # dK/dV of the block in hand, accumulated by the ranks before
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        pending_kv = ring.shift(kv, _KV_TAG) if step + 1 < ring.size else None
+        block = _plan_block(ring.rank, src, seq_local, cfg.causal, cfg.layout)
+        grads = None
+        if block is not None:
+            _record("backward", src, block, q, seq_local)
+            rows = block.q
+            dq_blk, dk_blk, dv_blk = cfg.kernel.backward(
+                dout[:, :, rows], q[:, :, rows], _expand_kv(kv[0][:, :, block.kv], cfg.groups),
+                _expand_kv(kv[1][:, :, block.kv], cfg.groups), out[:, :, rows], lse[:, :, rows].contiguous(),  # fused kernels want dense lse
+                block.causal, cfg.scale, aux,
+            )
+            dq[:, :, rows] += dq_blk
+            grads = (_reduce_kv(dk_blk, cfg.groups), _reduce_kv(dv_blk, cfg.groups))
+        # Wait for the earlier ranks' share only now, so it travelled while this rank computed.
+        acc = incoming.wait() if incoming is not None else [torch.zeros_like(t, dtype=torch.float32) for t in kv]
+        if grads is not None:
+            for total, part in zip(acc, grads):
+                total[:, :, block.kv] += part
+        # Pass the block's gradient on with it; the last send delivers each block's gradient home.
+        incoming = ring.shift(acc, _DKV_TAG)
+        if pending_kv is not None:
+            kv = pending_kv.wait()
+    dk, dv = incoming.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: _Config) -> torch.Tensor:
+        k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
+        out, lse, aux = _ring_forward(q, k, v, cfg)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg, ctx.aux = cfg, aux
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.aux, ctx.cfg)
+        return dq, dk, dv, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    causal: bool = True,
+    layout: Layout = "zigzag",
+    *,
+    scale: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Attention of the local queries over the whole sequence sharded across ``group``.
+
+    ``q`` is ``[batch, heads, seq_local, head_dim]``, ``k`` and ``v`` are
+    ``[batch, kv_heads, seq_local, head_dim]`` with ``heads % kv_heads == 0`` (grouped-query
+    attention), all holding this rank's part of the sequence in ``layout``
+    (:func:`~lightning_moe.cp.zigzag_shard`). The result is this rank's part of
+    ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale, enable_gqa=True)`` on the
+    full sequence; gradients flow to ``q``, ``k`` and ``v``. ``scale`` defaults to
+    ``1 / sqrt(head_dim)``. ``kernel``: ``"flash"`` (fused kernel with log-sum-exp: the CPU flash
+    kernel, or FlashAttention on CUDA for fp16/bf16), ``"torch"`` (blockwise matmul + logsumexp,
+    always available) or ``"auto"`` (flash where available). Softmax statistics and accumulation are
+    fp32 for every input dtype. ``group=None`` is the default process group.
+
+    Example::
+
+        cp_group = mesh.get_group("cp")
+        q, k, v = (zigzag_shard(t, cp_rank, cp_size, dim=2) for t in (Q, K, V))
+        out = ring_attention(q, k, v, cp_group, causal=True)   # == zigzag_shard(SDPA(Q, K, V), ..., dim=2)
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"ring_attention expects [batch, heads, seq, head_dim] tensors, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: batch, local sequence and head_dim must agree")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if layout == "zigzag" and q.shape[2] % 2:
+        raise ValueError(f"zigzag local sequence length {q.shape[2]} is odd: each rank holds two equal chunks")
+    block_kernel = _select_kernel(kernel, q)
+    cfg = _Config(
+        ring=_Ring(group),
+        causal=causal,
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
+        layout=layout,
+        kernel=block_kernel,
+        groups=q.shape[1] // k.shape[1],
+    )
+    return _RingAttention.apply(q, k, v, cfg)
