@@ -78,7 +78,7 @@ def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup, dim: str) -> 
     size = dist.get_world_size(group)
     nbytes = x.numel() * x.element_size()
     record(dim, nbytes * (size - 1))
-    out = funcol.wait_tensor(funcol.all_gather_tensor_autograd(x, 0, group))
+    out = funcol.wait_tensor(funcol.all_gather_single_autograd(x, 0, group))
     _record_backward(out, dim, nbytes * (size - 1))
     return out
 
@@ -88,7 +88,7 @@ def reduce_scatter_autograd(x: torch.Tensor, group: dist.ProcessGroup, dim: str)
     size = dist.get_world_size(group)
     chunk_bytes = x.numel() * x.element_size() // size
     record(dim, chunk_bytes * (size - 1))
-    out = funcol.wait_tensor(funcol.reduce_scatter_tensor_autograd(x, "sum", 0, group))
+    out = funcol.wait_tensor(funcol.reduce_scatter_single_autograd(x, "sum", 0, group))
     _record_backward(out, dim, chunk_bytes * (size - 1))
     return out
 

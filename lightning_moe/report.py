@@ -51,7 +51,7 @@ class Job:
 
     @property
     def label(self) -> str:
-        values = " ".join(self.swept.values())
+        values = " ".join(v for v in self.swept.values() if v)
         return f"#{self.num} {values}".strip()
 
 
@@ -200,6 +200,10 @@ def _number(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
+def _integer(value: float | None) -> str:
+    return f"{value:,.0f}" if isinstance(value, (int, float)) and math.isfinite(value) else _number(value)
+
+
 def _bytes(value: float | None) -> str:
     if value is None:
         return ""
@@ -216,7 +220,7 @@ def _metrics(summary: dict[str, Any]) -> dict[str, str]:
     return {
         "layout": _layout(summary),
         "final loss": _number(summary.get("final_loss")),
-        "tokens/s": _number(summary.get("tokens_per_second"), 3),
+        "tokens/s": _integer(summary.get("tokens_per_second")),
         "MFU": f"{100 * mfu:.2g}%" if isinstance(mfu, (int, float)) else "",
         "imbalance (mean)": _number(sum(imbalance) / len(imbalance), 3) if imbalance else "",
         "imbalance (last)": _number(imbalance[-1], 3) if imbalance else "",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -17,19 +17,13 @@ import torch.multiprocessing as mp
 TASK_TIMEOUT_S = 180
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def _worker(rank: int, world_size: int, store_file: str, tasks: Any, results: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
         if task is None:
@@ -57,9 +51,11 @@ class DistributedPool:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
-        port = _free_port()
+        # A file store, not a TCP port that another process could take before the workers bind it.
+        self._store_dir = tempfile.TemporaryDirectory()
+        store_file = f"{self._store_dir.name}/store"
         self._procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, port, self._tasks[rank], self._results), daemon=True)
+            ctx.Process(target=_worker, args=(rank, world_size, store_file, self._tasks[rank], self._results), daemon=True)
             for rank in range(world_size)
         ]
         for proc in self._procs:
@@ -100,3 +96,4 @@ class DistributedPool:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
+        self._store_dir.cleanup()

@@ -3,7 +3,7 @@
 Every rank of the 4-process gloo pool builds the same full Q, K, V and upstream gradient (same seed),
 computes the single-process reference with ``F.scaled_dot_product_attention``, and compares its own
 shard of the reference with what ring attention produced from the sharded inputs. cp = 2 runs in the
-two groups {0, 1} and {2, 3} side by side; cp = 4 uses all ranks.
+two groups {0, 1} and {2, 3} side by side; cp = 4 uses all ranks; cp = 1 is the ring of one.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def _cp_group(cp: int) -> dist.ProcessGroup:
 
 def _full_inputs(seq: int, heads: int, kv_heads: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seq * 100 + heads * 10 + kv_heads)
-    shapes = [(BATCH, heads, seq, HEAD_DIM), (BATCH, kv_heads, seq, HEAD_DIM), (BATCH, kv_heads, seq, HEAD_DIM), (BATCH, heads, seq, HEAD_DIM)]
-    return [torch.randn(*shape, generator=gen).to(dtype) for shape in shapes]  # q, k, v, upstream grad
+    heads_of = (heads, kv_heads, kv_heads, heads)  # q, k, v, upstream grad
+    return [torch.randn(BATCH, h, seq, HEAD_DIM, generator=gen).to(dtype) for h in heads_of]
 
 
 def ring_case(cp: int, causal: bool, heads: int, kv_heads: int, kernel: str, layout: str, seq: int = 32) -> dict:
@@ -61,16 +61,20 @@ def ring_case(cp: int, causal: bool, heads: int, kv_heads: int, kernel: str, lay
     errors = {"out": (out - shard(ref_out)).abs().max().item()}
     for name, mine, ref in zip("qkv", local, refs):
         errors[f"d{name}"] = (mine.grad - shard(ref.grad)).abs().max().item()
-    return {"errors": errors, "pairs": trace.pairs("forward"), "blocks": len([b for b in trace.blocks if b.phase == "forward"])}
+    forward_blocks = [b for b in trace.blocks if b.phase == "forward"]
+    return {"errors": errors, "pairs": trace.pairs("forward"), "blocks": len(forward_blocks)}
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("kernel", ["flash", "torch"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_matches_full_attention(cp: int, causal: bool, heads: int, kv_heads: int, kernel: str, layout: str) -> None:
-    results = get_pool(WORLD).run(ring_case, cp=cp, causal=causal, heads=heads, kv_heads=kv_heads, kernel=kernel, layout=layout)
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_ring_attention_matches_full_attention(
+    cp: int, causal: bool, heads: int, kv_heads: int, kernel: str, layout: str
+) -> None:
+    case = dict(cp=cp, causal=causal, heads=heads, kv_heads=kv_heads, kernel=kernel, layout=layout)
+    results = get_pool(WORLD).run(ring_case, **case)
     for rank, result in enumerate(results):
         for name, err in result["errors"].items():
             assert err < ATOL, f"rank {rank}: {name} differs by {err:.2e}"
@@ -80,8 +84,9 @@ def test_zigzag_balances_causal_work() -> None:
     """Causal zigzag: every rank attends the same number of pairs; contiguous puts it on the last rank."""
     seq, heads = 64, 4
     full_causal_pairs = BATCH * heads * seq * (seq + 1) // 2
-    zigzag = get_pool(WORLD).run(ring_case, cp=4, causal=True, heads=heads, kv_heads=heads, kernel="flash", layout="zigzag", seq=seq)
-    contiguous = get_pool(WORLD).run(ring_case, cp=4, causal=True, heads=heads, kv_heads=heads, kernel="flash", layout="contiguous", seq=seq)
+    case = dict(cp=4, causal=True, heads=heads, kv_heads=heads, kernel="flash", seq=seq)
+    zigzag = get_pool(WORLD).run(ring_case, layout="zigzag", **case)
+    contiguous = get_pool(WORLD).run(ring_case, layout="contiguous", **case)
     for results in (zigzag, contiguous):
         assert sum(r["pairs"] for r in results) == full_causal_pairs  # nothing masked computed, nothing visible missed
     assert len({r["pairs"] for r in zigzag}) == 1
@@ -131,22 +136,29 @@ def test_no_tensor_spans_the_full_sequence(cp: int, kernel: str) -> None:
         assert result["ring"] <= 64 // cp, result  # forward and backward only ever see local-length blocks
 
 
-def bf16_case() -> dict:
+def bf16_case(autocast: bool) -> dict:
     from lightning_moe.cp import ring_attention, zigzag_shard
 
     group = _cp_group(2)
     rank = dist.get_rank(group)
     full = _full_inputs(32, 4, 2)
     ref = F.scaled_dot_product_attention(*full[:3], is_causal=True, enable_gqa=True)
-    local = [zigzag_shard(t, rank, 2, dim=2).bfloat16().requires_grad_(True) for t in full[:3]]
-    out = ring_attention(*local, group)
-    out.backward(zigzag_shard(full[3], rank, 2, dim=2).bfloat16())
-    return {"dtype": str(out.dtype), "grad_dtype": str(local[1].grad.dtype), "err": (out.float() - zigzag_shard(ref, rank, 2, dim=2)).abs().max().item()}
+    local = [zigzag_shard(t, rank, 2, dim=2) for t in full[:3]]
+    if not autocast:
+        local = [t.bfloat16() for t in local]
+    local = [t.requires_grad_(True) for t in local]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = ring_attention(*local, group)
+    out.backward(zigzag_shard(full[3], rank, 2, dim=2).to(out.dtype))
+    return {"dtype": str(out.dtype), "grad_dtype": str(local[1].grad.dtype),
+            "err": (out.float() - zigzag_shard(ref, rank, 2, dim=2)).abs().max().item()}
 
 
-def test_bf16_inputs() -> None:
-    for result in get_pool(WORLD).run(bf16_case):
-        assert result["dtype"] == result["grad_dtype"] == "torch.bfloat16"
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_bf16(autocast: bool) -> None:
+    for result in get_pool(WORLD).run(bf16_case, autocast=autocast):
+        assert result["dtype"] == "torch.bfloat16"  # like SDPA: bf16 inputs, or autocast, give bf16
+        assert result["grad_dtype"] == ("torch.float32" if autocast else "torch.bfloat16")
         assert result["err"] < 3e-2  # bf16 rounding of inputs and output; statistics stay fp32
 
 

@@ -37,6 +37,22 @@ LAYOUTS = [
     ("dp2_tp2_ep2", ["parallel=dp2_tp2_ep2"], {"dp": 2, "tp": 2, "ep": 2, "etp": 2}),
 ]
 
+# DeepSeek-V3 routing: sigmoid scores, aux-loss-free expert bias (loads reduced over every rank).
+BIAS_ROUTING = ["model.moe.score_func=sigmoid", "model.moe.load_balancing=none", "model.moe.expert_bias=true",
+                "model.moe.bias_update_rate=0.05"]
+
+
+@pytest.fixture(scope="module")
+def single_bias_losses(tmp_path_factory) -> list[float]:
+    return run_cli(tmp_path_factory.mktemp("single_bias") / "run", "parallel=single", *BIAS_ROUTING)["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["dp2_ep2", "tp2_etp1_ep2"])
+def test_expert_bias_routing_is_layout_invariant(tmp_path, single_bias_losses, preset):
+    summary = run_cli(tmp_path / preset, f"parallel={preset}", *BIAS_ROUTING)
+    _assert_same_curve(summary["losses"], single_bias_losses)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,overrides,layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])

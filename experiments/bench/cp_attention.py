@@ -48,8 +48,9 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-def _measure(step: Callable[[], None]) -> dict:
-    """Peak allocator bytes and bytes saved for backward while ``step`` runs (it allocates its inputs).
+def _measure(step: Callable[[], int]) -> dict:
+    """Peak allocator bytes and bytes saved for backward while ``step`` runs (it allocates its inputs
+    and returns the attended pairs).
 
     Wall time is left out on purpose: on a few shared cores it measures the neighbours, not the ring.
     """
@@ -64,31 +65,28 @@ def _measure(step: Callable[[], None]) -> dict:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            step()
+            pairs = step()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
     peak = max(itertools.accumulate(e.nbytes() for e in events), default=0)
-    return {"peak": peak, "saved": sum(saved.values())}
+    return {"peak": peak, "saved": sum(saved.values()), "pairs": pairs}
 
 
 def _attention_step(cp: int, layout: str | None, group: dist.ProcessGroup) -> dict:
     from lightning_moe.cp import ring_attention, trace_ring_attention
 
     seq_local = SEQ // cp
-    trace_box = {}
 
-    def step() -> None:
+    def step() -> int:
         q, k, v = (torch.randn(BATCH, HEADS, seq_local, HEAD_DIM, requires_grad=True) for _ in range(3))
         grad = torch.randn(BATCH, HEADS, seq_local, HEAD_DIM)
         if layout is None:
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-            return
+            return BATCH * HEADS * SEQ * (SEQ + 1) // 2
         with trace_ring_attention() as trace:
             ring_attention(q, k, v, group, causal=True, layout=layout).backward(grad)
-        trace_box["pairs"] = trace.pairs("forward")
+        return trace.pairs("forward")
 
-    result = _measure(step)
-    result["pairs"] = trace_box.get("pairs", BATCH * HEADS * SEQ * (SEQ + 1) // 2)
-    return result
+    return _measure(step)
 
 
 def _worker(rank: int, port: int, out: dict) -> None:
@@ -137,11 +135,13 @@ def main() -> None:
     rows = run_cp_attention_bench()
     memory_cols = ("attention", "cp", "peak MB/rank", "peak / cp1", "saved MB/rank", "saved / cp1")
     work_cols = ("attention", "cp", "fwd GFLOP/rank max", "fwd GFLOP/rank mean", "work max/mean")
-    print(f"CP attention memory per rank (causal, {SEQ} tokens, batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, fp32, fwd+bwd; "
-          "peak: CPU allocator high-water mark from the torch profiler; saved: tensors autograd keeps for backward)")
+    print(f"CP attention memory per rank (causal, {SEQ} tokens, batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, "
+          "fp32, fwd+bwd; peak: CPU allocator high-water mark from the torch profiler; "
+          "saved: tensors autograd keeps for backward)")
     print_table([{c: row[c] for c in memory_cols} for row in rows])
     print()
-    print("CP attention work per rank (attended query-key pairs counted from the blocks each rank ran; target zigzag max/mean <= 1.05 at cp=4)")
+    print("CP attention work per rank (attended query-key pairs counted from the blocks each rank ran; "
+          "target zigzag max/mean <= 1.05 at cp=4)")
     print_table([{c: row[c] for c in work_cols} for row in rows if row["attention"] != "sdpa"])
     zigzag4 = next(row for row in rows if row["attention"] == "ring zigzag" and row["cp"] == 4)
     print(f"\nzigzag cp=4: peak/cp1 {zigzag4['peak / cp1']:.3f} (target <= 0.3), saved/cp1 {zigzag4['saved / cp1']:.3f}, "

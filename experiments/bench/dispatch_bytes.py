@@ -1,9 +1,13 @@
-"""Bytes each EP dispatcher moves per training step, next to the theoretical minimum.
+"""Bytes the EP dispatchers move per training step, next to the theoretical minimum.
 
 The minimum counts, for one forward, the routed slots whose expert lives on another ep rank,
 times hidden size times bytes per element, each way (dispatch and combine); the backward moves
 the same again. Measured bytes come from :mod:`lightning_moe.comm`, which wraps the collectives
-the dispatchers actually issue.
+the dispatchers actually issue (the per-expert count exchange included).
+
+The second table compares tp=2 without sequence parallelism, where every tp rank holds the same
+tokens: with the deduplication each tp rank dispatches its 1/tp slice; the naive layout (measured,
+not estimated) dispatches every token from every tp rank.
 
     python -m experiments.bench.dispatch_bytes
 """
@@ -11,7 +15,7 @@ the dispatchers actually issue.
 from __future__ import annotations
 
 import os
-import socket
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -20,52 +24,71 @@ import torch.multiprocessing as mp
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 2048, 256, 512, 8, 2
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, dispatcher: str, out: dict) -> None:
+def _worker(rank: int, world: int, store_file: str, case: dict, out: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     from lightning_moe import ParallelDims, comm, parallelize
     from lightning_moe.moe import MoELayer
 
-    dims = ParallelDims(ep=world)
+    dims = ParallelDims(ep=case["ep"], tp=case.get("tp", 1), etp=1)
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
-    layer = parallelize(MoELayer(HIDDEN, FFN, EXPERTS, top_k=TOP_K, dispatcher=dispatcher), mesh, data_parallel="none")
-    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    layer = MoELayer(HIDDEN, FFN, EXPERTS, top_k=TOP_K, dispatcher=case["dispatcher"])
+    parallelize(layer, mesh, data_parallel="none", sequence_parallel=False, etp=1)
+    # Micro-batch of this rank: its ep coordinate (tp and "naive" dp replicas share one).
+    micro_batch = dims.ep_mesh.get_local_rank()
+    x = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(micro_batch), requires_grad=True)
     comm.reset()
     layer(x).sum().backward()
     measured = comm.snapshot().get("ep", {"bytes": 0, "calls": 0})
     counts = layer.stats["tokens_per_expert"]
-    local = EXPERTS // world
-    remote_slots = counts.sum().item() - counts[rank * local : (rank + 1) * local].sum().item()
+    local = EXPERTS // dims.ep
+    mine = slice(micro_batch * local, (micro_batch + 1) * local)
+    remote_slots = counts.sum().item() - counts[mine].sum().item()
     minimum = remote_slots * HIDDEN * x.element_size() * 2 * 2  # dispatch + combine, forward + backward
-    total = torch.tensor([measured["bytes"], minimum, measured["calls"]], dtype=torch.float64)
+    total = torch.tensor([measured["bytes"], measured["calls"], minimum], dtype=torch.float64)
     dist.all_reduce(total)
     if rank == 0:
-        out[(dispatcher, world)] = (total / world).tolist()
+        out["result"] = dict(zip(("bytes", "calls", "minimum"), total.tolist()))
     dist.destroy_process_group()
 
 
+def _measure(world: int, case: dict) -> dict:
+    # A file store, not a TCP port: nothing else on the machine can take it between runs.
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
+        out = manager.dict()
+        mp.start_processes(_worker, args=(world, f"{tmp}/store", case, out), nprocs=world, start_method="spawn")
+        return dict(out["result"])
+
+
 def run_dispatch_bytes_bench(ep_sizes: tuple[int, ...] = (2, 4)) -> list[dict]:
+    """Per-rank bytes and calls per step of each dispatcher against the minimum."""
     rows = []
-    manager = mp.Manager()
-    for world in ep_sizes:
+    for ep in ep_sizes:
         for dispatcher in ("alltoall", "allgather"):
-            out = manager.dict()
-            mp.start_processes(_worker, args=(world, _port(), dispatcher, out), nprocs=world, start_method="spawn")
-            measured, minimum, calls = out[(dispatcher, world)]
+            result = _measure(ep, {"ep": ep, "dispatcher": dispatcher})
             rows.append({
-                "dispatcher": dispatcher, "ep": world, "MB/rank/step": measured / 2**20,
-                "min MB/rank/step": minimum / 2**20, "ratio": measured / minimum if minimum else float("nan"),
-                "calls/rank/step": calls,
+                "dispatcher": dispatcher, "ep": ep,
+                "MB/rank/step": result["bytes"] / ep / 2**20,
+                "minimum MB/rank/step": result["minimum"] / ep / 2**20,
+                "measured/minimum": result["bytes"] / result["minimum"],
+                "calls/rank/step": result["calls"] / ep,
             })
     return rows
+
+
+def run_tp_dedup_bench() -> list[dict]:
+    """ep=2 x tp=2 without SP: dispatch bytes per token with and without the deduplication."""
+    tokens = 2 * TOKENS  # two micro-batches, one per ep coordinate
+    dedup = _measure(4, {"ep": 2, "tp": 2, "dispatcher": "alltoall"})
+    # The naive layout: both "tp" replicas of an ep coordinate dispatch all of its tokens.
+    naive = _measure(4, {"ep": 2, "tp": 1, "dispatcher": "alltoall"})
+    return [
+        {"tp=2, sequence parallel off": "deduplicated (ours)", "ep bytes/token": dedup["bytes"] / tokens},
+        {"tp=2, sequence parallel off": "naive duplicated", "ep bytes/token": naive["bytes"] / tokens},
+        {"tp=2, sequence parallel off": "ratio naive/ours", "ep bytes/token": naive["bytes"] / dedup["bytes"]},
+    ]
 
 
 def main() -> None:
@@ -73,6 +96,9 @@ def main() -> None:
 
     print(f"EP dispatch bytes per rank per step ({TOKENS} tokens/rank, hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, fp32, fwd+bwd)")
     print_table(run_dispatch_bytes_bench())
+    print()
+    print("Token deduplication under tensor parallelism (ep=2, tp=2, fwd+bwd)")
+    print_table(run_tp_dedup_bench())
 
 
 if __name__ == "__main__":

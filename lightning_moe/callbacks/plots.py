@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import TwoSlopeNorm
 from matplotlib.figure import Figure
@@ -72,6 +73,8 @@ def plot_curves(
     """
     fig = Figure(figsize=(8, 4.5), layout="constrained")
     ax = fig.add_subplot()
+    if len(series) > 10:  # the default cycle repeats its 10 colours
+        ax.set_prop_cycle(color=colormaps["tab20"](np.arange(len(series)) % 20))
     for label, values in series.items():
         ys = np.asarray(values, dtype=float)
         ax.plot(np.arange(1, len(ys) + 1), ys, label=label, marker="." if len(ys) < 30 else None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from typing import Any
@@ -56,8 +57,12 @@ def model_flops_per_token(module: nn.Module, seq_len: int) -> float:
     return 6.0 * active_parameters(module) + 12.0 * attention * seq_len
 
 
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 512, seconds: float = 0.1) -> float:
-    """FLOP/s of a square matmul on ``device``: a stand-in peak where no datasheet figure is known (CPUs)."""
+@functools.cache
+def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 512, seconds: float = 0.2) -> float:
+    """FLOP/s of a square matmul on ``device``: a stand-in peak where no datasheet figure is known (CPUs).
+
+    Measured once per process (cached), so the jobs of an in-process sweep share one figure.
+    """
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm-up

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_moe.cp.sharding import LAYOUTS, Layout
 
@@ -73,7 +74,14 @@ def _plan_block(rank: int, src: int, seq_local: int, causal: bool, layout: str) 
 
 @dataclass(frozen=True)
 class BlockRecord:
-    """One attention block computed by ring attention on this rank."""
+    """One attention block computed by ring attention on this rank.
+
+    Example::
+
+        with trace_ring_attention() as trace:
+            ring_attention(q, k, v, group)
+        [(b.src, b.q_rows, b.kv_rows, b.causal) for b in trace.blocks]   # the zigzag plan, step by step
+    """
 
     phase: str  # "forward" or "backward"
     src: int  # cp rank whose K/V block it was
@@ -91,7 +99,14 @@ class BlockRecord:
 
 @dataclass
 class AttentionTrace:
-    """The blocks computed while a :func:`trace_ring_attention` context was open."""
+    """The blocks computed while a :func:`trace_ring_attention` context was open.
+
+    Example::
+
+        with trace_ring_attention() as trace:
+            ring_attention(q, k, v, group).backward(grad)
+        forward_flops = 4 * trace.pairs("forward") * head_dim
+    """
 
     blocks: list[BlockRecord] = field(default_factory=list)
 
@@ -129,11 +144,11 @@ def trace_ring_attention() -> Iterator[AttentionTrace]:
 
 
 class _Kernel(NamedTuple):
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple]]
-    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    forward: Callable[..., tuple[Tensor, Tensor, tuple]]
+    backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
-def _causal_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _block_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
     if causal:
         rows, cols = scores.shape[-2:]
@@ -141,16 +156,18 @@ def _causal_scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float)
     return scores
 
 
-def _torch_forward(q, k, v, causal, scale):
-    scores = _causal_scores(q, k, causal, scale)
+def _torch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    scores = _block_scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = scores.sub_(lse.unsqueeze(-1)).exp_()
     return torch.matmul(probs, v.float()), lse, ()
 
 
-def _torch_backward(dout, q, k, v, out, lse, causal, scale, aux):
+def _torch_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+) -> tuple[Tensor, Tensor, Tensor]:
     dout = dout.float()
-    probs = _causal_scores(q, k, causal, scale).sub_(lse.unsqueeze(-1)).exp_()
+    probs = _block_scores(q, k, causal, scale).sub_(lse.unsqueeze(-1)).exp_()
     dv = torch.matmul(probs.transpose(-1, -2), dout)
     # softmax backward: dS = P * (dP - rowsum(dO * O)), with O the final output of the rows
     delta = (dout * out.float()).sum(-1, keepdim=True)
@@ -158,25 +175,29 @@ def _torch_backward(dout, q, k, v, out, lse, causal, scale, aux):
     return torch.matmul(dscores, k.float()), torch.matmul(dscores.transpose(-1, -2), q.float()), dv
 
 
-def _cpu_flash_forward(q, k, v, causal, scale):
+def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     return out, lse, ()
 
 
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale, aux):
+def _cpu_flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+) -> tuple[Tensor, Tensor, Tensor]:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, scale=scale
     )
 
 
-def _cuda_flash_forward(q, k, v, causal, scale):
+def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
     out, lse, _, _, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale
     )
     return out, lse, (rng_state, unused)
 
 
-def _cuda_flash_backward(dout, q, k, v, out, lse, causal, scale, aux):
+def _cuda_flash_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+) -> tuple[Tensor, Tensor, Tensor]:
     # Without dropout the RNG state is never read; any forward's state has the right type.
     rng_state, unused = aux
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -189,7 +210,7 @@ _CPU_FLASH = _Kernel(_cpu_flash_forward, _cpu_flash_backward)
 _CUDA_FLASH = _Kernel(_cuda_flash_forward, _cuda_flash_backward)
 
 
-def _flash_kernel(q: torch.Tensor) -> _Kernel | None:
+def _flash_kernel(q: Tensor) -> _Kernel | None:
     """The fused kernel with log-sum-exp output for these inputs, or None where there is none."""
     if q.device.type == "cpu":
         has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
@@ -201,7 +222,7 @@ def _flash_kernel(q: torch.Tensor) -> _Kernel | None:
     return None
 
 
-def _select_kernel(kernel: str, q: torch.Tensor) -> _Kernel:
+def _select_kernel(kernel: str, q: Tensor) -> _Kernel:
     if kernel not in KERNELS:
         raise ValueError(f"unknown ring attention kernel {kernel!r}; choose one of {KERNELS}")
     if kernel == "torch":
@@ -219,10 +240,10 @@ def _select_kernel(kernel: str, q: torch.Tensor) -> _Kernel:
 class _Pending:
     """Tensors being received from the previous rank; ``wait()`` returns them once they arrived."""
 
-    def __init__(self, tensors: list[torch.Tensor], works: list[Any]) -> None:
+    def __init__(self, tensors: list[Tensor], works: list[Any]) -> None:
         self._tensors, self._works = tensors, works
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> list[Tensor]:
         for work in self._works:
             work.wait()
         return self._tensors
@@ -234,7 +255,7 @@ class _Ring:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def shift(self, tensors: list[torch.Tensor], tag: int) -> _Pending:
+    def shift(self, tensors: list[Tensor], tag: int) -> _Pending:
         """Send ``tensors`` to the next rank and receive same-shaped ones from the previous rank."""
         if self.size == 1:
             return _Pending(tensors, [])
@@ -247,17 +268,17 @@ class _Ring:
         return _Pending(received, dist.batch_isend_irecv(ops))
 
 
-def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+def _expand_kv(t: Tensor, groups: int) -> Tensor:
     """Grouped-query K/V repeated to one head per query head (SDPA's ``enable_gqa`` convention)."""
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
-def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+def _reduce_kv(t: Tensor, groups: int) -> Tensor:
     """The gradient of :func:`_expand_kv`: sum the query heads that shared a K/V head."""
     return t if groups == 1 else t.unflatten(1, (-1, groups)).sum(2)
 
 
-def _record(phase: str, src: int, block: _Block, q: torch.Tensor, seq_local: int) -> None:
+def _record(phase: str, src: int, block: _Block, q: Tensor, seq_local: int) -> None:
     if _ACTIVE_TRACES:
         rows = range(seq_local)
         record = BlockRecord(phase, src, len(rows[block.q]), len(rows[block.kv]), block.causal, q.shape[0] * q.shape[1])
@@ -275,10 +296,10 @@ class _Config:
     groups: int  # query heads per K/V head
 
 
-def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: _Config) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor, tuple]:
     ring, seq_local = cfg.ring, q.shape[2]
-    out: torch.Tensor | None = None  # fp32 accumulators, filled by the diagonal block (step 0)
-    lse: torch.Tensor | None = None
+    out: Tensor | None = None  # fp32 accumulators, filled by the own block (step 0)
+    lse: Tensor | None = None
     aux: tuple = ()
     kv = [k, v]
     for step in range(ring.size):
@@ -287,21 +308,28 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: _Confi
         block = _plan_block(ring.rank, src, seq_local, cfg.causal, cfg.layout)
         if block is not None:
             _record("forward", src, block, q, seq_local)
-            blk_out, blk_lse, aux = cfg.kernel.forward(
-                q[:, :, block.q], _expand_kv(kv[0][:, :, block.kv], cfg.groups),
-                _expand_kv(kv[1][:, :, block.kv], cfg.groups), block.causal, cfg.scale,
-            )
-            if out is None:
-                out, lse = blk_out.float(), blk_lse.float()
-            else:
-                _merge(out[:, :, block.q], lse[:, :, block.q], blk_out, blk_lse)
+            out, lse, aux = _forward_block(q, kv, block, cfg, out, lse)
         if pending is not None:
             kv = pending.wait()
     assert out is not None and lse is not None  # step 0 is the own block, never fully masked
     return out.to(q.dtype), lse, aux
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+def _forward_block(
+    q: Tensor, kv: list[Tensor], block: _Block, cfg: _Config, out: Tensor | None, lse: Tensor | None,
+) -> tuple[Tensor, Tensor, tuple]:
+    """Attend to one block and fold it into (out, lse); the block's own output dies on return."""
+    blk_out, blk_lse, aux = cfg.kernel.forward(
+        q[:, :, block.q], _expand_kv(kv[0][:, :, block.kv], cfg.groups),
+        _expand_kv(kv[1][:, :, block.kv], cfg.groups), block.causal, cfg.scale,
+    )
+    if out is None or lse is None:
+        return blk_out.float(), blk_lse.float(), aux
+    _merge(out[:, :, block.q], lse[:, :, block.q], blk_out, blk_lse)
+    return out, lse, aux
+
+
+def _merge(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
     """Fold one block's softmax-normalised output into the running (out, lse), in place (fp32)."""
     new_lse = torch.logaddexp(lse, blk_lse)
     out.mul_(torch.exp(lse - new_lse).unsqueeze(-1)).add_(blk_out.float() * torch.exp(blk_lse - new_lse).unsqueeze(-1))
@@ -309,10 +337,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse:
 
 
 def _ring_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     aux: tuple, cfg: _Config,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     ring, seq_local = cfg.ring, q.shape[2]
+    saved = (dout, q, out, lse, aux)
     dq = torch.zeros_like(q, dtype=torch.float32)
     kv = [k, v]
     incoming: _Pending | None = None  # dK/dV of the block in hand, accumulated by the ranks before
@@ -323,54 +352,67 @@ def _ring_backward(
         grads = None
         if block is not None:
             _record("backward", src, block, q, seq_local)
-            rows = block.q
-            dq_blk, dk_blk, dv_blk = cfg.kernel.backward(
-                dout[:, :, rows], q[:, :, rows], _expand_kv(kv[0][:, :, block.kv], cfg.groups),
-                _expand_kv(kv[1][:, :, block.kv], cfg.groups), out[:, :, rows], lse[:, :, rows].contiguous(),  # fused kernels want dense lse
-                block.causal, cfg.scale, aux,
-            )
-            dq[:, :, rows] += dq_blk
-            grads = (_reduce_kv(dk_blk, cfg.groups), _reduce_kv(dv_blk, cfg.groups))
+            grads = _backward_block(*saved, kv, block, cfg, dq)
         # Wait for the earlier ranks' share only now, so it travelled while this rank computed.
         acc = incoming.wait() if incoming is not None else [torch.zeros_like(t, dtype=torch.float32) for t in kv]
-        if grads is not None:
+        if block is not None and grads is not None:
             for total, part in zip(acc, grads):
                 total[:, :, block.kv] += part
+        del grads  # free before the next block's kernel allocates its own
         # Pass the block's gradient on with it; the last send delivers each block's gradient home.
         incoming = ring.shift(acc, _DKV_TAG)
         if pending_kv is not None:
             kv = pending_kv.wait()
+    assert incoming is not None
     dk, dv = incoming.wait()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _backward_block(
+    dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, aux: tuple,
+    kv: list[Tensor], block: _Block, cfg: _Config, dq: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Add one block's dQ into ``dq`` and return its dK, dV (per K/V head)."""
+    rows = block.q
+    dq_blk, dk_blk, dv_blk = cfg.kernel.backward(
+        dout[:, :, rows], q[:, :, rows], _expand_kv(kv[0][:, :, block.kv], cfg.groups),
+        _expand_kv(kv[1][:, :, block.kv], cfg.groups), out[:, :, rows],
+        lse[:, :, rows].contiguous(),  # the fused kernels want dense lse rows
+        block.causal, cfg.scale, aux,
+    )
+    dq[:, :, rows] += dq_blk
+    return _reduce_kv(dk_blk, cfg.groups), _reduce_kv(dv_blk, cfg.groups)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: _Config) -> torch.Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> Tensor:
         k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
-        out, lse, aux = _ring_forward(q, k, v, cfg)
+        with torch.autocast(q.device.type, enabled=False):  # fp32 statistics must stay fp32
+            out, lse, aux = _ring_forward(q, k, v, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg, ctx.aux = cfg, aux
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.aux, ctx.cfg)
+        with torch.autocast(q.device.type, enabled=False):
+            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.aux, ctx.cfg)
         return dq, dk, dv, None
 
 
 def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     group: dist.ProcessGroup | None,
     causal: bool = True,
     layout: Layout = "zigzag",
     *,
     scale: float | None = None,
     kernel: str = "auto",
-) -> torch.Tensor:
+) -> Tensor:
     """Attention of the local queries over the whole sequence sharded across ``group``.
 
     ``q`` is ``[batch, heads, seq_local, head_dim]``, ``k`` and ``v`` are
@@ -382,7 +424,8 @@ def ring_attention(
     ``1 / sqrt(head_dim)``. ``kernel``: ``"flash"`` (fused kernel with log-sum-exp: the CPU flash
     kernel, or FlashAttention on CUDA for fp16/bf16), ``"torch"`` (blockwise matmul + logsumexp,
     always available) or ``"auto"`` (flash where available). Softmax statistics and accumulation are
-    fp32 for every input dtype. ``group=None`` is the default process group.
+    fp32 for every input dtype; under autocast the inputs are cast to the autocast dtype, as SDPA
+    does. ``group=None`` is the default process group.
 
     Example::
 
@@ -393,13 +436,20 @@ def ring_attention(
     if layout not in LAYOUTS:
         raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"ring_attention expects [batch, heads, seq, head_dim] tensors, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        shapes = f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        raise ValueError(f"ring_attention expects [batch, heads, seq, head_dim] tensors, got {shapes}")
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: batch, local sequence and head_dim must agree")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: batch, local sequence and head_dim must agree"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"zigzag local sequence length {q.shape[2]} is odd: each rank holds two equal chunks")
+    if torch.is_autocast_enabled(q.device.type):
+        # As SDPA does under autocast: attention runs in the autocast dtype.
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     block_kernel = _select_kernel(kernel, q)
     cfg = _Config(
         ring=_Ring(group),

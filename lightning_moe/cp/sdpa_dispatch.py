@@ -68,7 +68,9 @@ class RingAttentionMode(TorchFunctionMode):
         if q.dim() != 4:
             raise ValueError(f"{where} needs [batch, heads, seq, head_dim] inputs, got query of shape {tuple(q.shape)}")
         if k.shape[1] != q.shape[1] and not call["enable_gqa"]:
-            raise ValueError(f"{where}: {q.shape[1]} query heads but {k.shape[1]} key/value heads; pass enable_gqa=True as SDPA requires")
+            raise ValueError(
+                f"{where}: {q.shape[1]} query heads but {k.shape[1]} key/value heads; pass enable_gqa=True as SDPA requires"
+            )
         return ring_attention(q, k, v, self.group, causal=call["is_causal"], layout=self.layout, scale=call["scale"])
 
 
