@@ -113,7 +113,8 @@ def load_jobs(sweep_dir: str | Path) -> list[Job]:
         job_dir = job_dirs.get(num)
         overrides = planned[num] if num < len(planned) else []
         if job_dir is None:
-            jobs.append(Job(num, overrides, status="not run", note="planned by the sweep, never started"))
+            note = "planned by the sweep, never started" if num < len(planned) else "no job directory"
+            jobs.append(Job(num, overrides, status="not run", note=note))
             continue
         overrides_file = job_dir / ".hydra" / "overrides.yaml"
         if overrides_file.is_file():
@@ -163,11 +164,12 @@ def _format_value(value: Any) -> str:
 def _set_swept_values(jobs: list[Job]) -> None:
     """Fill ``job.swept`` with the overrides that differ between jobs (all of them for a single job)."""
     flat = [{k: v for o in job.overrides for k, v in _flatten_override(o).items()} for job in jobs]
+    known = [values for job, values in zip(jobs, flat) if job.overrides]  # not the gaps in the numbering
     keys: list[str] = []
-    for values in flat:
+    for values in known:
         keys += [k for k in values if k not in keys]
-    if len(jobs) > 1:
-        keys = [k for k in keys if len({values.get(k) for values in flat}) > 1]
+    if len(known) > 1:
+        keys = [k for k in keys if len({values.get(k) for values in known}) > 1]
     names = _short_names(keys)
     for job, values in zip(jobs, flat):
         job.swept = {names[k]: values.get(k, "") for k in keys}

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -17,7 +20,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_moe.cp import context_parallel_attention
 from lightning_moe.moe import set_aux_loss_scale
+from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS, is_parallelized, parallelize
@@ -47,6 +52,8 @@ class MoE5DStrategy(ModelParallelStrategy):
         etp: expert tensor parallel size, 1 or ``tp`` (default ``tp``).
         data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"ddp"`` (replication) or ``"none"``.
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
+        context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides
+            ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``.
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: process-group timeout.
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
@@ -64,6 +71,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         etp: int | None = None,
         data_parallel: Literal["fsdp", "ddp", "none"] = "fsdp",
         sequence_parallel: bool = True,
+        context_parallel_keys: Sequence[str] = (),
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         save_distributed_checkpoint: bool = True,
@@ -81,7 +89,7 @@ class MoE5DStrategy(ModelParallelStrategy):
             self.parallel_dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-        for name in ("cp", "pp"):
+        for name in ("pp",):
             if getattr(self.parallel_dims, name) > 1:
                 raise MisconfigurationException(
                     f"{name}={getattr(self.parallel_dims, name)}: {name} > 1 is not supported yet by MoE5DStrategy;"
@@ -89,6 +97,7 @@ class MoE5DStrategy(ModelParallelStrategy):
                 )
         self.data_parallel = data_parallel
         self.sequence_parallel = sequence_parallel
+        self.context_parallel_keys = tuple(context_parallel_keys)
 
     # -- launch and mesh ---------------------------------------------------------------------------
     @override
@@ -123,6 +132,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        check_context_parallel_support(self.model, self.parallel_dims)
         if not is_parallelized(self.model):
             parallelize(
                 self.model,
@@ -145,12 +155,44 @@ class MoE5DStrategy(ModelParallelStrategy):
         plugin = self.precision_plugin
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(plugin.main_params(optimizer), clip_val)
 
+    # -- steps -------------------------------------------------------------------------------------
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.parallel_dims.cp > 1:
+            batch = shard_batch_for_context_parallel(batch, self.parallel_dims, self.context_parallel_keys)
+        return batch
+
+    def _step_context(self) -> AbstractContextManager:
+        """Inside a step under cp > 1, ``F.scaled_dot_product_attention`` becomes ring attention."""
+        if self.parallel_dims.cp > 1:
+            return context_parallel_attention(self.parallel_dims.cp_group)
+        return nullcontext()
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # Lightning divides the task loss by the accumulation count; the MoE aux losses follow.
+        # Lightning divides the task loss by the accumulation count; the MoE aux losses follow. Each
+        # cp rank holds a partial aux loss (the cp ranks' parts sum to the micro-batch's) while
+        # gradients are averaged over cp, hence the factor cp.
         assert self.lightning_module is not None
-        set_aux_loss_scale(1.0 / self.lightning_module.trainer.accumulate_grad_batches)
-        return super().training_step(*args, **kwargs)
+        set_aux_loss_scale(self.parallel_dims.cp / self.lightning_module.trainer.accumulate_grad_batches)
+        with self._step_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().predict_step(*args, **kwargs)
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override

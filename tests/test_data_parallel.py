@@ -20,18 +20,22 @@ ATOL = 2e-6
 
 def _batch(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 256, (2, 17), generator=gen)
+    tokens = torch.randint(0, 256, (2, 33), generator=gen)
     return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float | None = None) -> float:
+def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float | None = None, cp: int = 1, tp: int = 1) -> float:
+    from contextlib import nullcontext
+
     from torch.distributed.tensor import DTensor
 
     from lightning_moe import ParallelDims, parallelize
+    from lightning_moe.cp import context_parallel_attention
     from lightning_moe.models import MoEGPT
     from lightning_moe.moe import set_aux_loss_scale
+    from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
 
-    dims = ParallelDims(ep=ep)
+    dims = ParallelDims(ep=ep, cp=cp, tp=tp)
     dims.validate(dist.get_world_size())
     mesh = dims.build_mesh("cpu")
     torch.manual_seed(0)
@@ -42,8 +46,13 @@ def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float |
     parallelize(model, mesh, data_parallel=data_parallel)
 
     replicas = dims.dp_ep_mesh.size()
-    set_aux_loss_scale(1.0)
-    model.loss(_batch(dims.dp_ep_mesh.get_local_rank())).backward()
+    # As the strategy does: each cp rank holds a partial aux loss, but gradients average over cp.
+    set_aux_loss_scale(float(cp))
+    batch = _batch(dims.dp_ep_mesh.get_local_rank())
+    if cp > 1:
+        batch = shard_batch_for_context_parallel(batch, dims)
+    with context_parallel_attention(dims.cp_group) if cp > 1 else nullcontext():
+        model.loss(batch).backward()
     # The reference: the mean loss over every replica's micro-batch, aux losses averaged alike.
     set_aux_loss_scale(1.0 / replicas)
     for replica in range(replicas):
@@ -83,4 +92,12 @@ def test_seq_aux_loss_gradients_under_dp_ep():
 @pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
 def test_gradient_clipping_across_dense_and_expert_meshes(data_parallel):
     worst = get_pool(4).run(dp_grad_case, ep=2, data_parallel=data_parallel, load_balancing="aux_loss", clip=0.01)
+    assert max(worst) < ATOL, worst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp,ep,tp", [(2, 1, 1), (2, 2, 1), (4, 1, 1), (2, 1, 2)])
+@pytest.mark.parametrize("load_balancing", ["aux_loss", "seq_aux_loss"])
+def test_context_parallel_gradients_equal_single_process(cp, ep, tp, load_balancing):
+    worst = get_pool(4).run(dp_grad_case, ep=ep, data_parallel="fsdp", load_balancing=load_balancing, cp=cp, tp=tp)
     assert max(worst) < ATOL, worst

@@ -35,6 +35,10 @@ LAYOUTS = [
     ("tp2_etp1_ep2", ["parallel=tp2_etp1_ep2"], {"tp": 2, "ep": 2, "etp": 1}),
     ("tp2_etp1_ep2_no_sp", ["parallel=tp2_etp1_ep2", "parallel.sequence_parallel=false"], {"tp": 2, "ep": 2, "etp": 1}),
     ("dp2_tp2_ep2", ["parallel=dp2_tp2_ep2"], {"dp": 2, "tp": 2, "ep": 2, "etp": 2}),
+    ("cp2", ["parallel=cp2"], {"cp": 2}),
+    ("cp2_ep2", ["parallel=cp2_ep2"], {"cp": 2, "ep": 2}),
+    ("cp4", ["parallel=cp4"], {"cp": 4}),
+    ("cp2_tp2_ep2", ["parallel=cp2_tp2_ep2"], {"cp": 2, "tp": 2, "ep": 2}),
 ]
 
 # DeepSeek-V3 routing: sigmoid scores, aux-loss-free expert bias (loads reduced over every rank).
@@ -99,3 +103,25 @@ def test_bad_configuration_fails_before_training(tmp_path, overrides, message):
     output = run_cli_error(tmp_path / "bad", *overrides)
     assert re.search(message, output), output[-3000:]
     assert "Epoch 0" not in output
+
+
+@pytest.mark.slow
+def test_any_sdpa_module_gets_context_parallel(tmp_path):
+    """A LightningModule that only calls F.scaled_dot_product_attention trains under cp=2 unchanged."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.cli import ROOT
+
+    losses = {}
+    for cp in (1, 2):
+        out = tmp_path / f"cp{cp}.json"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        proc = subprocess.run([sys.executable, str(ROOT / "tests/scripts/user_sdpa_module.py"), str(cp), str(out)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        losses[cp] = json.loads(out.read_text())
+    assert len(losses[1]) == 6
+    _assert_same_curve(losses[2], losses[1])

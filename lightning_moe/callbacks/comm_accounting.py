@@ -3,14 +3,17 @@
 Two sources add up in :data:`lightning_moe.comm.COUNTERS`:
 
 - the collectives our own code issues (expert dispatch, tensor/context parallel, router
-  statistics) go through the :mod:`lightning_moe.comm` wrappers, which name their dimension;
-- every other ``torch.distributed`` collective issued during the step, above all FSDP2's
-  parameter all-gathers and gradient reduce-scatters (or all-reduces under ``ddp``), is counted by
-  :func:`count_collectives`, which wraps the ``torch.distributed`` functions for the duration of
-  the step and maps each call's process group to a dimension.
+  statistics) go through the :mod:`lightning_moe.comm` wrappers, which name their dimension and
+  record their backward too;
+- every other collective issued during the step is counted by :func:`count_collectives`, which
+  wraps the ``torch.distributed`` functions (FSDP2's parameter all-gathers and gradient
+  reduce-scatters, DDP-style all-reduces, P2P) and the functional collectives of
+  ``torch.distributed._functional_collectives`` (DTensor redistributions: tensor-parallel plans,
+  the gradient-norm reduction of clipping) for the duration of the step, and maps each call's
+  process group to a dimension by its ranks (see :func:`group_dims`).
 
-Not counted: functional collectives issued outside :mod:`lightning_moe.comm` (DTensor
-redistributions, e.g. the mesh-wise gradient-norm reduction of gradient clipping) and the
+Not counted: the backward of an ``*_autograd`` functional collective called outside
+:mod:`lightning_moe.comm` (autograd issues it from C++), ``all_gather_object`` and friends, and the
 observability callbacks' own reductions (they run under :func:`uncounted`).
 """
 
@@ -18,130 +21,203 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.distributed.distributed_c10d as c10d
 
 from lightning_moe import comm
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
-OTHER = "other"  # collectives on a process group that is none of the dims' (e.g. the world group)
+OTHER = "other"  # collectives on a process group that is none of the dims' (e.g. a user's own group)
+
+# Mesh dims a group spans -> the dimension its traffic counts for. Data-parallel gradient groups
+# come first: a group that is also another dim's (ep alone makes dp x ep the ep ranks) carries
+# FSDP's gradient reduction, which is dp traffic.
+_GROUP_DIMS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("dp", "ep", "cp"), "dp"), (("dp", "cp"), "dp"), (("dp", "ep"), "dp"), (("dp", "ep", "cp", "tp"), "dp"),
+    (("dp", "cp", "tp"), "dp"), (("dp",), "dp"), (("tp",), "tp"), (("cp", "tp"), "cp"), (("cp",), "cp"),
+    (("ep",), "ep"), (("ep", "tp"), "ep"), (("pp",), "pp"),
+)  # fmt: skip
+
+# Calls from these modules are not counted: lightning_moe.comm records its own calls under the dim
+# it names, and torch's collective modules call one another (a deprecated alias, a wrapper).
+_SKIPPED_CALLERS = frozenset({comm.__name__, funcol.__name__, c10d.__name__})
+
+SentBytes = Callable[[Mapping[str, Any], int, int], int]  # (bound arguments, group size, group rank)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _all_to_all_single_bytes(a: Mapping[str, Any], size: int, rank: int) -> int:
-    splits = a.get("input_split_sizes")
-    tensor = a["input"]
+def _all_to_all_bytes(tensor: torch.Tensor, splits: list[int] | None, size: int, rank: int) -> int:
     if not splits:
         return _nbytes(tensor) * (size - 1) // size
-    row_bytes = _nbytes(tensor) // max(tensor.shape[0], 1)
+    row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()  # from the shape: there may be no row
     return (sum(splits) - splits[rank]) * row_bytes
 
 
-# Bytes this rank sends to its peers, by the same conventions as lightning_moe.comm (logical
-# payload; an all-reduce counts the 2(n-1)/n of a ring). `a`: the call's bound arguments.
-_SENT_BYTES: dict[str, Callable[[Mapping[str, Any], int, int], int]] = {
-    "all_reduce": lambda a, n, r: 2 * _nbytes(a["tensor"]) * (n - 1) // n,
-    "all_gather": lambda a, n, r: _nbytes(a["tensor"]) * (n - 1),
-    "all_gather_single": lambda a, n, r: _nbytes(a["input_tensor"]) * (n - 1),
-    "all_gather_into_tensor": lambda a, n, r: _nbytes(a["input_tensor"]) * (n - 1),
-    "reduce_scatter": lambda a, n, r: sum(_nbytes(t) for i, t in enumerate(a["input_list"]) if i != r),
-    "reduce_scatter_single": lambda a, n, r: _nbytes(a["output"]) * (n - 1),
-    "reduce_scatter_tensor": lambda a, n, r: _nbytes(a["output"]) * (n - 1),
-    "all_to_all": lambda a, n, r: sum(_nbytes(t) for i, t in enumerate(a["input_tensor_list"]) if i != r),
-    "all_to_all_single": _all_to_all_single_bytes,
-    "broadcast": lambda a, n, r: _nbytes(a["tensor"]) * (n - 1) if r == _broadcast_source(a) else 0,
+def _broadcast_source(a: Mapping[str, Any], group: dist.ProcessGroup) -> int:
+    if a.get("group_src") is not None:
+        return a["group_src"]
+    return dist.get_group_rank(group, a["src"])
+
+
+def _ring_all_reduce(key: str) -> SentBytes:
+    return lambda a, n, r: 2 * _nbytes(a[key]) * (n - 1) // n
+
+
+def _to_every_peer(key: str) -> SentBytes:
+    return lambda a, n, r: _nbytes(a[key]) * (n - 1)
+
+
+def _peers_chunks(key: str) -> SentBytes:
+    return lambda a, n, r: _nbytes(a[key]) // n * (n - 1)
+
+
+def _list_except_mine(key: str) -> SentBytes:
+    return lambda a, n, r: sum(_nbytes(t) for i, t in enumerate(a[key]) if i != r)
+
+
+# Bytes this rank sends to its peers, by the conventions of lightning_moe.comm (logical payload;
+# an all-reduce counts the 2(n-1)/n of a ring), for each wrapped function of each module.
+_C10D: dict[str, SentBytes] = {
+    "all_reduce": _ring_all_reduce("tensor"),
+    "all_gather": _to_every_peer("tensor"),
+    "all_gather_single": _to_every_peer("input_tensor"),
+    "all_gather_into_tensor": _to_every_peer("input_tensor"),
+    "reduce_scatter": _list_except_mine("input_list"),
+    "reduce_scatter_single": _peers_chunks("input"),
+    "reduce_scatter_tensor": _peers_chunks("input"),
+    "all_to_all": _list_except_mine("input_tensor_list"),
+    "all_to_all_single": lambda a, n, r: _all_to_all_bytes(a["input"], a.get("input_split_sizes"), n, r),
     "send": lambda a, n, r: _nbytes(a["tensor"]),
 }
+_FUNCOL: dict[str, SentBytes] = {
+    "all_reduce": _ring_all_reduce("self"),
+    **{name: _to_every_peer("self") for name in (
+        "all_gather_tensor", "all_gather_tensor_autograd", "all_gather_single", "all_gather_single_autograd",
+    )},
+    **{name: _peers_chunks("self") for name in (
+        "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "reduce_scatter_single",
+        "reduce_scatter_single_autograd",
+    )},
+    **{name: lambda a, n, r: _all_to_all_bytes(a["self"], a.get("input_split_sizes"), n, r) for name in (
+        "all_to_all_single", "all_to_all_single_autograd",
+    )},
+    "permute_tensor": lambda a, n, r: _nbytes(a["self"]) if a["src_dst"][r] != r else 0,
+}  # fmt: skip
+_WRAPPED: tuple[tuple[ModuleType, dict[str, SentBytes]], ...] = ((dist, _C10D), (funcol, _FUNCOL))
 
-_ACTIVE_GROUP_DIMS: Mapping[str, str] | None = None  # set while count_collectives() is active
+_ACTIVE_GROUP_DIMS: Mapping[frozenset[int], str] | None = None  # set while count_collectives() is active
+_GROUP_CACHE: dict[str, tuple[int, int, str]] = {}  # group name -> (size, rank, dim), per active block
 _PAUSE_DEPTH = 0
 
 
-def _broadcast_source(a: Mapping[str, Any]) -> int:
-    group_src = a.get("group_src")
-    if group_src is not None:
-        return group_src
-    return dist.get_group_rank(a.get("group") or dist.group.WORLD, a["src"])
+def group_dims(parallel_dims: Any) -> dict[frozenset[int], str]:
+    """Map the rank sets of this rank's groups to dimensions, from a :class:`~lightning_moe.ParallelDims`.
 
-
-def _group_name(group: dist.ProcessGroup) -> str:
-    return group.group_name
-
-
-def group_dims(parallel_dims: Any) -> dict[str, str]:
-    """Map process-group names to dimensions from a :class:`~lightning_moe.ParallelDims`.
-
-    The data-parallel gradient groups (``dense_grad``, ``edp``, ``dp_ep``, ``token``) come first, so
-    a group that is also another dim's (``ep`` alone: ``dp x ep`` is the ep group) counts as ``dp``:
-    FSDP's traffic on it is gradient reduction. Groups the dims do not have (yet) are skipped.
+    Computed from the full mesh's coordinates (no process group is created), so any process group
+    over the same ranks maps alike, whoever created it (FSDP, DTensor, our dispatchers). A rank set
+    several dims share counts for the first of: the data-parallel gradient groups (dense, expert,
+    token), tp, cp, ep, pp. Collective traffic on other rank sets counts as ``"other"``.
 
     Example::
 
-        group_dims(trainer.strategy.parallel_dims)  # {"2": "dp", "1": "ep", ...}
+        group_dims(trainer.strategy.parallel_dims)  # {frozenset({0, 1}): "ep", frozenset({0, 2}): "dp", ...}
     """
-    candidates = [
-        ("dense_grad_group", "dp"), ("edp_group", "dp"), ("dp_ep_group", "dp"), ("token_group", "dp"),
-        ("tp_group", "tp"), ("etp_group", "tp"), ("cp_group", "cp"), ("sequence_group", "cp"),
-        ("ep_group", "ep"), ("pp_group", "pp"),
-    ]  # fmt: skip
-    mapping: dict[str, str] = {}
-    for attr, dim in candidates:
-        try:
-            group = getattr(parallel_dims, attr)
-        except (AttributeError, NotImplementedError):
-            continue
-        mapping.setdefault(_group_name(group), dim)
+    mesh = parallel_dims.mesh
+    names = list(mesh.mesh_dim_names)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the mesh
+        return {}
+    ranks = mesh.mesh
+    mapping: dict[frozenset[int], str] = {}
+    for spanned, dim in _GROUP_DIMS:
+        index = tuple(slice(None) if name in spanned else c for name, c in zip(names, coordinate))
+        mapping.setdefault(frozenset(ranks[index].flatten().tolist()), dim)
     return mapping
+
+
+def _resolve_group(group: Any) -> dist.ProcessGroup:
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    # Functional collectives take ranks, meshes, (mesh, dim) or names; resolved as they do it.
+    return c10d._resolve_process_group(funcol._resolve_group_name(group))
+
+
+def _group_info(group: Any) -> tuple[int, int, str]:
+    """``(size, rank, dim)`` of a call's process group."""
+    assert _ACTIVE_GROUP_DIMS is not None
+    pg = _resolve_group(group)
+    info = _GROUP_CACHE.get(pg.group_name)
+    if info is None:
+        ranks = frozenset(dist.get_process_group_ranks(pg))
+        info = (len(ranks), dist.get_rank(pg), _ACTIVE_GROUP_DIMS.get(ranks, OTHER))
+        _GROUP_CACHE[pg.group_name] = info
+    return info
 
 
 def _counts_this_call() -> bool:
     """Whether the collective whose wrapper called this function is to be recorded."""
     if _ACTIVE_GROUP_DIMS is None or _PAUSE_DEPTH:
         return False
-    # Frame 2 called the wrapper. Calls from lightning_moe.comm's wrappers are already recorded
-    # there, under the dim they name.
-    return sys._getframe(2).f_globals.get("__name__") != comm.__name__
+    return sys._getframe(2).f_globals.get("__name__") not in _SKIPPED_CALLERS  # frame 2 called the wrapper
 
 
-def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _counted(fn: Callable[..., Any], sent_bytes: SentBytes) -> Callable[..., Any]:
     signature = inspect.signature(fn)
-    sent_bytes = _SENT_BYTES[name]
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if _counts_this_call():
-            assert _ACTIVE_GROUP_DIMS is not None
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            group = bound.arguments.get("group") or dist.group.WORLD
-            size = dist.get_world_size(group)
+            size, rank, dim = _group_info(bound.arguments.get("group"))
             if size > 1:
-                dim = _ACTIVE_GROUP_DIMS.get(_group_name(group), OTHER)
-                comm.record(dim, sent_bytes(bound.arguments, size, dist.get_rank(group)))
+                comm.record(dim, sent_bytes(bound.arguments, size, rank))
         return fn(*args, **kwargs)
 
     return wrapper
 
 
-def _batch_isend_irecv(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _counted_broadcast(fn: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _counts_this_call():
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            size, rank, dim = _group_info(bound.arguments.get("group"))
+            if size > 1:
+                source = _broadcast_source(bound.arguments, _resolve_group(bound.arguments.get("group")))
+                comm.record(dim, _nbytes(bound.arguments["tensor"]) * (size - 1) if rank == source else 0)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _counted_batch_isend_irecv(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(p2p_op_list: list[dist.P2POp]) -> Any:
         if _counts_this_call():
-            assert _ACTIVE_GROUP_DIMS is not None
             sent: dict[str, int] = {}
             for op in p2p_op_list:
-                if op.op is dist.isend:
-                    dim = _ACTIVE_GROUP_DIMS.get(_group_name(op.group or dist.group.WORLD), OTHER)
+                size, _, dim = _group_info(op.group)
+                if op.op is dist.isend and size > 1:
                     sent[dim] = sent.get(dim, 0) + _nbytes(op.tensor)
             for dim, nbytes in sent.items():
                 comm.record(dim, nbytes)
@@ -151,10 +227,10 @@ def _batch_isend_irecv(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextmanager
-def count_collectives(group_dims: Mapping[str, str]) -> Iterator[None]:
-    """Record into :data:`lightning_moe.comm.COUNTERS` every ``torch.distributed`` collective issued
-    inside the block, under the dimension ``group_dims`` gives its process group (see
-    :func:`group_dims`; unknown groups count as ``"other"``, one-rank groups not at all).
+def count_collectives(dims_of_ranks: Mapping[frozenset[int], str]) -> Iterator[None]:
+    """Record into :data:`lightning_moe.comm.COUNTERS` every collective issued inside the block, under
+    the dimension ``dims_of_ranks`` gives its process group's ranks (see :func:`group_dims`; other
+    groups count as ``"other"``, one-rank groups not at all).
 
     Calls made by :mod:`lightning_moe.comm`'s wrappers are skipped (they record themselves), and so
     are calls inside :func:`uncounted`. Re-entering an active block changes nothing.
@@ -170,16 +246,23 @@ def count_collectives(group_dims: Mapping[str, str]) -> Iterator[None]:
     if _ACTIVE_GROUP_DIMS is not None:
         yield
         return
-    originals = {name: getattr(dist, name) for name in (*_SENT_BYTES, "batch_isend_irecv") if hasattr(dist, name)}
+    originals: list[tuple[ModuleType, str, Callable[..., Any]]] = []
     try:
-        for name, fn in originals.items():
-            setattr(dist, name, _batch_isend_irecv(fn) if name == "batch_isend_irecv" else _counted(name, fn))
-        _ACTIVE_GROUP_DIMS = dict(group_dims)
+        for module, table in _WRAPPED:
+            for name, sent_bytes in table.items():
+                if hasattr(module, name):
+                    originals.append((module, name, getattr(module, name)))
+                    setattr(module, name, _counted(getattr(module, name), sent_bytes))
+        for name, wrap in (("broadcast", _counted_broadcast), ("batch_isend_irecv", _counted_batch_isend_irecv)):
+            originals.append((dist, name, getattr(dist, name)))
+            setattr(dist, name, wrap(getattr(dist, name)))
+        _ACTIVE_GROUP_DIMS = dict(dims_of_ranks)
         yield
     finally:
         _ACTIVE_GROUP_DIMS = None
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        _GROUP_CACHE.clear()
+        for module, name, fn in reversed(originals):
+            setattr(module, name, fn)
 
 
 @contextmanager
@@ -217,7 +300,7 @@ class CommAccountingCallback(OptimizerStepCallback):
     """
 
     def __init__(self) -> None:
-        self._group_dims: dict[str, str] = {}
+        self._group_dims: dict[frozenset[int], str] = {}
         self._counting = ExitStack()
         self._totals = torch.zeros(len(DIMS) + 1, 2, dtype=torch.float64)  # rows: DIMS + other; (bytes, calls)
         self._steps = 0

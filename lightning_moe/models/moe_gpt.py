@@ -175,17 +175,22 @@ class MoEGPT(pl.LightningModule):
 
     def loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token cross entropy of a batch dict (`input_ids`, `labels`, optional
-        `position_ids` and `loss_mask`; masked tokens are left out of the mean). Logits are cast
+        `position_ids`, `loss_mask` and `loss_token_count`; masked tokens are left out of the
+        mean, which divides by `loss_token_count` when the strategy provides it). Logits are cast
         to fp32 for the softmax."""
         logits = self(batch["input_ids"], batch.get("position_ids"))
         per_token = F.cross_entropy(
             logits.float().flatten(0, -2), batch["labels"].flatten(), reduction="none"
         )
         mask = batch.get("loss_mask")
-        if mask is None:
-            return per_token.mean()
-        mask = mask.flatten().to(per_token.dtype)
-        return (per_token * mask).sum() / mask.sum().clamp_min(1.0)
+        if mask is not None:
+            per_token = per_token * mask.flatten().to(per_token.dtype)
+        # Under context parallelism the strategy passes the micro-batch's loss tokens per cp rank,
+        # so the cp ranks' losses average to the mean over all tokens (not a mean of means).
+        count = batch.get("loss_token_count")
+        if count is None:
+            count = mask.sum() if mask is not None else per_token.numel()
+        return per_token.sum() / torch.as_tensor(count, dtype=per_token.dtype).clamp_min(1.0)
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

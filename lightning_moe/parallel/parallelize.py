@@ -53,7 +53,7 @@ def parallelize(
     if data_parallel not in DATA_PARALLEL_KINDS:
         raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL_KINDS}")
     dims = ParallelDims.from_mesh(mesh, etp=etp)
-    for name in ("cp", "pp"):
+    for name in ("pp",):
         if getattr(dims, name) > 1:
             raise NotImplementedError(f"{name}={getattr(dims, name)} > 1 is not supported yet by lightning_moe.parallelize")
     apply_expert_parallel(module, dims)
