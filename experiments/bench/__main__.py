@@ -1,12 +1,15 @@
 """``make bench``: every benchmark of the project, each measured side by side in one run."""
 
-from experiments.bench import dispatch_bytes, moe_layer
+import importlib
+
+# Each module prints its own tables, measured in this one run.
+BENCHMARKS = ("moe_layer", "dispatch_bytes", "cp_attention", "pipeline_bubble")
 
 
 def main() -> None:
-    moe_layer.main()
-    print()
-    dispatch_bytes.main()
+    for name in BENCHMARKS:
+        importlib.import_module(f"experiments.bench.{name}").main()
+        print()
 
 
 if __name__ == "__main__":
