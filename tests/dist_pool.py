@@ -97,3 +97,24 @@ class DistributedPool:
             if proc.is_alive():
                 proc.kill()
         self._store_dir.cleanup()
+
+
+_LAYOUTS: dict[tuple, Any] = {}
+
+
+def layout(**sizes: int) -> Any:
+    """This worker's ``ParallelDims`` for ``sizes``, its mesh built once and reused by later tests.
+
+    Process groups are never freed: a mesh per test would pile up gloo threads in the workers.
+    """
+    import torch.distributed as dist
+
+    from lightning_moe import ParallelDims
+
+    key = tuple(sorted(sizes.items()))
+    if key not in _LAYOUTS:
+        dims = ParallelDims(**sizes)
+        dims.validate(dist.get_world_size())
+        dims.build_mesh("cpu")
+        _LAYOUTS[key] = dims
+    return _LAYOUTS[key]

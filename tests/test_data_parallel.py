@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import get_pool
+from tests.dist_pool import layout
 
 ATOL = 2e-6
 
@@ -29,15 +30,14 @@ def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float |
 
     from torch.distributed.tensor import DTensor
 
-    from lightning_moe import ParallelDims, parallelize
+    from lightning_moe import parallelize
     from lightning_moe.cp import context_parallel_attention
     from lightning_moe.models import MoEGPT
     from lightning_moe.moe import set_aux_loss_scale
     from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
 
-    dims = ParallelDims(ep=ep, cp=cp, tp=tp)
-    dims.validate(dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
+    dims = layout(ep=ep, cp=cp, tp=tp)
+    mesh = dims.mesh
     torch.manual_seed(0)
     moe = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 24, "load_balancing": load_balancing,
            "aux_loss_coeff": 0.1, "z_loss_coeff": 0.01}

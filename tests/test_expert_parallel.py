@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import get_pool
+from tests.dist_pool import layout
 
 WORLD = 4
 H, F, E, K, TOKENS = 16, 24, 8, 2, 12
@@ -29,12 +30,11 @@ def _inputs(rank: int, positive: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ep_layer_case(ep: int, dispatcher: str, capacity_factor: float | None, score_func: str, expert_bias: bool, one_rank: bool) -> dict:
-    from lightning_moe import ParallelDims, parallelize
+    from lightning_moe import parallelize
     from lightning_moe.moe import MoELayer
 
-    dims = ParallelDims(ep=ep)
-    dims.validate(dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
+    dims = layout(ep=ep)
+    mesh = dims.mesh
     torch.manual_seed(0)
     layer = MoELayer(
         H, F, E, top_k=K, score_func=score_func, expert_bias=expert_bias, capacity_factor=capacity_factor,

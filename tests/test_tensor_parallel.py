@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import get_pool
+from tests.dist_pool import layout
 
 H, F, E, K, SEQ = 16, 32, 8, 2, 8
 ATOL = 1e-5
@@ -25,12 +26,11 @@ def _micro_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tp_layer_case(tp: int, ep: int, etp: int, sequence_parallel: bool, dispatcher: str = "alltoall") -> dict:
-    from lightning_moe import ParallelDims, comm, parallelize
+    from lightning_moe import comm, parallelize
     from lightning_moe.moe import MoELayer
 
-    dims = ParallelDims(tp=tp, ep=ep, etp=etp)
-    dims.validate(dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
+    dims = layout(tp=tp, ep=ep, etp=etp)
+    mesh = dims.mesh
     torch.manual_seed(0)
     layer = MoELayer(H, F, E, top_k=K, dispatcher=dispatcher, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
                      load_balancing="seq_aux_loss", shared_expert_hidden_size=8)
@@ -137,13 +137,12 @@ def test_no_token_crosses_the_ep_network_twice():
 def tp_error_case(kind: str) -> str:
     from torch import nn
 
-    from lightning_moe import ParallelDims, parallelize
+    from lightning_moe import parallelize
     from lightning_moe.models import MoEGPT
     from lightning_moe.moe import MoELayer
 
-    dims = ParallelDims(tp=4 if kind == "ffn" else 2)
-    dims.validate(dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
+    dims = layout(tp=4 if kind == "ffn" else 2)
+    mesh = dims.mesh
     module = {
         "heads": lambda: MoEGPT(hidden_size=48, num_layers=1, num_heads=3, moe={"num_experts": 4, "ffn_hidden_size": 32}),
         "kv_heads": lambda: MoEGPT(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=1, moe={"num_experts": 4, "ffn_hidden_size": 32}),

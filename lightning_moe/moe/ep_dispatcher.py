@@ -32,6 +32,19 @@ def ungroup(rows: torch.Tensor, regroup: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(rows).index_copy(0, regroup, rows)
 
 
+class _ExpertParallelDispatcher:
+    """The ep group and this rank's contiguous block of ``num_experts // ep`` experts."""
+
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup) -> None:
+        self.num_experts = num_experts
+        self.group = ep_group
+        self.ep_size = dist.get_world_size(ep_group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts")
+        self.num_local_experts = num_experts // self.ep_size
+        self.first_expert = dist.get_rank(ep_group) * self.num_local_experts
+
+
 @dataclass
 class AllToAllContext(DispatchContext):
     input_splits: list[int] | None = None
@@ -39,7 +52,7 @@ class AllToAllContext(DispatchContext):
     regroup: torch.Tensor | None = None
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(_ExpertParallelDispatcher):
     """Exchange counts, then tokens with ``all_to_all_single`` (uneven splits), and back.
 
     Example::
@@ -49,13 +62,6 @@ class AllToAllDispatcher:
         y = dispatcher.combine(experts(ctx.expert_input, ctx.tokens_per_local_expert), topk_weights, ctx)
     """
 
-    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup) -> None:
-        self.num_experts = num_experts
-        self.group = ep_group
-        self.ep_size = dist.get_world_size(ep_group)
-        if num_experts % self.ep_size:
-            raise ValueError(f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts")
-        self.num_local_experts = num_experts // self.ep_size
 
     def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> AllToAllContext:
         permuted, sorted_slots, counts = permute_by_expert(hidden, topk_idx, keep_mask, self.num_experts)
@@ -88,20 +94,12 @@ class AllGatherContext(DispatchContext):
     gathered_weights: torch.Tensor | None = None
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_ExpertParallelDispatcher):
     """All-gather the tokens of the ep group, compute the local experts, reduce-scatter the outputs.
 
     Every rank of the group must hold the same number of tokens (same micro-batch shape).
     """
 
-    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup) -> None:
-        self.num_experts = num_experts
-        self.group = ep_group
-        self.ep_size = dist.get_world_size(ep_group)
-        if num_experts % self.ep_size:
-            raise ValueError(f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts")
-        self.num_local_experts = num_experts // self.ep_size
-        self.first_expert = dist.get_rank(ep_group) * self.num_local_experts
 
     def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> AllGatherContext:
         all_hidden = comm.all_gather_autograd(hidden, self.group, "ep")

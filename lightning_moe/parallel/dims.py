@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
+_DIMS_ATTR = "_lightning_moe_parallel_dims"
 
 
 @dataclass
@@ -98,8 +99,11 @@ class ParallelDims:
                 f"ParallelDims {MESH_DIM_NAMES} = {self.shape}"
             )
         self._mesh = mesh
-        for name in ("dp_ep_mesh", "dense_grad_mesh", "edp_mesh", "token_mesh", "sequence_mesh", "expert_root_mesh"):
+        for name in ("dp_ep_mesh", "dense_grad_mesh", "token_mesh", "sequence_mesh", "expert_root_mesh"):
             self.__dict__.pop(name, None)
+        # Remembered on the mesh, so that every parallelize() over it reuses the same sub-meshes
+        # and process groups instead of creating new ones (process groups are never freed).
+        mesh.__dict__.setdefault(_DIMS_ATTR, {})[self.etp] = self
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, etp: int | None = None) -> ParallelDims:
@@ -108,6 +112,9 @@ class ParallelDims:
         missing = [n for n in MESH_DIM_NAMES if n not in sizes]
         if missing:
             raise ValueError(f"mesh needs the dims {MESH_DIM_NAMES}, it lacks {missing}: build it with ParallelDims.build_mesh")
+        known = mesh.__dict__.get(_DIMS_ATTR, {}).get(sizes["tp"] if etp is None else etp)
+        if known is not None:
+            return known
         dims = cls(**{n: sizes[n] for n in MESH_DIM_NAMES}, etp=etp)
         dims.attach(mesh)
         return dims
