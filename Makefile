@@ -29,8 +29,11 @@ test-fast: install
 bench: install
 	$(PY) -m experiments.bench $(ARGS)
 
+SWEEP_DIR := multirun/router_sweep/$(shell date +%Y-%m-%d_%H-%M-%S)
+# A small router sweep (tiny model, few steps) and its report; drop sweep_smoke for the full grid.
 sweep: install
-	$(PY) -m lightning_moe.train --multirun experiment=router_sweep $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m lightning_moe.train --multirun 'experiment=[router_sweep,sweep_smoke]' hydra.sweep.dir=$(SWEEP_DIR) $(ARGS); \
+	status=$$?; $(PY) -m lightning_moe.report $(SWEEP_DIR) && exit $$status
 
 clean:
 	rm -rf $(VENV) outputs multirun wandb

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -62,7 +63,7 @@ def all_to_all_autograd(
 ) -> torch.Tensor:
     """Differentiable ``all_to_all_single`` with uneven splits along dim 0."""
     me = dist.get_rank(group)
-    row_bytes = x[0:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row_bytes = math.prod(x.shape[1:]) * x.element_size()
     sent = (sum(input_split_sizes) - input_split_sizes[me]) * row_bytes
     received = (sum(output_split_sizes) - output_split_sizes[me]) * row_bytes
     record(dim, sent)

@@ -51,7 +51,7 @@ class Job:
 
     @property
     def label(self) -> str:
-        values = " ".join(v for v in self.swept.values() if v)
+        values = " ".join(f"{k}={v}" for k, v in self.swept.items() if v)
         return f"#{self.num} {values}".strip()
 
 

@@ -148,7 +148,7 @@ def _run_cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
 
 def _check_summary(path: Path, steps: int) -> dict:
     summary = json.loads(path.read_text())
-    assert set(summary) == SUMMARY_KEYS
+    assert SUMMARY_KEYS <= set(summary)
     assert len(summary["losses"]) == steps and summary["final_loss"] == summary["losses"][-1]
     assert all(math.isfinite(loss) for loss in summary["losses"])
     assert summary["tokens_per_second"] > 0

@@ -4,7 +4,7 @@
 - communication accounting of a hand-computable expert-parallel layer (fixed router), with and
   without FSDP;
 - the CLI with W&B offline logs the metric keys and heatmap images;
-- router metrics under ep=2 and dp=2 equal the single-process ones for the same global batch.
+- router metrics under ep=2, dp=2 and pp=2 equal the single-process ones for the same global batch.
 """
 
 from __future__ import annotations
@@ -91,13 +91,13 @@ FP32 = 4
 
 def comm_case(data_parallel: str) -> dict:
     """ep=2 x dp=2; the router sends every token to experts 0 and 1, both on ep rank 0."""
-    from lightning_moe import ParallelDims, comm, parallelize
+    from lightning_moe import comm, parallelize
     from lightning_moe.callbacks import count_collectives, group_dims
     from lightning_moe.moe import MoELayer
+    from tests.dist_pool import layout
 
-    dims = ParallelDims(ep=2)
-    dims.validate(dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
+    dims = layout(ep=2)
+    mesh = dims.mesh
     torch.manual_seed(0)
     layer = MoELayer(H, F, E, top_k=K, aux_loss_coeff=1e-2)
     with torch.no_grad():
@@ -159,11 +159,6 @@ def _comm_results(data_parallel: str) -> tuple[dict, ...]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="lightning_moe.comm.all_to_all_autograd takes a row's bytes from x[0:1], 0 on a rank that sends no "
-    "row, so the backward of its all-to-all records 0 bytes; fix: row_bytes = prod(x.shape[1:]) * element_size",
-)
 @pytest.mark.parametrize("data_parallel", ["none", "fsdp"])
 def test_expert_dispatch_bytes_match_the_count_by_hand(data_parallel):
     for result in _comm_results(data_parallel):
@@ -184,13 +179,17 @@ def test_fsdp_and_other_collectives_match_the_count_by_hand(data_parallel):
 
 
 def uncounted_case() -> dict:
+    import torch.distributed._functional_collectives as funcol
+
     from lightning_moe import comm
-    from lightning_moe.callbacks import count_collectives, uncounted
+    from lightning_moe.callbacks import GroupDims, count_collectives, uncounted
 
     world = dist.new_group(list(range(dist.get_world_size())))
     comm.reset()
-    with count_collectives({frozenset(range(dist.get_world_size())): "dp"}):
+    with count_collectives(GroupDims(by_ranks={frozenset(range(dist.get_world_size())): ("dp",)})):
         dist.all_reduce(torch.ones(8), group=world)  # counted: 2 * 32 * 3 / 4
+        funcol.all_reduce(torch.ones(8), "sum", world)  # a functional collective (DTensor's kind): the same
+        dist.broadcast(torch.ones(8), src=0, group=world)  # rank 0 sends 32 bytes to 3 peers
         comm.all_reduce_(torch.ones(8), world, "cp")  # recorded once, by lightning_moe.comm, as "cp"
         with uncounted():
             dist.all_reduce(torch.ones(8), group=world)
@@ -200,8 +199,9 @@ def uncounted_case() -> dict:
 
 @pytest.mark.slow
 def test_collectives_are_counted_once_and_only_inside_the_block():
-    for counters in get_pool(WORLD).run(uncounted_case):
-        assert counters == {"dp": {"bytes": 48, "calls": 1}, "cp": {"bytes": 48, "calls": 1}}
+    for rank, counters in enumerate(get_pool(WORLD).run(uncounted_case)):
+        broadcast = 32 * 3 if rank == 0 else 0
+        assert counters == {"dp": {"bytes": 48 + 48 + broadcast, "calls": 3}, "cp": {"bytes": 48, "calls": 1}}
 
 
 # -- the CLI ------------------------------------------------------------------------------------------
@@ -259,12 +259,14 @@ def test_wandb_offline_run_holds_the_metrics_and_heatmaps(tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_router_metrics_under_ep2_and_dp2_equal_the_single_process_ones(tmp_path):
+def test_router_metrics_under_ep2_dp2_and_pp2_equal_the_single_process_ones(tmp_path):
     overrides = ["trainer.max_steps=4", "trainer.log_every_n_steps=1", "~callbacks.progress_bar", "~callbacks.expert_load_plots"]
     single = run_cli(tmp_path / "single", *overrides)
-    for layout in ("parallel=ep2", "parallel=dp2"):
+    # pp2: each stage holds one of the two MoE layers; every rank still logs both.
+    for layout, busy_dim in (("parallel=ep2", "ep"), ("parallel=dp2", "dp"), ("parallel=pp2", "pp")):
         other = run_cli(tmp_path / layout.split("=")[1], layout, *overrides)
-        assert other["comm"]["ep" if layout.endswith("ep2") else "dp"]["bytes"] > 0
+        assert other["comm"][busy_dim]["bytes"] > 0
+        assert list(other["expert_load"]) == ["layer0", "layer1"]
         assert other["model_flops_per_token"] == single["model_flops_per_token"]
         for name, values in single["moe_history"].items():
             # Token counts may flip a near-tie after a few steps of float noise (1 slot in 128 per expert).

@@ -1,4 +1,5 @@
-"""``python -m lightning_moe.report``: hand-made sweep directories, and a real 2-job multirun with a crash."""
+"""``python -m lightning_moe.report`` on hand-made sweep directories and on a real 2-job multirun with a
+crash; the sweep experiments' grids."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from experiments.sweeps.layouts import sweep_override, valid_layouts
 from lightning_moe.report import load_jobs, main, write_report
+from lightning_moe.train import CONF_DIR
 from tests.cli import TINY_RUN
 
 
@@ -125,3 +129,30 @@ def test_two_job_multirun_with_a_crash_then_report(tmp_path):
     assert rows[0][3] == "single" and float(rows[0][4]) > 0
     assert (sweep / "loss_curves.png").stat().st_size > 0 and (sweep / "load_imbalance.png").stat().st_size > 0
     assert "| 1 | failed | /nonexistent/last.ckpt |" in proc.stdout
+
+
+def _sweep_params(experiment: str) -> dict[str, list]:
+    params = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text())["hydra"]["sweeper"]["params"]
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    return {o.key_or_group: list(o.sweep_iterator()) for o in parsed}
+
+
+def test_router_sweep_covers_every_balancing_method_with_a_coefficient_grid():
+    (grid,) = _sweep_params("router_sweep").values()
+    methods = {}
+    for point in grid:
+        name = "expert_bias" if point["expert_bias"] else point["load_balancing"]
+        coefficient = point.get("aux_loss_coeff", point.get("bias_update_rate"))
+        methods.setdefault(name, []).append(coefficient)
+    assert methods == {
+        "aux_loss": [1e-3, 1e-2, 1e-1], "seq_aux_loss": [1e-3, 1e-2, 1e-1], "global_aux_loss": [1e-3, 1e-2, 1e-1],
+        "sinkhorn": [None], "none": [None], "expert_bias": [1e-3, 1e-2, 1e-1],
+    }  # fmt: skip
+    assert all(p["load_balancing"] == "none" for p in grid if p["expert_bias"])
+
+
+def test_dispatcher_sweep_and_layout_sweep_grids():
+    assert _sweep_params("dispatcher_sweep") == {"parallel.ep": [2, 4], "model.moe.dispatcher": ["alltoall", "allgather"]}
+    (layouts,) = _sweep_params("layout_sweep").values()
+    assert layouts == valid_layouts(4, num_experts=8) == [{"dp": 4, "ep": 1}, {"dp": 2, "ep": 2}, {"dp": 1, "ep": 4}]
+    assert sweep_override(valid_layouts(8, num_experts=4)) == "parallel={dp:8,ep:1},{dp:4,ep:2},{dp:2,ep:4}"

@@ -13,7 +13,13 @@ Example::
 """
 
 from lightning_moe.callbacks.base import OptimizerStepCallback, data_parallel_size, log_to_loggers
-from lightning_moe.callbacks.comm_accounting import CommAccountingCallback, count_collectives, group_dims, uncounted
+from lightning_moe.callbacks.comm_accounting import (
+    CommAccountingCallback,
+    GroupDims,
+    count_collectives,
+    group_dims,
+    uncounted,
+)
 from lightning_moe.callbacks.expert_load_plots import ExpertLoadPlotCallback
 from lightning_moe.callbacks.moe_metrics import (
     MoEMetricsCallback,
@@ -29,6 +35,7 @@ from lightning_moe.callbacks.throughput import ThroughputCallback, active_parame
 __all__ = [
     "CommAccountingCallback",
     "ExpertLoadPlotCallback",
+    "GroupDims",
     "MoEMetricsCallback",
     "MoEStatsMetric",
     "MoEStepResult",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -91,3 +92,56 @@ def data_parallel_size(trainer: pl.Trainer) -> int:
     ``MoE5DStrategy``), the world size under plain DDP, 1 on one device."""
     sampler_kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return int(sampler_kwargs.get("num_replicas", trainer.world_size))
+
+
+class StepClock:
+    """Wall-clock seconds and tokens of optimizer steps, validation excluded, the first step apart.
+
+    The first step holds the start-up (lazy initialisation, first allocations), so rates are
+    taken over the later steps when there are any.
+
+    Example::
+
+        clock = StepClock()
+        clock.start()                    # first micro-batch of the run
+        seconds = clock.lap(tokens=4096)  # each optimizer step's end: that step's seconds
+        tokens, seconds = clock.totals()  # over every step but the first
+    """
+
+    def __init__(self) -> None:
+        self._last: float | None = None  # end of the previous step (start of the first)
+        self._paused_at: float | None = None
+        self._paused = 0.0  # paused seconds since the previous step
+        self.first: tuple[float, float] | None = None  # (tokens, seconds) of the first step
+        self.after_first = (0.0, 0.0)  # (tokens, seconds) of every later step
+
+    def start(self) -> None:
+        """Start timing (no-op once started)."""
+        if self._last is None:
+            self._last = time.perf_counter()
+
+    def pause(self) -> None:
+        """Stop counting time (validation), until :meth:`resume`; no-op before :meth:`start`."""
+        if self._last is not None:
+            self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        if self._paused_at is not None:
+            self._paused += time.perf_counter() - self._paused_at
+            self._paused_at = None
+
+    def lap(self, tokens: float) -> float:
+        """End an optimizer step that processed ``tokens``; returns its seconds."""
+        assert self._last is not None, "StepClock.start() was not called"
+        now = time.perf_counter()
+        seconds = max(now - self._last - self._paused, 1e-9)
+        self._last, self._paused = now, 0.0
+        if self.first is None:
+            self.first = (tokens, seconds)
+        else:
+            self.after_first = (self.after_first[0] + tokens, self.after_first[1] + seconds)
+        return seconds
+
+    def totals(self) -> tuple[float, float] | None:
+        """``(tokens, seconds)`` of every step but the first, or of the first if it is the only one."""
+        return self.after_first if self.after_first[1] else self.first

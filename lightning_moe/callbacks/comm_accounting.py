@@ -25,6 +25,7 @@ import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -39,6 +40,7 @@ from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 OTHER = "other"  # collectives on a process group that is none of the dims' (e.g. a user's own group)
+_ROWS: tuple[str, ...] = (*DIMS, OTHER)  # rows of the per-step counters
 
 # Mesh dims a group spans -> the dimension its traffic counts for. Data-parallel gradient groups
 # come first: a group that is also another dim's (ep alone makes dp x ep the ep ranks) carries
@@ -67,10 +69,11 @@ def _all_to_all_bytes(tensor: torch.Tensor, splits: list[int] | None, size: int,
     return (sum(splits) - splits[rank]) * row_bytes
 
 
-def _broadcast_source(a: Mapping[str, Any], group: dist.ProcessGroup) -> int:
+def _broadcast_source(a: Mapping[str, Any]) -> int:
+    """The broadcasting rank, in the group's numbering."""
     if a.get("group_src") is not None:
         return a["group_src"]
-    return dist.get_group_rank(group, a["src"])
+    return dist.get_group_rank(_resolve_group(a.get("group")), a["src"])
 
 
 def _ring_all_reduce(key: str) -> SentBytes:
@@ -101,6 +104,7 @@ _C10D: dict[str, SentBytes] = {
     "reduce_scatter_tensor": _peers_chunks("input"),
     "all_to_all": _list_except_mine("input_tensor_list"),
     "all_to_all_single": lambda a, n, r: _all_to_all_bytes(a["input"], a.get("input_split_sizes"), n, r),
+    "broadcast": lambda a, n, r: _nbytes(a["tensor"]) * (n - 1) if r == _broadcast_source(a) else 0,
     "send": lambda a, n, r: _nbytes(a["tensor"]),
 }
 _FUNCOL: dict[str, SentBytes] = {
@@ -119,34 +123,69 @@ _FUNCOL: dict[str, SentBytes] = {
 }  # fmt: skip
 _WRAPPED: tuple[tuple[ModuleType, dict[str, SentBytes]], ...] = ((dist, _C10D), (funcol, _FUNCOL))
 
-_ACTIVE_GROUP_DIMS: Mapping[frozenset[int], str] | None = None  # set while count_collectives() is active
-_GROUP_CACHE: dict[str, tuple[int, int, str]] = {}  # group name -> (size, rank, dim), per active block
+_ACTIVE_GROUPS: GroupDims | None = None  # set while count_collectives() is active
+_GROUP_CACHE: dict[tuple[str, bool], tuple[int, int, str]] = {}  # (group, functional) -> (size, rank, dim)
 _PAUSE_DEPTH = 0
 
 
-def group_dims(parallel_dims: Any) -> dict[frozenset[int], str]:
-    """Map the rank sets of this rank's groups to dimensions, from a :class:`~lightning_moe.ParallelDims`.
+@dataclass(frozen=True)
+class GroupDims:
+    """Which parallel dimension a process group's traffic counts for.
 
-    Computed from the full mesh's coordinates (no process group is created), so any process group
-    over the same ranks maps alike, whoever created it (FSDP, DTensor, our dispatchers). A rank set
-    several dims share counts for the first of: the data-parallel gradient groups (dense, expert,
-    token), tp, cp, ep, pp. Collective traffic on other rank sets counts as ``"other"``.
+    A group of a DeviceMesh dim (``group_desc`` ``"mesh_<name>"``: ``tp``, ``ep``, ``edp``,
+    ``dp_ep_cp``, ...) counts for that dim: flattened dims with ``dp`` (and ``edp``) for ``dp``,
+    others for their first part of size above 1. Any other group (one that reuses the default
+    group because it spans every rank, or a user's ``new_group``) is looked up by its ranks in
+    ``by_ranks``; unknown ones count as ``"other"``. Build it with :func:`group_dims`.
 
     Example::
 
-        group_dims(trainer.strategy.parallel_dims)  # {frozenset({0, 1}): "ep", frozenset({0, 2}): "dp", ...}
+        GroupDims(by_ranks={frozenset({0, 1}): ("dp", "tp")}).dim_of(dist.group.WORLD)  # "dp" on 2 ranks
+    """
+
+    by_ranks: Mapping[frozenset[int], tuple[str, ...]] = field(default_factory=dict)
+    sizes: Mapping[str, int] = field(default_factory=dict)
+
+    def dim_of(self, group: dist.ProcessGroup, functional: bool = False) -> str:
+        """The dim of ``group``'s traffic; ``functional``: the call is a functional collective."""
+        description = getattr(group, "group_desc", "")
+        if description.startswith("mesh_"):
+            parts = ["dp" if p == "edp" else "tp" if p == "etp" else p for p in description[len("mesh_") :].split("_")]
+            if all(p in DIMS for p in parts):
+                if "dp" in parts:
+                    return "dp"
+                return next((p for p in parts if self.sizes.get(p, 1) > 1), parts[0])
+        dims = self.by_ranks.get(frozenset(dist.get_process_group_ranks(group)), (OTHER,))
+        return next((d for d in dims if d != "dp"), dims[0]) if functional else dims[0]
+
+
+def group_dims(parallel_dims: Any) -> GroupDims:
+    """The :class:`GroupDims` of a :class:`~lightning_moe.ParallelDims` with its mesh built.
+
+    Rank sets come from the full mesh's coordinates (no process group is created). A rank set
+    several dims share (ep alone makes dp x ep the ep ranks) counts for the first of: the
+    data-parallel gradient groups (dense, expert, token), tp, cp, ep, pp: the traffic of such a
+    group that is not a mesh dim's own group is FSDP's gradient reduction. Functional collectives
+    (DTensor's) on such a set count for the first dim other than dp, when there is one: a mesh dim
+    that spans every rank reuses the default group, and FSDP never issues functional collectives.
+
+    Example::
+
+        group_dims(trainer.strategy.parallel_dims).dim_of(dims.ep_group)  # "ep"
     """
     mesh = parallel_dims.mesh
     names = list(mesh.mesh_dim_names)
+    sizes = dict(zip(names, mesh.shape))
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the mesh
-        return {}
-    ranks = mesh.mesh
-    mapping: dict[frozenset[int], str] = {}
+        return GroupDims(sizes=sizes)
+    by_ranks: dict[frozenset[int], tuple[str, ...]] = {}
     for spanned, dim in _GROUP_DIMS:
         index = tuple(slice(None) if name in spanned else c for name, c in zip(names, coordinate))
-        mapping.setdefault(frozenset(ranks[index].flatten().tolist()), dim)
-    return mapping
+        ranks = frozenset(mesh.mesh[index].flatten().tolist())
+        if dim not in by_ranks.get(ranks, ()):
+            by_ranks[ranks] = (*by_ranks.get(ranks, ()), dim)
+    return GroupDims(by_ranks, sizes)
 
 
 def _resolve_group(group: Any) -> dist.ProcessGroup:
@@ -158,26 +197,26 @@ def _resolve_group(group: Any) -> dist.ProcessGroup:
     return c10d._resolve_process_group(funcol._resolve_group_name(group))
 
 
-def _group_info(group: Any) -> tuple[int, int, str]:
+def _group_info(group: Any, functional: bool = False) -> tuple[int, int, str]:
     """``(size, rank, dim)`` of a call's process group."""
-    assert _ACTIVE_GROUP_DIMS is not None
+    assert _ACTIVE_GROUPS is not None
     pg = _resolve_group(group)
-    info = _GROUP_CACHE.get(pg.group_name)
+    key = (pg.group_name, functional)
+    info = _GROUP_CACHE.get(key)
     if info is None:
-        ranks = frozenset(dist.get_process_group_ranks(pg))
-        info = (len(ranks), dist.get_rank(pg), _ACTIVE_GROUP_DIMS.get(ranks, OTHER))
-        _GROUP_CACHE[pg.group_name] = info
+        info = (dist.get_world_size(pg), dist.get_rank(pg), _ACTIVE_GROUPS.dim_of(pg, functional))
+        _GROUP_CACHE[key] = info
     return info
 
 
 def _counts_this_call() -> bool:
     """Whether the collective whose wrapper called this function is to be recorded."""
-    if _ACTIVE_GROUP_DIMS is None or _PAUSE_DEPTH:
+    if _ACTIVE_GROUPS is None or _PAUSE_DEPTH:
         return False
     return sys._getframe(2).f_globals.get("__name__") not in _SKIPPED_CALLERS  # frame 2 called the wrapper
 
 
-def _counted(fn: Callable[..., Any], sent_bytes: SentBytes) -> Callable[..., Any]:
+def _counted(fn: Callable[..., Any], sent_bytes: SentBytes, functional: bool) -> Callable[..., Any]:
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -185,26 +224,9 @@ def _counted(fn: Callable[..., Any], sent_bytes: SentBytes) -> Callable[..., Any
         if _counts_this_call():
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            size, rank, dim = _group_info(bound.arguments.get("group"))
+            size, rank, dim = _group_info(bound.arguments.get("group"), functional)
             if size > 1:
                 comm.record(dim, sent_bytes(bound.arguments, size, rank))
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def _counted_broadcast(fn: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if _counts_this_call():
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            size, rank, dim = _group_info(bound.arguments.get("group"))
-            if size > 1:
-                source = _broadcast_source(bound.arguments, _resolve_group(bound.arguments.get("group")))
-                comm.record(dim, _nbytes(bound.arguments["tensor"]) * (size - 1) if rank == source else 0)
         return fn(*args, **kwargs)
 
     return wrapper
@@ -227,10 +249,10 @@ def _counted_batch_isend_irecv(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextmanager
-def count_collectives(dims_of_ranks: Mapping[frozenset[int], str]) -> Iterator[None]:
+def count_collectives(groups: GroupDims) -> Iterator[None]:
     """Record into :data:`lightning_moe.comm.COUNTERS` every collective issued inside the block, under
-    the dimension ``dims_of_ranks`` gives its process group's ranks (see :func:`group_dims`; other
-    groups count as ``"other"``, one-rank groups not at all).
+    the dimension ``groups`` gives its process group (see :func:`group_dims`; one-rank groups are
+    not counted).
 
     Calls made by :mod:`lightning_moe.comm`'s wrappers are skipped (they record themselves), and so
     are calls inside :func:`uncounted`. Re-entering an active block changes nothing.
@@ -242,8 +264,8 @@ def count_collectives(dims_of_ranks: Mapping[frozenset[int], str]) -> Iterator[N
             loss = model(batch).sum(); loss.backward()     # FSDP all-gathers and reduce-scatters
         comm.snapshot()["dp"]                              # {"bytes": ..., "calls": ...}
     """
-    global _ACTIVE_GROUP_DIMS
-    if _ACTIVE_GROUP_DIMS is not None:
+    global _ACTIVE_GROUPS
+    if _ACTIVE_GROUPS is not None:
         yield
         return
     originals: list[tuple[ModuleType, str, Callable[..., Any]]] = []
@@ -252,14 +274,13 @@ def count_collectives(dims_of_ranks: Mapping[frozenset[int], str]) -> Iterator[N
             for name, sent_bytes in table.items():
                 if hasattr(module, name):
                     originals.append((module, name, getattr(module, name)))
-                    setattr(module, name, _counted(getattr(module, name), sent_bytes))
-        for name, wrap in (("broadcast", _counted_broadcast), ("batch_isend_irecv", _counted_batch_isend_irecv)):
-            originals.append((dist, name, getattr(dist, name)))
-            setattr(dist, name, wrap(getattr(dist, name)))
-        _ACTIVE_GROUP_DIMS = dict(dims_of_ranks)
+                    setattr(module, name, _counted(getattr(module, name), sent_bytes, module is funcol))
+        originals.append((dist, "batch_isend_irecv", dist.batch_isend_irecv))
+        dist.batch_isend_irecv = _counted_batch_isend_irecv(dist.batch_isend_irecv)
+        _ACTIVE_GROUPS = groups
         yield
     finally:
-        _ACTIVE_GROUP_DIMS = None
+        _ACTIVE_GROUPS = None
         _GROUP_CACHE.clear()
         for module, name, fn in reversed(originals):
             setattr(module, name, fn)
@@ -293,6 +314,11 @@ class CommAccountingCallback(OptimizerStepCallback):
     ``summary.json`` gets ``comm``: ``{dim: {"bytes": ..., "calls": ...}}``, per step averaged over
     the run (see :class:`~lightning_moe.callbacks.SummaryCallback`).
 
+    Everything is measured (module docstring: :mod:`lightning_moe.callbacks.comm_accounting`): the
+    step runs inside :func:`count_collectives`, which wraps the ``torch.distributed`` functions for
+    its duration. That costs microseconds per collective; under ``torch.compile`` the wrapped
+    functions break the graph, so leave this callback out of compiled runs.
+
     Example::
 
         trainer = pl.Trainer(strategy=MoE5DStrategy(ep=2), devices=2, callbacks=[CommAccountingCallback()])
@@ -300,28 +326,27 @@ class CommAccountingCallback(OptimizerStepCallback):
     """
 
     def __init__(self) -> None:
-        self._group_dims: dict[frozenset[int], str] = {}
+        self._groups = GroupDims()
         self._counting = ExitStack()
-        self._totals = torch.zeros(len(DIMS) + 1, 2, dtype=torch.float64)  # rows: DIMS + other; (bytes, calls)
+        self._totals = torch.zeros(len(_ROWS), 2, dtype=torch.float64)  # (bytes, calls) per row
         self._steps = 0
         self.metrics: dict[str, float] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dims = getattr(trainer.strategy, "parallel_dims", None)
-        self._group_dims = group_dims(dims) if dims is not None and dist.is_initialized() else {}
+        self._groups = group_dims(dims) if dims is not None and dist.is_initialized() else GroupDims()
         self._totals.zero_()
         self._steps = 0
 
     def on_step_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         comm.reset()
-        self._counting.enter_context(count_collectives(self._group_dims))
+        self._counting.enter_context(count_collectives(self._groups))
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._counting.close()
         snapshot = comm.snapshot()
-        names = (*DIMS, OTHER)
         local = torch.tensor(
-            [[snapshot.get(d, {}).get("bytes", 0), snapshot.get(d, {}).get("calls", 0)] for d in names],
+            [[snapshot.get(d, {}).get("bytes", 0), snapshot.get(d, {}).get("calls", 0)] for d in _ROWS],
             dtype=torch.float64,
         )
         # Every rank takes part, whatever it holds: a fixed-size tensor, one collective.
@@ -329,7 +354,7 @@ class CommAccountingCallback(OptimizerStepCallback):
         self._totals += per_rank
         self._steps += 1
         metrics: dict[str, float] = {}
-        for name, (nbytes, calls) in zip(names, per_rank.tolist()):
+        for name, (nbytes, calls) in zip(_ROWS, per_rank.tolist()):
             if name in DIMS or calls:
                 metrics[f"comm/{name}_bytes"] = nbytes
                 metrics[f"comm/{name}_calls"] = calls
@@ -351,7 +376,7 @@ class CommAccountingCallback(OptimizerStepCallback):
         return {
             "comm": {
                 name: {"bytes": nbytes, "calls": calls}
-                for name, (nbytes, calls) in zip((*DIMS, OTHER), mean)
+                for name, (nbytes, calls) in zip(_ROWS, mean)
                 if name in DIMS or calls
             }
         }

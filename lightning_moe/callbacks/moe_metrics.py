@@ -160,11 +160,10 @@ class MoEMetricsCallback(OptimizerStepCallback):
 
     Every rank must run the callback (its reductions are collectives); ranks holding no MoE layer
     contribute zeros. Metrics reach ``trainer.loggers`` every ``log_every_n_steps`` optimizer
-    steps, at the step of the training loss. ``last`` keeps the last step's
-    :class:`MoEStepResult` (``metrics``: its logged values, ``expert_load``: its tokens per expert);
-    ``history`` keeps, for every optimizer step, the mean over layers of each metric and the load
-    imbalance of each layer. :meth:`add_step_listener` lets other callbacks (plots) receive each
-    result.
+    steps, at the step of the training loss. ``metrics`` and ``expert_load`` keep the last step's
+    logged values and tokens per expert, ``last`` its whole :class:`MoEStepResult`; ``history``
+    keeps, for every optimizer step, the mean over layers of each metric and the load imbalance of
+    each layer. :meth:`add_step_listener` lets other callbacks (plots) receive each result.
     :class:`~lightning_moe.callbacks.SummaryCallback` writes :meth:`summary_fields` to ``summary.json``.
 
     Example::

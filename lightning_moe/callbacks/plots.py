@@ -71,7 +71,9 @@ def plot_curves(
         plot_curves({"layer0": [1.8, 1.4, 1.2]}, "plots/load_imbalance.png",
                     title="load imbalance", ylabel="max / mean tokens per expert", hline=1.0)
     """
-    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    # Room for the legend beside the axes.
+    legend_width = 0.07 * max((len(label) for label in series), default=0)
+    fig = Figure(figsize=(7 + legend_width, 4.5), layout="constrained")
     ax = fig.add_subplot()
     if len(series) > 10:  # the default cycle repeats its 10 colours
         ax.set_prop_cycle(color=colormaps["tab20"](np.arange(len(series)) % 20))

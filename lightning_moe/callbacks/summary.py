@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_moe.callbacks.base import OptimizerStepCallback, count_tokens
+from lightning_moe.callbacks.base import OptimizerStepCallback, StepClock, count_tokens
 from lightning_moe.callbacks.comm_accounting import uncounted
 from lightning_moe.callbacks.moe_metrics import data_parallel_sum
 
@@ -94,14 +93,7 @@ class SummaryCallback(OptimizerStepCallback):
         self._step_loss_sum = torch.zeros((), dtype=torch.float64)
         self._step_micro_batches = 0
         self._step_tokens = 0
-        # Throughput: the first step is timed apart (start-up), validation time is subtracted.
-        self._first_batch_start: float | None = None
-        self._first_step_end: float | None = None
-        self._first_step_tokens = 0
-        self._last_step_end = 0.0
-        self._timed_tokens = 0  # this rank's tokens of every step after the first
-        self._validation_start = 0.0
-        self._validation_seconds = 0.0  # after the first step
+        self._clock = StepClock()
 
     @property
     def final_loss(self) -> float | None:
@@ -113,8 +105,7 @@ class SummaryCallback(OptimizerStepCallback):
         self.layout = parallel_layout(trainer)
 
     def on_step_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
-        if self._first_batch_start is None:
-            self._first_batch_start = time.perf_counter()
+        self._clock.start()
 
     def on_micro_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -136,22 +127,14 @@ class SummaryCallback(OptimizerStepCallback):
         # means is the mean over the global batch.
         with uncounted():
             self.losses.append(float(trainer.strategy.reduce(local_mean, reduce_op="mean")))
-        now = time.perf_counter()
-        if self._first_step_end is None:
-            self._first_step_end = now
-            self._first_step_tokens = self._step_tokens
-        else:
-            self._timed_tokens += self._step_tokens
-        self._last_step_end = now
+        self._clock.lap(self._step_tokens)
         self._step_loss_sum, self._step_micro_batches, self._step_tokens = torch.zeros((), dtype=torch.float64), 0, 0
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._validation_start = time.perf_counter()
+        self._clock.pause()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or self._first_step_end is None:
-            return
-        self._validation_seconds += time.perf_counter() - self._validation_start
+        self._clock.resume()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         tokens_per_second = self._tokens_per_second(trainer)  # collective: before the rank-0 check
@@ -180,12 +163,9 @@ class SummaryCallback(OptimizerStepCallback):
         return Path(self.dirpath if self.dirpath is not None else trainer.default_root_dir)
 
     def _tokens_per_second(self, trainer: pl.Trainer) -> float | None:
-        if self._first_step_end is None:
+        totals = self._clock.totals()
+        if totals is None:
             return None
-        if self._timed_tokens:
-            local_tokens, seconds = self._timed_tokens, self._last_step_end - self._first_step_end - self._validation_seconds
-        else:  # a single step: time it whole, start-up included
-            assert self._first_batch_start is not None
-            local_tokens, seconds = self._first_step_tokens, self._first_step_end - self._first_batch_start
+        local_tokens, seconds = totals
         tokens = data_parallel_sum(trainer, torch.tensor(float(local_tokens), device=trainer.strategy.root_device))
-        return float(tokens) / max(seconds, 1e-9)
+        return float(tokens) / seconds

@@ -14,7 +14,13 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_moe.callbacks.base import OptimizerStepCallback, count_tokens, data_parallel_size, log_to_loggers
+from lightning_moe.callbacks.base import (
+    OptimizerStepCallback,
+    StepClock,
+    count_tokens,
+    data_parallel_size,
+    log_to_loggers,
+)
 from lightning_moe.callbacks.comm_accounting import uncounted
 from lightning_moe.moe import MoELayer
 
@@ -108,21 +114,16 @@ class ThroughputCallback(OptimizerStepCallback):
         self.peak_flops_per_device = peak_flops_per_device
         self.window = window
         self.prog_bar = prog_bar
-        self.flops_per_token: float | None = None
         self.metrics: dict[str, float] = {}
         self._reset()
 
     def _reset(self) -> None:
+        self.flops_per_token: float | None = None  # from the first batch (its sequence length)
         self._peak: float | None = self.peak_flops_per_device
         self._world_size = 1
-        # (tokens, seconds) of the first step (it holds the start-up) and of the latest later ones.
-        self._first: tuple[float, float] | None = None
-        self._recent: deque[tuple[float, float]] = deque(maxlen=self.window)
-        self._after_first = [0.0, 0.0]  # tokens, seconds of every step but the first
+        self._clock = StepClock()
+        self._recent: deque[tuple[float, float]] = deque(maxlen=self.window)  # (tokens, seconds) of later steps
         self._step_tokens = 0
-        self._last_step_end: float | None = None
-        self._validation_seconds = 0.0
-        self._validation_start = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
@@ -140,25 +141,19 @@ class ThroughputCallback(OptimizerStepCallback):
     def on_step_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         if self.flops_per_token is None:
             self.flops_per_token = self._model_flops_per_token(trainer, pl_module, batch)
-        if self._last_step_end is None:
-            self._last_step_end = time.perf_counter()
+        self._clock.start()
 
     def on_micro_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any) -> None:
         self._step_tokens += count_tokens(batch)
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        now = time.perf_counter()
-        assert self._last_step_end is not None and self.flops_per_token is not None and self._peak is not None
-        seconds = max(now - self._last_step_end - self._validation_seconds, 1e-9)
+        assert self.flops_per_token is not None and self._peak is not None
         tokens = float(self._step_tokens * data_parallel_size(trainer))
-        if self._first is None:
-            self._first = (tokens, seconds)
-        else:
+        self._step_tokens = 0
+        seconds = self._clock.lap(tokens)
+        if self._clock.after_first[1]:  # the first step holds the start-up: left out once others exist
             self._recent.append((tokens, seconds))
-            self._after_first[0] += tokens
-            self._after_first[1] += seconds
-        self._step_tokens, self._last_step_end, self._validation_seconds = 0, now, 0.0
-        steps = self._recent or [self._first]
+        steps = self._recent or [(tokens, seconds)]
         tokens_per_second = sum(t for t, _ in steps) / sum(s for _, s in steps)
         flops = self.flops_per_token * tokens_per_second
         self.metrics = {
@@ -172,11 +167,10 @@ class ThroughputCallback(OptimizerStepCallback):
             pl_module.log("tokens/s", tokens_per_second, prog_bar=True, logger=False, batch_size=1)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._validation_start = time.perf_counter()
+        self._clock.pause()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._validation_seconds += time.perf_counter() - self._validation_start
+        self._clock.resume()
 
     def _model_flops_per_token(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> float:
         seq_len = batch["input_ids"].shape[-1] if isinstance(batch, dict) and "input_ids" in batch else 1
@@ -191,8 +185,9 @@ class ThroughputCallback(OptimizerStepCallback):
 
     def summary_fields(self) -> dict[str, Any]:
         """``model_flops_per_token``, ``peak_flops_per_device`` and ``mfu`` (over all steps but the first)."""
-        if self.flops_per_token is None or self._peak is None:
+        totals = self._clock.totals()
+        if self.flops_per_token is None or self._peak is None or totals is None:
             return {}
-        tokens, seconds = self._after_first
-        mfu = self.flops_per_token * tokens / seconds / (self._peak * self._world_size) if seconds else None
+        tokens, seconds = totals
+        mfu = self.flops_per_token * tokens / seconds / (self._peak * self._world_size)
         return {"model_flops_per_token": self.flops_per_token, "peak_flops_per_device": self._peak, "mfu": mfu}
