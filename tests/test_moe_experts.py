@@ -136,3 +136,21 @@ def test_build_dispatcher():
     assert isinstance(build_dispatcher("allgather", 8, None), LocalDispatcher)
     with pytest.raises(ValueError, match="dispatcher"):
         build_dispatcher("ring", 8)
+
+
+def test_unaligned_ffn_shard_falls_back_instead_of_failing():
+    """An FFN dim of 6 fp32 values (24 bytes, e.g. 24 sharded over etp=4) is not 16-byte aligned."""
+    from lightning_moe.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 6)
+    counts = torch.tensor([3, 0, 2, 5])
+    x = torch.randn(int(counts.sum()), 16, requires_grad=True)
+    y = experts(x, counts)
+    reference = torch.cat([
+        (torch.nn.functional.silu(rows @ experts.w1[e]) * (rows @ experts.w3[e])) @ experts.w2[e]
+        for e, rows in enumerate(x.split(counts.tolist()))
+    ])
+    torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    assert x.grad is not None

@@ -102,10 +102,10 @@ class _WeightedScatterAdd(torch.autograd.Function):
 
 
 def unpermute_and_combine(rows: torch.Tensor, topk_weights: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
-    """``y [T, H]``: each token's kept slots' rows times their fp32 gate weights, summed.
+    """``y [T, H]``: each token's kept slots' rows times their gate weights, summed.
 
     ``rows`` are in the order of ``ctx.sorted_slots``; dropped slots contribute zero (their weight
-    is not renormalised away). The result has ``rows.dtype``.
+    is not renormalised away). The fp32 weights are cast to ``rows.dtype``, the result's dtype.
     """
     weights = topk_weights.reshape(-1).index_select(0, ctx.sorted_slots)
     return _WeightedScatterAdd.apply(rows, weights, ctx.sorted_slots // ctx.top_k, ctx.num_tokens)

@@ -21,9 +21,16 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` can run this case (CPU: any float dtype; CUDA: bf16 kernels)."""
+def grouped_mm_available(device: torch.device, dtype: torch.dtype, *row_sizes: int) -> bool:
+    """Whether ``torch._grouped_mm`` can run this case (CPU: any float dtype; CUDA: bf16 kernels).
+
+    ``row_sizes``: the inner sizes of the operands (hidden, FFN); ``_grouped_mm`` needs their rows
+    to be multiples of 16 bytes, which an FFN dim sharded over etp may not be.
+    """
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if any(size * itemsize % 16 for size in row_sizes):
         return False
     return device.type == "cpu" or dtype == torch.bfloat16
 
@@ -120,7 +127,7 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = (_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
         use_grouped = self.use_grouped_mm
         if use_grouped is None:
-            use_grouped = grouped_mm_available(x.device, dtype)
+            use_grouped = grouped_mm_available(x.device, dtype, w1.shape[1], w1.shape[2])
         if use_grouped:
             return _grouped_swiglu(x, w1, w3, w2, tokens_per_expert)
         return _padded_swiglu(x, w1, w3, w2, tokens_per_expert)

@@ -169,7 +169,7 @@ class MoELayer(nn.Module):
 
         with torch.no_grad():
             kept = keep.sum() if keep is not None else num_tokens * top_k
-            entropy = -(probs * probs.clamp_min(1e-20).log()).sum()
+            entropy = torch.special.entr(probs).sum()
             zero = probs.new_zeros(())
             # One all-reduce for everything that sums over the micro-batch.
             totals = torch.cat(
