@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_moe.moe.experts import SharedExpert
+
 __all__ = ["Attention", "FeedForward", "TransformerBlock", "apply_rotary", "rotary_cos_sin"]
 
 
@@ -88,22 +90,13 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
-class FeedForward(nn.Module):
-    """Dense SwiGLU MLP: `w2(silu(w1 x) * w3 x)`.
+class FeedForward(SharedExpert):
+    """Dense SwiGLU MLP of the non-MoE layers: `w2(silu(w1 x) * w3 x)`, the MoE shared expert's math.
 
     Example:
         >>> FeedForward(64, 176)(torch.randn(2, 5, 64)).shape
         torch.Size([2, 5, 64])
     """
-
-    def __init__(self, hidden_size: int, ffn_hidden_size: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.w2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
