@@ -30,10 +30,17 @@ TINY_RUN = [
 ]
 
 
-def run_cli(run_dir: Path, *overrides: str, timeout: int = 600) -> dict:
-    """Run ``python -m lightning_moe.train`` with ``overrides`` and return its summary.json."""
+def run_cli(run_dir: Path, *overrides: str, timeout: int = 600, torchrun_procs: int | None = None) -> dict:
+    """Run ``python -m lightning_moe.train`` with ``overrides`` and return its summary.json.
+
+    ``torchrun_procs``: start the processes with ``torchrun --nproc_per_node`` instead of
+    Lightning's own launcher.
+    """
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
-    cmd = [sys.executable, "-m", "lightning_moe.train", *TINY_RUN, *overrides, f"hydra.run.dir={run_dir}"]
+    launcher = [sys.executable, "-m"]
+    if torchrun_procs is not None:
+        launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}", "-m"]
+    cmd = [*launcher, "lightning_moe.train", *TINY_RUN, *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

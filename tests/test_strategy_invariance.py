@@ -68,6 +68,13 @@ def test_layout_matches_single_process(tmp_path, single_losses, name, overrides,
 
 
 @pytest.mark.slow
+def test_torchrun_launch_matches_single_process(tmp_path, single_losses):
+    summary = run_cli(tmp_path / "torchrun", "parallel=ep2", torchrun_procs=2)
+    assert summary["layout"]["ep"] == 2
+    _assert_same_curve(summary["losses"], single_losses)
+
+
+@pytest.mark.slow
 def test_cli_overrides_select_the_layout(tmp_path, single_losses):
     summary = run_cli(tmp_path / "override", "parallel.ep=2", "trainer.devices=2")
     assert summary["layout"]["ep"] == 2
