@@ -26,6 +26,14 @@ from lightning_moe.parallel.context_parallel import check_context_parallel_suppo
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS, is_parallelized, parallelize
+from lightning_moe.parallel.pipeline import (
+    GroupedBatchLoader,
+    PipelineRunner,
+    check_pipeline_config,
+    pipeline_batch,
+    pipeline_stage_modules,
+    unpack_target_loss,
+)
 
 _STAGING_SUFFIX = ".staging"
 _PREVIOUS_SUFFIX = ".previous"
@@ -39,6 +47,15 @@ class MoE5DStrategy(ModelParallelStrategy):
     :func:`lightning_moe.parallelize` unless the module already parallelized itself, splits samples
     over ``dp x ep`` and saves distributed (DCP) checkpoints atomically.
 
+    Under ``pp > 1`` the module is split into pipeline stages and a ``torch.distributed.pipelining``
+    schedule replaces the module's ``training_step``/``validation_step``: each Lightning batch
+    holds ``pp_microbatches`` loader batches (micro-batches of ``micro_batch_size`` samples), the
+    schedule runs forward and backward of all of them, and the strategy returns (and logs as
+    ``train/loss``/``val/loss``) their mean loss, broadcast from the last stage to every rank.
+    ``accumulate_grad_batches`` is divided by ``pp_microbatches`` accordingly. The module provides
+    ``loss_from_logits(output, labels, loss_mask=None, loss_token_count=None)`` (the loss of one
+    micro-batch) and a split convention (see :mod:`lightning_moe.parallel.pipeline`).
+
     Example::
 
         import lightning as L
@@ -50,6 +67,9 @@ class MoE5DStrategy(ModelParallelStrategy):
         tp, cp, ep, pp: tensor, context, expert and pipeline parallel sizes.
         dp: data parallel size, or ``"auto"`` for ``world_size // (tp*cp*ep*pp)``.
         etp: expert tensor parallel size, 1 or ``tp`` (default ``tp``).
+        pp_schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"`` (needs ``pp_stages_per_rank >= 2``).
+        pp_microbatches: micro-batches per pipeline step (default ``pp``); 1F1B needs ``>= pp``.
+        pp_stages_per_rank: virtual stages per rank (interleaved schedule).
         data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"ddp"`` (replication) or ``"none"``.
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
         context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides
@@ -69,6 +89,9 @@ class MoE5DStrategy(ModelParallelStrategy):
         dp: int | Literal["auto"] = "auto",
         pp: int = 1,
         etp: int | None = None,
+        pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = "1F1B",
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int = 1,
         data_parallel: Literal["fsdp", "ddp", "none"] = "fsdp",
         sequence_parallel: bool = True,
         context_parallel_keys: Sequence[str] = (),
@@ -89,12 +112,20 @@ class MoE5DStrategy(ModelParallelStrategy):
             self.parallel_dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-        for name in ("pp",):
-            if getattr(self.parallel_dims, name) > 1:
-                raise MisconfigurationException(
-                    f"{name}={getattr(self.parallel_dims, name)}: {name} > 1 is not supported yet by MoE5DStrategy;"
-                    f" set {name}=1"
-                )
+        self.pp_schedule = pp_schedule
+        self.pp_microbatches = pp if pp_microbatches is None else pp_microbatches
+        self.pp_stages_per_rank = pp_stages_per_rank
+        try:
+            check_pipeline_config(pp, pp_schedule, self.pp_microbatches, pp_stages_per_rank)
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
+        if pp > 1 and not save_distributed_checkpoint:
+            raise MisconfigurationException(
+                f"pp={pp} > 1 needs save_distributed_checkpoint=True: each pipeline stage saves its own parameters"
+            )
+        self._pipeline: PipelineRunner | None = None
+        self._pipeline_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._user_accumulate_grad_batches: int | None = None
         self.data_parallel = data_parallel
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
@@ -133,6 +164,16 @@ class MoE5DStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         check_context_parallel_support(self.model, self.parallel_dims)
+        pipelined = self.parallel_dims.pp > 1
+        if pipelined:
+            self._check_pipeline_module()
+            if getattr(self.precision_plugin, "scaler", None) is not None:
+                raise MisconfigurationException(
+                    "pp > 1 with a gradient scaler (precision='16-mixed') is not supported: the pipeline runs"
+                    " backward itself; use precision='bf16-mixed' or '32-true'"
+                )
+            if trainer.state.fn == TrainerFn.FITTING:
+                self._divide_accumulation(trainer)
         if not is_parallelized(self.model):
             parallelize(
                 self.model,
@@ -140,6 +181,7 @@ class MoE5DStrategy(ModelParallelStrategy):
                 data_parallel=self.data_parallel,
                 sequence_parallel=self.sequence_parallel,
                 etp=self.parallel_dims.etp,
+                pp_stages_per_rank=self.pp_stages_per_rank,
             )
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -153,7 +195,141 @@ class MoE5DStrategy(ModelParallelStrategy):
         # Dense and expert parameters are DTensors on different meshes, which torch's
         # clip_grad_norm_ cannot stack: Lightning's gradient_clip_val goes through ours.
         plugin = self.precision_plugin
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+        # Pipeline stages hold different parameters: their norms combine over pp.
+        pp_group = self.parallel_dims.pp_group if pipelined else None
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
+            plugin.main_params(optimizer), clip_val, group=pp_group
+        )
+        if pipelined:
+            self._build_pipeline()
+
+    # -- pipeline ----------------------------------------------------------------------------------
+    def _check_pipeline_module(self) -> None:
+        module = self.lightning_module
+        if not callable(getattr(module, "loss_from_logits", None)):
+            raise MisconfigurationException(
+                f"pp={self.parallel_dims.pp} > 1: {type(module).__name__} needs a method"
+                " loss_from_logits(output, labels, loss_mask=None, loss_token_count=None) returning the mean loss"
+                " of one micro-batch from the last stage's output (the strategy runs the pipeline schedule"
+                " instead of training_step)"
+            )
+
+    def _divide_accumulation(self, trainer: Trainer) -> None:
+        """Each Lightning batch runs ``pp_microbatches`` loader batches: accumulate that many times fewer."""
+        if self._user_accumulate_grad_batches is None:
+            self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
+        accumulate = self._user_accumulate_grad_batches
+        m = self.pp_microbatches
+        if accumulate % m == 0:
+            trainer.accumulate_grad_batches = accumulate // m
+            return
+        dims = self.parallel_dims
+        datamodule = getattr(trainer, "datamodule", None)
+        global_batch = getattr(datamodule, "global_batch_size", None)
+        micro_batch = getattr(datamodule, "micro_batch_size", None)
+        if isinstance(global_batch, int) and isinstance(micro_batch, int):
+            product = dims.dp * dims.ep * m * micro_batch
+            raise MisconfigurationException(
+                f"global_batch_size {global_batch} is not divisible by dp*ep*pp_microbatches*micro_batch_size ="
+                f" {dims.dp}*{dims.ep}*{m}*{micro_batch} = {product}: every pipeline step runs pp_microbatches"
+                f" micro-batches; make global_batch_size a multiple of {product} or change pp_microbatches"
+                " or micro_batch_size"
+            )
+        raise MisconfigurationException(
+            f"accumulate_grad_batches {accumulate} (micro-batches per optimizer step and rank) is not divisible by"
+            f" pp_microbatches={m}: every pipeline step runs pp_microbatches micro-batches"
+        )
+
+    def _build_pipeline(self) -> None:
+        stages = pipeline_stage_modules(self.model)
+        if stages is None:
+            raise MisconfigurationException(
+                f"pp={self.parallel_dims.pp} > 1 but the module was parallelized without a pipeline split:"
+                " let the strategy parallelize it, or call lightning_moe.parallelize(..., pp_stages_per_rank=...)"
+                " in configure_model"
+            )
+        self._pipeline = PipelineRunner(
+            stages,
+            num_stages=self.parallel_dims.pp * self.pp_stages_per_rank,
+            group=self.parallel_dims.pp_group,
+            device=self.root_device,
+            schedule=self.pp_schedule,
+            microbatches=self.pp_microbatches,
+            loss_fn=self._pipeline_loss,
+        )
+
+    def _pipeline_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        return unpack_target_loss(self.lightning_module.loss_from_logits, output, target, self.parallel_dims.cp)
+
+    def _run_pipeline(self, batch: Any, train: bool) -> tuple[torch.Tensor, int]:
+        assert self._pipeline is not None
+        inputs, kwargs, target = pipeline_batch(
+            batch,
+            self.pp_microbatches,
+            with_positions="position_ids" in self._pipeline.forward_kwargs,
+            cp_group=self.parallel_dims.cp_group if self.parallel_dims.cp > 1 else None,
+        )
+        size = inputs[0].shape[0]
+        grad_scale = 1.0
+        if train:
+            self._restore_pipeline_grads()
+            # Lightning zeroes gradients *after* training_step, before its backward: the schedule
+            # must not add to the previous gradients, whose fate (zeroed or kept) is decided later.
+            previous = [(p, p.grad) for p in self._optimized_parameters()]
+            for param, _ in previous:
+                param.grad = None
+            # Every micro-batch is 1/(pp_microbatches * accumulate) of the optimizer step, for the
+            # task loss and the MoE aux losses alike (cp: see training_step).
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            grad_scale = 1.0 / (accumulate * self.pp_microbatches)
+            set_aux_loss_scale(self.parallel_dims.cp * grad_scale)
+        losses = self._pipeline.step(inputs, kwargs, target, train=train, grad_scale=grad_scale)
+        loss = self._pipeline.broadcast_mean(losses)
+        if train:
+            # This step's gradients wait for backward(), which adds them as Lightning's backward would.
+            self._pipeline_grads = [(p, p.grad) for p, _ in previous]
+            for param, grad in previous:
+                param.grad = grad
+        return loss, size
+
+    def _optimized_parameters(self) -> list[torch.Tensor]:
+        """The optimizers' parameters (FSDP's sharded ones, whatever state the modules are in)."""
+        params = {id(p): p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]}
+        return list(params.values()) if params else list(self.lightning_module.parameters())
+
+    def _restore_pipeline_grads(self) -> None:
+        if self._pipeline_grads is None:
+            return
+        for param, grad in self._pipeline_grads:
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+        self._pipeline_grads = None
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.parallel_dims.pp == 1:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran backward inside training_step: only the hooks run here.
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._restore_pipeline_grads()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        if self.parallel_dims.pp > 1:
+            return GroupedBatchLoader(dataloader, self.pp_microbatches)
+        return dataloader
+
+    @override
+    def teardown(self) -> None:
+        if self._user_accumulate_grad_batches is not None and self.lightning_module is not None:
+            trainer = self.lightning_module._trainer
+            if trainer is not None:
+                trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
+            self._user_accumulate_grad_batches = None
+        super().teardown()
 
     # -- steps -------------------------------------------------------------------------------------
     @override
@@ -175,22 +351,41 @@ class MoE5DStrategy(ModelParallelStrategy):
         # cp rank holds a partial aux loss (the cp ranks' parts sum to the micro-batch's) while
         # gradients are averaged over cp, hence the factor cp.
         assert self.lightning_module is not None
+        if self.parallel_dims.pp > 1:
+            # The schedule runs forward and backward of every micro-batch; Lightning's backward is a no-op.
+            with self._step_context(), self.precision_plugin.train_step_context():
+                loss, size = self._run_pipeline(args[0], train=True)
+            self.lightning_module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
+            return loss
         set_aux_loss_scale(self.parallel_dims.cp / self.lightning_module.trainer.accumulate_grad_batches)
         with self._step_context():
             return super().training_step(*args, **kwargs)
 
+    def _pipeline_eval_step(self, batch: Any, name: str) -> torch.Tensor:
+        with self._step_context(), self.precision_plugin.val_step_context():
+            loss, size = self._run_pipeline(batch, train=False)
+        assert self.lightning_module is not None
+        self.lightning_module.log(name, loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True, batch_size=size)
+        return loss
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.parallel_dims.pp > 1:
+            return self._pipeline_eval_step(args[0], "val/loss")
         with self._step_context():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.parallel_dims.pp > 1:
+            return self._pipeline_eval_step(args[0], "test/loss")
         with self._step_context():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.parallel_dims.pp > 1:
+            raise NotImplementedError("predict under pp > 1 is not supported: predict with pp=1 from a checkpoint")
         with self._step_context():
             return super().predict_step(*args, **kwargs)
 
@@ -215,18 +410,70 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.barrier()
 
     @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.parallel_dims.pp == 1:
+            return super().optimizer_state(optimizer)
+        # DCP writes a non-tensor entry (the param_groups list) once, from rank 0; pipeline stages
+        # hold different parameters, so each parameter carries its group's options instead.
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        return get_optimizer_state_dict(self.model, optimizer, options=_flat_optimizer_options())
+
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
         previous = path.with_name(path.name + _PREVIOUS_SUFFIX)
         if not path.exists() and previous.exists():
             # A save was interrupted between the two renames: the previous checkpoint is complete.
             path = previous
+        if _has_flat_optimizer_state(path):  # saved under pp > 1, loadable by any layout
+            return self._load_flat_checkpoint(Path(self.broadcast(str(path))), weights_only)
         return super().load_checkpoint(path, weights_only=weights_only)
+
+    def _load_flat_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """``ModelParallelStrategy.load_checkpoint`` for optimizer states saved with flattened param groups."""
+        from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _distributed_checkpoint_load
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None and self.lightning_module is not None
+        module_state = {"state_dict": get_model_state_dict(self.model)}
+        _distributed_checkpoint_load(module_state, path)
+        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
+        options = _flat_optimizer_options()
+        for idx, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{idx}"
+            optim_state = {key: get_optimizer_state_dict(self.model, optimizer, options=options)}
+            _distributed_checkpoint_load(optim_state, path)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key], options=options)
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="lightning-moe 5D parallel strategy (tp, cp, ep, dp, pp)")
+
+
+def _flat_optimizer_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+
+
+def _has_flat_optimizer_state(path: Path) -> bool:
+    """Whether a DCP checkpoint folder holds optimizer param groups flattened per parameter name."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (path / ".metadata").is_file():
+        return False
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    groups = [k for k in keys if k.startswith("optimizer_") and ".param_groups." in k]
+    # Nested (torch's default): "optimizer_0.param_groups.0.lr", with a "...params" list per group.
+    return bool(groups) and not any(k.endswith(".params") or ".params." in k for k in groups)
 
 
 def _remove(path: Path) -> None:

@@ -39,6 +39,14 @@ LAYOUTS = [
     ("cp2_ep2", ["parallel=cp2_ep2"], {"cp": 2, "ep": 2}),
     ("cp4", ["parallel=cp4"], {"cp": 4}),
     ("cp2_tp2_ep2", ["parallel=cp2_tp2_ep2"], {"cp": 2, "tp": 2, "ep": 2}),
+    # Pipeline: each Lightning batch runs pp_microbatches (default pp) loader micro-batches.
+    ("pp2_gpipe", ["parallel=pp2", "parallel.pp_schedule=GPipe"], {"pp": 2}),
+    ("pp2_1f1b", ["parallel=pp2"], {"pp": 2}),
+    ("pp2_1f1b_m4", ["parallel=pp2", "parallel.pp_microbatches=4"], {"pp": 2}),
+    ("pp2_dp2", ["parallel=pp2", "parallel.dp=2"], {"pp": 2, "dp": 2}),
+    ("pp2_ep2", ["parallel=pp2_ep2"], {"pp": 2, "ep": 2}),
+    ("pp2_cp2", ["parallel=pp2", "parallel.cp=2"], {"pp": 2, "cp": 2}),
+    ("pp2_tp2_ep2", ["parallel=pp2_tp2_ep2"], {"pp": 2, "tp": 2, "ep": 2, "etp": 2}),
 ]
 
 # DeepSeek-V3 routing: sigmoid scores, aux-loss-free expert bias (loads reduced over every rank).
@@ -132,3 +140,77 @@ def test_any_sdpa_module_gets_context_parallel(tmp_path):
         losses[cp] = json.loads(out.read_text())
     assert len(losses[1]) == 6
     _assert_same_curve(losses[2], losses[1])
+
+
+# -- pipeline parallel -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def single_losses_4_layers(tmp_path_factory) -> list[float]:
+    return run_cli(tmp_path_factory.mktemp("single4") / "run", "parallel=single", "model.num_layers=4")["losses"]
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_matches_single_process(tmp_path, single_losses_4_layers):
+    summary = run_cli(tmp_path / "interleaved", "parallel=pp2_interleaved", "model.num_layers=4")
+    assert summary["layout"]["pp"] == 2
+    _assert_same_curve(summary["losses"], single_losses_4_layers)
+
+
+@pytest.mark.slow
+def test_all_of_tp_cp_ep_pp_matches_single_process(tmp_path, single_losses):
+    """16 processes: pp2 x cp2 x tp2 x ep2 (full5d adds dp2: 32 processes, too many for 2 cores)."""
+    summary = run_cli(tmp_path / "pp2_cp2_tp2_ep2", "parallel=pp2_cp2_tp2_ep2", timeout=1800)
+    assert {k: summary["layout"][k] for k in ("pp", "cp", "tp", "ep")} == {"pp": 2, "cp": 2, "tp": 2, "ep": 2}
+    _assert_same_curve(summary["losses"], single_losses)
+
+
+@pytest.mark.slow
+def test_pipeline_resume_continues_the_same_curve(tmp_path, single_losses):
+    first = tmp_path / "first"
+    run_cli(first, "parallel=pp2", "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
+            "callbacks.checkpoint.every_n_train_steps=5")
+    ckpt = first / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir(), "a sharded DCP checkpoint folder"
+    resumed = run_cli(tmp_path / "resumed", "parallel=pp2", "model.max_steps=10", f"ckpt_path={ckpt}")
+    _assert_same_curve(resumed["losses"][-5:], single_losses[5:])
+    # Every stage saves its parameters under their names in the whole model: the pp2 checkpoint
+    # holds the same model and optimizer state as one process's after the same 5 steps.
+    one = tmp_path / "one"
+    run_cli(one, "parallel=single", "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
+            "callbacks.checkpoint.every_n_train_steps=5")
+    piped, single = _read_dcp_tensors(ckpt), _read_dcp_tensors(one / "checkpoints" / "last.ckpt")
+    model_keys = {k for k in single if k.startswith("state_dict.")}
+    assert model_keys and model_keys == {k for k in piped if k.startswith("state_dict.")}
+    for key in model_keys | {k for k in single if k.startswith("optimizer_0.state.")}:
+        torch.testing.assert_close(piped[key], single[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def _read_dcp_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint folder, whole, read in this (non-distributed) process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+               if isinstance(m, TensorStorageMetadata)}
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["parallel=pp2", "model.num_layers=3"], r"3 layers cannot be split evenly into pp\*pp_stages_per_rank = 2"),
+        (["parallel=pp2", "parallel.pp_microbatches=1"], r"pp_microbatches=1 < pp=2"),
+        (["parallel=pp2", "data.global_batch_size=6"],
+         r"global_batch_size 6 is not divisible by dp\*ep\*pp_microbatches\*micro_batch_size = 1\*1\*2\*2 = 4"),
+        (["parallel=pp2_interleaved", "model.num_layers=2"], r"2 layers cannot be split evenly .* = 4"),
+    ],
+    ids=["layers", "microbatches", "global_batch", "virtual_stages"],
+)
+def test_bad_pipeline_configuration_fails_before_training(tmp_path, overrides, message):
+    import re
+
+    output = run_cli_error(tmp_path / "bad", *overrides)
+    assert re.search(message, output), output[-3000:]
+    assert "Epoch 0" not in output

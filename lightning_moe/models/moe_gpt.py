@@ -79,7 +79,8 @@ class MoEGPT(pl.LightningModule):
         - `tensor_parallel_plan()` declares tensor/sequence parallelism;
         - a pipeline stage is this module with `layers` entries deleted and `tok_embeddings`
           (first stage) or `norm`/`output` (last stage) set to None: `forward` then takes or
-          returns hidden states.
+          returns hidden states; `loss_from_logits(logits, labels, ...)` is the loss the
+          strategy computes on the last stage for every pipeline micro-batch.
 
     Example:
         >>> model = MoEGPT(hidden_size=64, num_layers=2, moe={"num_experts": 4, "ffn_hidden_size": 64})
@@ -179,15 +180,27 @@ class MoEGPT(pl.LightningModule):
         mean, which divides by `loss_token_count` when the strategy provides it). Logits are cast
         to fp32 for the softmax."""
         logits = self(batch["input_ids"], batch.get("position_ids"))
-        per_token = F.cross_entropy(
-            logits.float().flatten(0, -2), batch["labels"].flatten(), reduction="none"
+        return self.loss_from_logits(
+            logits, batch["labels"], batch.get("loss_mask"), batch.get("loss_token_count")
         )
-        mask = batch.get("loss_mask")
+
+    def loss_from_logits(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+        loss_token_count: torch.Tensor | float | None = None,
+    ) -> torch.Tensor:
+        """The loss of `loss()` from logits `[B, S, vocab]`: the mean cross entropy over the tokens
+        of `labels [B, S]` that `loss_mask` keeps, divided by `loss_token_count` when given. Under
+        pipeline parallelism the strategy calls it on the last stage for every micro-batch."""
+        per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
+        mask = loss_mask
         if mask is not None:
             per_token = per_token * mask.flatten().to(per_token.dtype)
         # Under context parallelism the strategy passes the micro-batch's loss tokens per cp rank,
         # so the cp ranks' losses average to the mean over all tokens (not a mean of means).
-        count = batch.get("loss_token_count")
+        count = loss_token_count
         if count is None:
             count = mask.sum() if mask is not None else per_token.numel()
         return per_token.sum() / torch.as_tensor(count, dtype=per_token.dtype).clamp_min(1.0)

@@ -47,4 +47,19 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
     if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
         for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
             wrap(block, mesh=dims.dense_grad_mesh)
+    if dims.pp > 1:
+        # Pipeline stages call the module's children, never the module itself (a stage may be a
+        # shallow copy of it): each child holding parameters is a unit of its own, so every unit's
+        # hooks run in the stages' forward and backward.
+        for child in module.children():
+            if child is not blocks and _has_unwrapped_parameters(child):
+                wrap(child, mesh=dims.dense_grad_mesh)
+        return
     wrap(module, mesh=dims.dense_grad_mesh)
+
+
+def _has_unwrapped_parameters(module: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+    return any(id(p) not in wrapped for p in module.parameters())

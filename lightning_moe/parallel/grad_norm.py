@@ -6,15 +6,24 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for a model whose DTensor parameters sit on several meshes.
 
     Gradients are grouped by mesh and placements; each group's norm is reduced over its own mesh,
-    then the groups combine. Returns the total norm (a plain tensor, identical on every rank).
+    then the groups combine. ``group``: ranks that hold the *other* parameters of the model (the
+    pipeline stages, pp): their norms combine too. Returns the total norm (a plain tensor, identical
+    on every rank).
 
     Example::
 
@@ -25,13 +34,27 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
         if param.grad is not None:
             grad = param.grad
             groups[(grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None].append(param)
-    if not groups:
+    if not groups and (group is None or dist.get_world_size(group) == 1):
         return torch.tensor(0.0)
     norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=norm_type)
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type=norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.nn.utils.get_total_norm(norms, norm_type=norm_type)
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    total = torch.nn.utils.get_total_norm(norms, norm_type=norm_type) if norms else torch.tensor(0.0)
+    if group is not None and dist.get_world_size(group) > 1:
+        total = _combine_over(total, norm_type, group)
+    for members in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
     return total
+
+
+def _combine_over(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm over the parameters of every rank of ``group`` from each rank's own norm."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else norm.device
+    norm = norm.detach().to(device=device, dtype=torch.float32).clone()
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm**norm_type
+    dist.all_reduce(powered, group=group)
+    return powered ** (1.0 / norm_type)

@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_moe.parallel.data_parallel import apply_data_parallel
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel
+from lightning_moe.parallel.pipeline import split_module
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
 
 DataParallelKind = Literal["fsdp", "ddp", "none"]
@@ -37,12 +38,16 @@ def parallelize(
     data_parallel: DataParallelKind = "fsdp",
     sequence_parallel: bool = True,
     etp: int | None = None,
+    pp_stages_per_rank: int = 1,
 ) -> nn.Module:
     """Parallelize ``module`` in place over the full ``(pp, dp, ep, cp, tp)`` mesh and return it.
 
-    Order: expert parallel for every ``MoELayer``, the module's tensor-parallel plan
-    (``tensor_parallel_plan()``), then data parallel last (FSDP2 ``fully_shard``,
-    DDP-style ``replicate``, or ``"none"``: parameters stay replicated and gradients unreduced).
+    Order: under pp > 1 the pipeline split first (:func:`lightning_moe.parallel.pipeline.split_module`:
+    the module keeps only this rank's ``pp_stages_per_rank`` stages, whose modules
+    ``pipeline_stage_modules(module)`` returns), then expert parallel for every ``MoELayer``, the
+    module's tensor-parallel plan (``tensor_parallel_plan()``, over the layers left), then data
+    parallel last (FSDP2 ``fully_shard``, DDP-style ``replicate``, or ``"none"``: parameters stay
+    replicated and gradients unreduced).
 
     Example::
 
@@ -53,9 +58,9 @@ def parallelize(
     if data_parallel not in DATA_PARALLEL_KINDS:
         raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL_KINDS}")
     dims = ParallelDims.from_mesh(mesh, etp=etp)
-    for name in ("pp",):
-        if getattr(dims, name) > 1:
-            raise NotImplementedError(f"{name}={getattr(dims, name)} > 1 is not supported yet by lightning_moe.parallelize")
+    if dims.pp > 1:
+        # Split first: only this rank's layers get sharded for ep, tp and dp.
+        split_module(module, dims.pp_mesh.get_local_rank(), dims.pp, pp_stages_per_rank)
     apply_expert_parallel(module, dims)
     if dims.tp > 1:
         apply_tensor_parallel(module, dims, sequence_parallel)
