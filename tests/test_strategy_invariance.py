@@ -91,12 +91,7 @@ def test_cli_overrides_select_the_layout(tmp_path, single_losses):
 
 @pytest.mark.slow
 def test_resume_continues_the_same_curve(tmp_path, single_losses):
-    first = tmp_path / "first"
-    run_cli(first, "parallel=ep2", "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
-            "callbacks.checkpoint.every_n_train_steps=5")
-    ckpt = first / "checkpoints" / "last.ckpt"
-    assert ckpt.is_dir(), "a sharded DCP checkpoint folder"
-    assert not list(first.glob("checkpoints/*.staging")), "no half-written checkpoint is left behind"
+    ckpt = _checkpoint_after_5_steps(tmp_path / "first", "parallel=ep2")
     resumed = run_cli(tmp_path / "resumed", "parallel=ep2", "model.max_steps=10", f"ckpt_path={ckpt}")
     _assert_same_curve(resumed["losses"][-5:], single_losses[5:])
 
@@ -165,23 +160,26 @@ def test_all_of_tp_cp_ep_pp_matches_single_process(tmp_path, single_losses):
 
 @pytest.mark.slow
 def test_pipeline_resume_continues_the_same_curve(tmp_path, single_losses):
-    first = tmp_path / "first"
-    run_cli(first, "parallel=pp2", "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
-            "callbacks.checkpoint.every_n_train_steps=5")
-    ckpt = first / "checkpoints" / "last.ckpt"
-    assert ckpt.is_dir(), "a sharded DCP checkpoint folder"
+    ckpt = _checkpoint_after_5_steps(tmp_path / "first", "parallel=pp2")
     resumed = run_cli(tmp_path / "resumed", "parallel=pp2", "model.max_steps=10", f"ckpt_path={ckpt}")
     _assert_same_curve(resumed["losses"][-5:], single_losses[5:])
     # Every stage saves its parameters under their names in the whole model: the pp2 checkpoint
     # holds the same model and optimizer state as one process's after the same 5 steps.
-    one = tmp_path / "one"
-    run_cli(one, "parallel=single", "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
-            "callbacks.checkpoint.every_n_train_steps=5")
-    piped, single = _read_dcp_tensors(ckpt), _read_dcp_tensors(one / "checkpoints" / "last.ckpt")
+    piped, single = _read_dcp_tensors(ckpt), _read_dcp_tensors(_checkpoint_after_5_steps(tmp_path / "one", "parallel=single"))
     model_keys = {k for k in single if k.startswith("state_dict.")}
     assert model_keys and model_keys == {k for k in piped if k.startswith("state_dict.")}
     for key in model_keys | {k for k in single if k.startswith("optimizer_0.state.")}:
         torch.testing.assert_close(piped[key], single[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def _checkpoint_after_5_steps(run_dir, layout: str):
+    """Train 5 of the 10 scheduled steps on ``layout`` and return its last DCP checkpoint folder."""
+    run_cli(run_dir, layout, "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
+            "callbacks.checkpoint.every_n_train_steps=5")
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert ckpt.is_dir(), "a sharded DCP checkpoint folder"
+    assert not list(run_dir.glob("checkpoints/*.staging")), "no half-written checkpoint is left behind"
+    return ckpt
 
 
 def _read_dcp_tensors(path) -> dict[str, torch.Tensor]:
