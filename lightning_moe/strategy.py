@@ -74,6 +74,9 @@ class MoE5DStrategy(ModelParallelStrategy):
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
         context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides
             ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``.
+        cp_head_chunks: ring attention passes per attention call under cp > 1, each over an equal
+            share of the key/value heads (a divisor of them): the K/V and dK/dV blocks in flight
+            shrink by this factor for as many times more P2P messages (memory vs. latency).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: process-group timeout.
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
@@ -95,6 +98,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         data_parallel: Literal["fsdp", "ddp", "none"] = "fsdp",
         sequence_parallel: bool = True,
         context_parallel_keys: Sequence[str] = (),
+        cp_head_chunks: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         save_distributed_checkpoint: bool = True,
@@ -106,6 +110,10 @@ class MoE5DStrategy(ModelParallelStrategy):
         )
         if data_parallel not in DATA_PARALLEL_KINDS:
             raise MisconfigurationException(f"data_parallel={data_parallel!r} must be one of {DATA_PARALLEL_KINDS}")
+        if not isinstance(cp_head_chunks, int) or cp_head_chunks < 1:
+            raise MisconfigurationException(
+                f"cp_head_chunks={cp_head_chunks!r} must be a positive integer dividing the key/value heads"
+            )
         if dp != "auto" and (not isinstance(dp, int) or dp < 1):
             raise MisconfigurationException(f"dp={dp!r} must be a positive integer or 'auto'")
         try:
@@ -129,6 +137,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.data_parallel = data_parallel
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
+        self.cp_head_chunks = cp_head_chunks
 
     # -- launch and mesh ---------------------------------------------------------------------------
     @override
@@ -342,7 +351,7 @@ class MoE5DStrategy(ModelParallelStrategy):
     def _step_context(self) -> AbstractContextManager:
         """Inside a step under cp > 1, ``F.scaled_dot_product_attention`` becomes ring attention."""
         if self.parallel_dims.cp > 1:
-            return context_parallel_attention(self.parallel_dims.cp_group)
+            return context_parallel_attention(self.parallel_dims.cp_group, head_chunks=self.cp_head_chunks)
         return nullcontext()
 
     @override

@@ -41,7 +41,9 @@ def _full_inputs(seq: int, heads: int, kv_heads: int, dtype: torch.dtype = torch
     return [torch.randn(BATCH, h, seq, HEAD_DIM, generator=gen).to(dtype) for h in heads_of]
 
 
-def ring_case(cp: int, causal: bool, heads: int, kv_heads: int, kernel: str, layout: str, seq: int = 32) -> dict:
+def ring_case(
+    cp: int, causal: bool, heads: int, kv_heads: int, kernel: str, layout: str, seq: int = 32, head_chunks: int = 1
+) -> dict:
     from lightning_moe.cp import ring_attention, shard_sequence, trace_ring_attention
 
     group = _cp_group(cp)
@@ -56,7 +58,7 @@ def ring_case(cp: int, causal: bool, heads: int, kv_heads: int, kernel: str, lay
 
     local = [shard(t).requires_grad_(True) for t in (full_q, full_k, full_v)]
     with trace_ring_attention() as trace:
-        out = ring_attention(*local, group, causal, layout, kernel=kernel)
+        out = ring_attention(*local, group, causal, layout, kernel=kernel, head_chunks=head_chunks)
         out.backward(shard(full_grad))
     errors = {"out": (out - shard(ref_out)).abs().max().item()}
     for name, mine, ref in zip("qkv", local, refs):
@@ -78,6 +80,17 @@ def test_ring_attention_matches_full_attention(
     for rank, result in enumerate(results):
         for name, err in result["errors"].items():
             assert err < ATOL, f"rank {rank}: {name} differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_chunks", [(4, 4, 4), (4, 2, 2), (4, 4, 2)], ids=["mha4", "gqa2", "mha2"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_head_chunks_match_full_attention(cp: int, heads: int, kv_heads: int, head_chunks: int) -> None:
+    """One ring pass per share of the heads gives the same outputs and gradients as one pass over all."""
+    case = dict(cp=cp, causal=True, heads=heads, kv_heads=kv_heads, kernel="flash", layout="zigzag")
+    for rank, result in enumerate(get_pool(WORLD).run(ring_case, head_chunks=head_chunks, **case)):
+        for name, err in result["errors"].items():
+            assert err < ATOL, f"rank {rank}: {name} differs by {err:.2e}"
+        assert result["blocks"] == cp * head_chunks  # each pass visits every rank's block once
 
 
 def test_zigzag_balances_causal_work() -> None:
@@ -249,5 +262,7 @@ def test_argument_errors() -> None:
         ring_attention(q, torch.zeros(1, 4, 4, 8), torch.zeros(1, 4, 4, 8), None)
     with pytest.raises(ValueError, match="odd"):
         ring_attention(torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8), torch.zeros(1, 4, 5, 8), None)
+    with pytest.raises(ValueError, match="head_chunks=3 must divide the 4 key/value heads"):
+        ring_attention(q, q, q, None, head_chunks=3)
     with pytest.raises(ValueError, match="unknown ring attention kernel"):
         ring_attention(q, q, q, None, kernel="cudnn")

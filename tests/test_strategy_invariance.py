@@ -37,7 +37,7 @@ LAYOUTS = [
     ("dp2_tp2_ep2", ["parallel=dp2_tp2_ep2"], {"dp": 2, "tp": 2, "ep": 2, "etp": 2}),
     ("cp2", ["parallel=cp2"], {"cp": 2}),
     ("cp2_ep2", ["parallel=cp2_ep2"], {"cp": 2, "ep": 2}),
-    ("cp4", ["parallel=cp4"], {"cp": 4}),
+    ("cp4_head_chunks2", ["parallel=cp4", "parallel.cp_head_chunks=2"], {"cp": 4}),
     ("cp2_tp2_ep2", ["parallel=cp2_tp2_ep2"], {"cp": 2, "tp": 2, "ep": 2}),
     # Pipeline: each Lightning batch runs pp_microbatches (default pp) loader micro-batches.
     ("pp2_gpipe", ["parallel=pp2", "parallel.pp_schedule=GPipe"], {"pp": 2}),
@@ -105,6 +105,7 @@ def test_resume_continues_the_same_curve(tmp_path, single_losses):
         (["parallel=dp2", "data.global_batch_size=6"], r"global_batch_size 6 .*not divisible"),
         (["model.moe.dispatcher=broadcast"], r"dispatcher"),
         (["parallel.etp=3"], r"etp=3 must be 1 or equal to tp"),
+        (["parallel=cp2", "parallel.cp_head_chunks=0"], r"cp_head_chunks=0 must be a positive integer"),
     ],
 )
 def test_bad_configuration_fails_before_training(tmp_path, overrides, message):

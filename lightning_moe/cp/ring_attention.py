@@ -294,6 +294,14 @@ class _Config:
     layout: str
     kernel: _Kernel
     groups: int  # query heads per K/V head
+    head_chunks: int  # ring passes, each over an equal share of the K/V heads
+
+
+def _head_slices(cfg: _Config, kv_heads: int) -> Iterator[tuple[slice, slice]]:
+    """``(query heads, K/V heads)`` of each ring pass."""
+    per_pass = kv_heads // cfg.head_chunks
+    for start in range(0, kv_heads, per_pass):
+        yield slice(start * cfg.groups, (start + per_pass) * cfg.groups), slice(start, start + per_pass)
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor, tuple]:
@@ -385,11 +393,24 @@ def _backward_block(
 
 
 class _RingAttention(torch.autograd.Function):
+    """The ring over all heads at once, or one pass per head chunk into preallocated results.
+
+    Heads are independent, so a pass over a share of them holds only that share of the in-flight
+    K/V and dK/dV buffers: the per-rank working set shrinks by ``head_chunks``.
+    """
+
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> Tensor:
         k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
         with torch.autocast(q.device.type, enabled=False):  # fp32 statistics must stay fp32
-            out, lse, aux = _ring_forward(q, k, v, cfg)
+            if cfg.head_chunks == 1:
+                out, lse, aux = _ring_forward(q, k, v, cfg)
+            else:
+                out = torch.empty_like(q)
+                lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+                for q_heads, kv_heads in _head_slices(cfg, k.shape[1]):
+                    kv = (k[:, kv_heads].contiguous(), v[:, kv_heads].contiguous())
+                    out[:, q_heads], lse[:, q_heads], aux = _ring_forward(q[:, q_heads], *kv, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg, ctx.aux = cfg, aux
         return out
@@ -397,8 +418,18 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
+        cfg, dout = ctx.cfg, dout.contiguous()
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = _ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.aux, ctx.cfg)
+            if cfg.head_chunks == 1:
+                dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.aux, cfg)
+            else:
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                for q_heads, kv_heads in _head_slices(cfg, k.shape[1]):
+                    kv = (k[:, kv_heads].contiguous(), v[:, kv_heads].contiguous())
+                    q_part = (dout[:, q_heads], q[:, q_heads])
+                    dq[:, q_heads], dk[:, kv_heads], dv[:, kv_heads] = _ring_backward(
+                        *q_part, *kv, out[:, q_heads], lse[:, q_heads], ctx.aux, cfg
+                    )
         return dq, dk, dv, None
 
 
@@ -412,6 +443,7 @@ def ring_attention(
     *,
     scale: float | None = None,
     kernel: str = "auto",
+    head_chunks: int = 1,
 ) -> Tensor:
     """Attention of the local queries over the whole sequence sharded across ``group``.
 
@@ -423,7 +455,9 @@ def ring_attention(
     full sequence; gradients flow to ``q``, ``k`` and ``v``. ``scale`` defaults to
     ``1 / sqrt(head_dim)``. ``kernel``: ``"flash"`` (fused kernel with log-sum-exp: the CPU flash
     kernel, or FlashAttention on CUDA for fp16/bf16), ``"torch"`` (blockwise matmul + logsumexp,
-    always available) or ``"auto"`` (flash where available). Softmax statistics and accumulation are
+    always available) or ``"auto"`` (flash where available). ``head_chunks``: run the ring once per
+    equal share of the K/V heads (a divisor of ``kv_heads``): the K/V and dK/dV blocks in flight shrink
+    by that factor, for ``head_chunks`` times as many (smaller) P2P messages. Softmax statistics and accumulation are
     fp32 for every input dtype; under autocast the inputs are cast to the autocast dtype, as SDPA
     does. ``group=None`` is the default process group.
 
@@ -444,6 +478,8 @@ def ring_attention(
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+    if head_chunks < 1 or k.shape[1] % head_chunks:
+        raise ValueError(f"head_chunks={head_chunks} must divide the {k.shape[1]} key/value heads")
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"zigzag local sequence length {q.shape[2]} is odd: each rank holds two equal chunks")
     if torch.is_autocast_enabled(q.device.type):
@@ -458,5 +494,6 @@ def ring_attention(
         layout=layout,
         kernel=block_kernel,
         groups=q.shape[1] // k.shape[1],
+        head_chunks=head_chunks,
     )
     return _RingAttention.apply(q, k, v, cfg)

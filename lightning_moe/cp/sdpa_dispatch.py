@@ -37,7 +37,7 @@ class RingAttentionMode(TorchFunctionMode):
     """Make ``F.scaled_dot_product_attention`` ring attention over ``group`` while active.
 
     The inputs must already be this rank's part of the sequence in ``layout`` (the strategy shards
-    the batch). A cp group of size 1 leaves SDPA untouched. Under cp > 1 an explicit ``attn_mask`` or
+    the batch); ``head_chunks`` is passed to :func:`ring_attention`. A cp group of size 1 leaves SDPA untouched. Under cp > 1 an explicit ``attn_mask`` or
     ``dropout_p > 0`` raises ``NotImplementedError``: a dense mask over the full sequence does not
     exist on any rank, and dropout would need one RNG stream across the ring.
 
@@ -48,10 +48,11 @@ class RingAttentionMode(TorchFunctionMode):
         loss.backward()
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, layout: Layout = "zigzag") -> None:
+    def __init__(self, group: dist.ProcessGroup | None, layout: Layout = "zigzag", head_chunks: int = 1) -> None:
         super().__init__()
         self.group = group
         self.layout = layout
+        self.head_chunks = head_chunks
         self.cp_size = dist.get_world_size(group)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -71,15 +72,23 @@ class RingAttentionMode(TorchFunctionMode):
             raise ValueError(
                 f"{where}: {q.shape[1]} query heads but {k.shape[1]} key/value heads; pass enable_gqa=True as SDPA requires"
             )
-        return ring_attention(q, k, v, self.group, causal=call["is_causal"], layout=self.layout, scale=call["scale"])
+        return ring_attention(
+            q, k, v, self.group, causal=call["is_causal"], layout=self.layout, scale=call["scale"],
+            head_chunks=self.head_chunks,
+        )
 
 
-def context_parallel_attention(group: dist.ProcessGroup | None, layout: Layout = "zigzag") -> RingAttentionMode:
+def context_parallel_attention(
+    group: dist.ProcessGroup | None, layout: Layout = "zigzag", head_chunks: int = 1
+) -> RingAttentionMode:
     """A context manager routing SDPA to ring attention over ``group`` (see :class:`RingAttentionMode`).
+
+    ``head_chunks``: ring passes per attention call, each over an equal share of the K/V heads
+    (less memory in flight, more P2P messages; see :func:`ring_attention`).
 
     Example::
 
         with context_parallel_attention(cp_group):
             out = attention_module(x_local)
     """
-    return RingAttentionMode(group, layout)
+    return RingAttentionMode(group, layout, head_chunks)
