@@ -82,6 +82,15 @@ def test_stats_metric_gives_global_batch_numbers_whatever_ranks_hold(split):
         assert result["scalars"] == [pytest.approx(row) for row in expected["scalars"]]
 
 
+def test_layers_come_in_model_order_whatever_the_stage_order():
+    """Interleaved stages put layers 0 and 2 on rank 0 and 1 and 3 on rank 1; indices sort as numbers."""
+    from lightning_moe.callbacks.moe_metrics import MoELayerInfo, _gather_layer_infos
+
+    names = ["model.layers.0.ffn", "model.layers.2.ffn", "model.layers.10.ffn", "model.layers.1.ffn"]
+    layers = _gather_layer_infos([MoELayerInfo(name, 4, False) for name in names])
+    assert [info.name for info in layers] == [names[0], names[3], names[1], names[2]]
+
+
 # -- communication accounting by hand -------------------------------------------------------------
 H, F, E, K = 8, 16, 4, 2
 BATCH, SEQ = 2, 3

@@ -324,18 +324,24 @@ def _bias_norm(layer: MoELayer) -> torch.Tensor:
 
 
 def _gather_layer_infos(local: list[MoELayerInfo]) -> list[MoELayerInfo]:
-    """The MoE layers of the whole model, in module order: the union over ranks, in rank order.
+    """The MoE layers of the whole model: the union over ranks, sorted by module path.
 
-    Pipeline stages hold different layers and pp varies slowest over ranks, so the first stage's
-    layers come first. Collective (once per fit) when torch.distributed is initialised.
+    Paths compare numerically where a part is an index (``layers.10`` after ``layers.9``), so
+    ``ModuleList`` layers come in model order on every layout, also under interleaved pipeline
+    stages where rank order would give layers 0, 2, 1, 3. Collective (once per fit) when
+    torch.distributed is initialised.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return list(local)
-    gathered: list[list[MoELayerInfo]] = [[] for _ in range(dist.get_world_size())]
-    with uncounted():
-        dist.all_gather_object(gathered, local)
+    gathered: list[list[MoELayerInfo]] = [list(local)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [[] for _ in range(dist.get_world_size())]
+        with uncounted():
+            dist.all_gather_object(gathered, local)
     seen: dict[str, MoELayerInfo] = {}
     for infos in gathered:
         for info in infos:
             seen.setdefault(info.name, info)
-    return list(seen.values())
+    return sorted(seen.values(), key=lambda info: _module_path_key(info.name))
+
+
+def _module_path_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
