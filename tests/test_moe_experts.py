@@ -119,6 +119,36 @@ def test_local_dispatcher_permutes_by_expert_and_combines():
     assert torch.equal(got[1][~keep], torch.zeros_like(got[1][~keep]))
 
 
+def test_padded_group_rows_bound_padding_and_shapes():
+    from lightning_moe.moe.dispatcher import padded_group_rows
+
+    counts = torch.arange(0, 5000)
+    padded, positions = padded_group_rows(counts)
+    assert padded[0] == 0 and torch.all(padded >= counts)
+    assert torch.all(padded - counts < torch.clamp(counts / 16, min=16))
+    for octave in range(4, 12):  # few distinct GEMM shapes: 16 steps per power of two, and its top
+        in_octave = padded[(counts >= 2**octave) & (counts < 2 ** (octave + 1))]
+        assert len(set(in_octave.tolist())) <= 17
+    # Real rows keep their order and land inside their own padded group.
+    small = torch.tensor([3, 0, 20, 1])
+    padded, positions = padded_group_rows(small)
+    assert padded.tolist() == [16, 0, 32, 16]
+    assert positions.tolist() == [0, 1, 2, *range(16, 36), 48]
+
+
+def test_local_dispatcher_pads_cpu_low_precision_rows_only():
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, H, generator=gen)
+    topk_idx = torch.randint(0, 3, (10, 1), generator=gen)
+    real = torch.bincount(topk_idx.reshape(-1), minlength=3)
+    for dtype, pad_rows, padded in [(torch.float32, None, False), (torch.bfloat16, None, True),
+                                    (torch.bfloat16, False, False), (torch.float32, True, True)]:
+        ctx = LocalDispatcher(3, pad_rows=pad_rows).dispatch(hidden.to(dtype), topk_idx, None)
+        rows = ctx.expert_input.shape[0]
+        assert (rows > 10) == padded and int(ctx.tokens_per_local_expert.sum()) == rows
+        assert torch.all(ctx.tokens_per_local_expert >= real)
+
+
 def test_combine_in_bf16_returns_bf16_close_to_fp32():
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(6, H, generator=gen)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_moe.moe import MoELayer, TopKRouter, update_expert_biases
+from lightning_moe.moe import LocalDispatcher, MoELayer, TopKRouter, update_expert_biases
 
 H, FFN, E = 16, 24, 8
 ATOL = 1e-5
@@ -133,10 +133,12 @@ ROUTING_CASES = {
 }
 
 
+@pytest.mark.parametrize("pad_rows", [False, True], ids=["exact_rows", "padded_rows"])
 @pytest.mark.parametrize("case", list(ROUTING_CASES))
-def test_layer_matches_per_token_reference(case):
+def test_layer_matches_per_token_reference(case, pad_rows):
     layer = make_layer(**ROUTING_CASES[case])
     reference = copy.deepcopy(layer)
+    layer.dispatcher = LocalDispatcher(E, pad_rows=pad_rows)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 12, H, generator=gen)
     probe = torch.randn(2, 12, H, generator=gen)  # non-uniform upstream gradient

@@ -25,7 +25,9 @@ def _micro_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, SEQ, H, generator=gen), torch.randn(2, SEQ, H, generator=gen)
 
 
-def tp_layer_case(tp: int, ep: int, etp: int, sequence_parallel: bool, dispatcher: str = "alltoall") -> dict:
+def tp_layer_case(
+    tp: int, ep: int, etp: int, sequence_parallel: bool, dispatcher: str = "alltoall", pad_rows: bool = False
+) -> dict:
     from lightning_moe import comm, parallelize
     from lightning_moe.moe import MoELayer
 
@@ -36,6 +38,7 @@ def tp_layer_case(tp: int, ep: int, etp: int, sequence_parallel: bool, dispatche
                      load_balancing="seq_aux_loss", shared_expert_hidden_size=8)
     reference = copy.deepcopy(layer)
     parallelize(layer, mesh, data_parallel="none", sequence_parallel=sequence_parallel, etp=etp)
+    layer.dispatcher.pad_rows = pad_rows  # padded expert groups (the CPU bf16 default) in fp32
 
     tp_rank = dims.tp_mesh.get_local_rank()
     shard = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)
@@ -117,8 +120,11 @@ def test_moe_layer_under_tp_matches_reference(tp, ep, etp, sequence_parallel):
 
 
 @pytest.mark.slow
-def test_allgather_dispatcher_under_expert_tp():
-    reports = get_pool(4).run(tp_layer_case, tp=2, ep=2, etp=2, sequence_parallel=True, dispatcher="allgather")
+@pytest.mark.parametrize("dispatcher,pad_rows", [("allgather", False), ("allgather", True), ("alltoall", True)])
+def test_dispatchers_under_expert_tp(dispatcher, pad_rows):
+    reports = get_pool(4).run(
+        tp_layer_case, tp=2, ep=2, etp=2, sequence_parallel=True, dispatcher=dispatcher, pad_rows=pad_rows
+    )
     assert all(value < ATOL for report in reports for key, value in report.items() if key != "ep_bytes"), reports
 
 

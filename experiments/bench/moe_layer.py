@@ -1,18 +1,24 @@
 """MoE layer forward+backward throughput next to an equal-FLOP dense chain and a naive expert loop.
 
 All three run the same SwiGLU expert math on the same tokens, measured round-robin in one run
-(so machine-load drift hits them alike), median of ``iters`` after ``warmup``:
+(so machine-load drift hits them alike), median of ``iters`` after ``warmup``. Every iteration
+routes new random tokens, as a training step does: the per-expert row counts, and so the expert
+GEMM shapes, change from one iteration to the next (on CPU, oneDNN builds a kernel per new bf16
+shape; repeating one batch would hide that cost).
 
 - ``moe``: :class:`lightning_moe.moe.MoELayer` (router, permutation, grouped GEMMs, combine);
 - ``dense``: a dense SwiGLU MLP of hidden size ``top_k * ffn``: the same GEMM FLOPs as the experts
   (3 matmuls of ``T * k * H * F`` multiply-adds), without routing;
-- ``naive``: the same router, then a Python loop over experts (gather, MLP, ``index_add_``).
+- ``naive``: the same router, then a Python loop over experts (gather, MLP, ``index_add_``);
+- ``exact rows``: the MoE layer without the dispatcher's row padding (``pad_rows=False``), to
+  show what padding the per-expert row counts to few sizes buys.
 
     python -m experiments.bench.moe_layer
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from typing import Callable
@@ -21,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from experiments.bench.table import print_table
-from lightning_moe.moe import MoELayer
+from lightning_moe.moe import LocalDispatcher, MoELayer
 
 # (tokens, hidden, ffn, experts, top_k)
 SHAPES: tuple[tuple[int, int, int, int, int], ...] = ((4096, 256, 512, 8, 2), (8192, 512, 1024, 8, 2))
@@ -75,33 +81,39 @@ def run_moe_layer_bench(
     for tokens, hidden, ffn, num_experts, top_k in shapes:
         torch.manual_seed(0)
         layer = MoELayer(hidden, ffn, num_experts, top_k, aux_loss_coeff=1e-2)
+        exact_rows = copy.deepcopy(layer)
+        exact_rows.dispatcher = LocalDispatcher(num_experts, pad_rows=False)
         dense = [
             torch.nn.Parameter(torch.randn(top_k * ffn, hidden) * hidden**-0.5),
             torch.nn.Parameter(torch.randn(top_k * ffn, hidden) * hidden**-0.5),
             torch.nn.Parameter(torch.randn(hidden, top_k * ffn) * (top_k * ffn) ** -0.5),
         ]
-        x = torch.randn(tokens, hidden, requires_grad=True)
+        inputs = [torch.randn(tokens, hidden, requires_grad=True) for _ in range(warmup + iters)]
         grad = torch.randn(tokens, hidden)
-        params = [*layer.parameters(), *dense, x]
+        params = [*layer.parameters(), *exact_rows.parameters(), *dense, *inputs]
 
         for precision in precisions:
             autocast = precision == "bf16"
 
-            def step(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+            def step(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+                batches = iter(inputs)
+
                 def run() -> None:
+                    x = next(batches)
                     for p in params:
                         p.grad = None
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                        y = forward()
+                        y = forward(x)
                     y.backward(grad.to(y.dtype))
 
                 return run
 
             seconds = _measure(
                 {
-                    "moe": step(lambda: layer(x)),
-                    "dense": step(lambda: _dense_swiglu(x, *dense)),
-                    "naive": step(lambda: _naive_moe(layer, x)),
+                    "moe": step(layer),
+                    "exact rows": step(exact_rows),
+                    "dense": step(lambda x: _dense_swiglu(x, *dense)),
+                    "naive": step(lambda x: _naive_moe(layer, x)),
                 },
                 warmup,
                 iters,
@@ -117,6 +129,7 @@ def run_moe_layer_bench(
                     "moe ms": seconds["moe"] * 1e3,
                     "moe/dense": rate["moe"] / rate["dense"],
                     "moe/naive": rate["moe"] / rate["naive"],
+                    "exact rows/dense": rate["exact rows"] / rate["dense"],
                 }
             )
     return rows

@@ -20,7 +20,12 @@ __all__ = [
     "DispatchContext",
     "LocalDispatcher",
     "build_dispatcher",
+    "gather_expert_rows",
+    "padded_group_rows",
+    "pads_expert_rows",
     "permute_by_expert",
+    "scatter_expert_rows",
+    "sort_slots_by_expert",
     "unpermute_and_combine",
 ]
 
@@ -36,6 +41,8 @@ class DispatchContext:
     sorted_slots: torch.Tensor  # [N'] flat slot index t * k + j of each permuted row, kept slots only
     num_tokens: int  # T: rows of the combined output
     top_k: int
+    # Row of expert_input holding each sorted slot when expert groups are padded (None: row n).
+    row_positions: torch.Tensor | None = None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -53,16 +60,14 @@ class _GatherRows(torch.autograd.Function):
         return grad.new_zeros(ctx.num_rows, grad.shape[1]).index_add_(0, index, grad), None
 
 
-def permute_by_expert(
-    hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Copy each kept slot's token row, grouped by expert (slot order kept within an expert).
+def sort_slots_by_expert(
+    topk_idx: torch.Tensor, keep_mask: torch.Tensor | None, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_slots [N], counts [num_experts] int64)``: kept slots grouped by expert, slot order kept.
 
-    Returns ``(permuted [N, H], sorted_slots [N], counts [num_experts] int64)``: one stable argsort
-    of the flat expert ids and one ``index_select``. Dropped slots (``keep_mask`` False) get the
-    sentinel id ``num_experts`` so they sort last and are cut off.
+    One stable argsort of the flat expert ids; dropped slots (``keep_mask`` False) get the sentinel
+    id ``num_experts`` so they sort last and are cut off.
     """
-    top_k = topk_idx.shape[1]
     experts = topk_idx.reshape(-1)
     if keep_mask is not None:
         experts = experts.masked_fill(~keep_mask.reshape(-1), num_experts)
@@ -70,7 +75,72 @@ def permute_by_expert(
     sorted_slots = torch.argsort(experts, stable=True)
     if keep_mask is not None:
         sorted_slots = sorted_slots[: int(counts.sum())]
-    return _GatherRows.apply(hidden, sorted_slots // top_k), sorted_slots, counts
+    return sorted_slots, counts
+
+
+def permute_by_expert(
+    hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy each kept slot's token row, grouped by expert (slot order kept within an expert).
+
+    Returns ``(permuted [N, H], sorted_slots [N], counts [num_experts] int64)``: one
+    :func:`sort_slots_by_expert` and one ``index_select``.
+    """
+    sorted_slots, counts = sort_slots_by_expert(topk_idx, keep_mask, num_experts)
+    return _GatherRows.apply(hidden, sorted_slots // topk_idx.shape[1]), sorted_slots, counts
+
+
+def padded_group_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(padded_counts [E], positions [N])``: each group's rows rounded up to a coarse size.
+
+    A group of ``c >= 1`` rows grows to the next multiple of ``max(16, 2**(floor(log2 c) - 4))``: it
+    gains fewer than ``max(16, c/16)`` rows, and the sizes the expert GEMMs see take about 16
+    values per power of two. ``positions[n]`` is the padded row of the n-th real row.
+    """
+    bits = torch.log2(counts.clamp(min=1).double()).floor().long()
+    step = torch.pow(2, (bits - 4).clamp(min=4))
+    padded = (counts + step - 1) // step * step
+    group_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
+    positions = torch.arange(group_of_row.numel(), device=counts.device) + shift[group_of_row]
+    return padded, positions
+
+
+def pads_expert_rows(rows: torch.Tensor, pad_rows: bool | None) -> bool:
+    """Whether expert groups get padded rows: ``pad_rows``, or by default exactly for CPU bf16/fp16.
+
+    On CPU, oneDNN builds a GEMM kernel for every new low-precision shape it meets, and dropless
+    routing gives new per-expert row counts every step; fp32 GEMMs (MKL) and CUDA have no such cost.
+    """
+    if pad_rows is not None:
+        return pad_rows
+    return rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float16)
+
+
+def gather_expert_rows(
+    rows: torch.Tensor, source: torch.Tensor, counts: torch.Tensor, pad_rows: bool | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``rows[source]`` grouped by expert, each group padded when :func:`pads_expert_rows` says so.
+
+    Returns ``(expert_input, counts for the expert GEMMs, positions)``: ``positions[n]`` is the row
+    of ``expert_input`` holding ``rows[source[n]]`` (None without padding: row n). Padding rows copy
+    row 0 of ``rows``; whoever combines must give them zero weight, so they get zero gradient.
+    """
+    positions = None
+    if pads_expert_rows(rows, pad_rows) and source.numel():
+        counts, positions = padded_group_rows(counts)
+        source = source.new_zeros(int(counts.sum())).index_copy_(0, positions, source)
+    return _GatherRows.apply(rows, source), counts, positions
+
+
+def scatter_expert_rows(expert_output: torch.Tensor, order: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """Inverse of ``expert_input = rows[order]`` (:func:`gather_expert_rows` with a permutation ``order``).
+
+    Row ``order[n]`` of the result is the expert output at ``positions[n]`` (or ``n``); padding rows
+    are left out, and their gradient is zero.
+    """
+    rows_of = positions if positions is not None else torch.arange(order.numel(), device=order.device)
+    return _GatherRows.apply(expert_output, torch.empty_like(order).index_copy_(0, order, rows_of))
 
 
 class _WeightedScatterAdd(torch.autograd.Function):
@@ -108,11 +178,21 @@ def unpermute_and_combine(rows: torch.Tensor, topk_weights: torch.Tensor, ctx: D
     is not renormalised away). The fp32 weights are cast to ``rows.dtype``, the result's dtype.
     """
     weights = topk_weights.reshape(-1).index_select(0, ctx.sorted_slots)
-    return _WeightedScatterAdd.apply(rows, weights, ctx.sorted_slots // ctx.top_k, ctx.num_tokens)
+    token_index = ctx.sorted_slots // ctx.top_k
+    if ctx.row_positions is not None:
+        # Padding rows get weight 0 and token 0: they add exact zeros and receive zero gradient.
+        num_rows = rows.shape[0]
+        weights = weights.new_zeros(num_rows).index_copy(0, ctx.row_positions, weights)
+        token_index = token_index.new_zeros(num_rows).index_copy_(0, ctx.row_positions, token_index)
+    return _WeightedScatterAdd.apply(rows, weights, token_index, ctx.num_tokens)
 
 
 class LocalDispatcher:
     """Single-device dispatcher: a permutation by expert and its weighted inverse.
+
+    ``pad_rows``: round each expert's row count up (:func:`padded_group_rows`) with rows that
+    repeat token 0 and are weighted 0 in ``combine``, so the expert GEMMs see few distinct shapes;
+    ``None`` (default) pads where new shapes are costly (:func:`pads_expert_rows`: CPU bf16/fp16).
 
     Example::
 
@@ -121,13 +201,15 @@ class LocalDispatcher:
         y = dispatcher.combine(experts(ctx.expert_input, ctx.tokens_per_local_expert), topk_weights, ctx)
     """
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, pad_rows: bool | None = None) -> None:
         self.num_experts = num_experts
         self.num_local_experts = num_experts
+        self.pad_rows = pad_rows
 
     def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> DispatchContext:
-        permuted, sorted_slots, counts = permute_by_expert(hidden, topk_idx, keep_mask, self.num_experts)
-        return DispatchContext(permuted, counts, sorted_slots, hidden.shape[0], topk_idx.shape[1])
+        sorted_slots, counts = sort_slots_by_expert(topk_idx, keep_mask, self.num_experts)
+        expert_input, counts, positions = gather_expert_rows(hidden, sorted_slots // topk_idx.shape[1], counts, self.pad_rows)
+        return DispatchContext(expert_input, counts, sorted_slots, hidden.shape[0], topk_idx.shape[1], positions)
 
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         return unpermute_and_combine(expert_output, topk_weights, ctx)

@@ -13,7 +13,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe import comm
-from lightning_moe.moe.dispatcher import DispatchContext, permute_by_expert, unpermute_and_combine
+from lightning_moe.moe.dispatcher import (
+    DispatchContext,
+    gather_expert_rows,
+    permute_by_expert,
+    scatter_expert_rows,
+    sort_slots_by_expert,
+    unpermute_and_combine,
+)
 
 
 def regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -27,16 +34,16 @@ def regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort((block_of_row % local) * peers + block_of_row // local, stable=True)
 
 
-def ungroup(rows: torch.Tensor, regroup: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``rows_by_expert = rows_by_peer[regroup]``."""
-    return torch.empty_like(rows).index_copy(0, regroup, rows)
-
-
 class _ExpertParallelDispatcher:
-    """The ep group and this rank's contiguous block of ``num_experts // ep`` experts."""
+    """The ep group and this rank's contiguous block of ``num_experts // ep`` experts.
 
-    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup) -> None:
+    ``pad_rows``: pad each local expert's rows for the expert GEMMs (see
+    :class:`~lightning_moe.moe.dispatcher.LocalDispatcher`); None pads on CPU in bf16/fp16.
+    """
+
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup, pad_rows: bool | None = None) -> None:
         self.num_experts = num_experts
+        self.pad_rows = pad_rows
         self.group = ep_group
         self.ep_size = dist.get_world_size(ep_group)
         if num_experts % self.ep_size:
@@ -50,6 +57,7 @@ class AllToAllContext(DispatchContext):
     input_splits: list[int] | None = None
     output_splits: list[int] | None = None
     regroup: torch.Tensor | None = None
+    expert_rows: torch.Tensor | None = None  # padded row of each regrouped row (None: unpadded)
 
 
 class AllToAllDispatcher(_ExpertParallelDispatcher):
@@ -72,19 +80,21 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         output_splits = recv_counts.sum(1).tolist()
         received = comm.all_to_all_autograd(permuted, output_splits, input_splits, self.group, "ep")
         regroup = regroup_by_local_expert(recv_counts)
+        expert_input, gemm_counts, positions = gather_expert_rows(received, regroup, recv_counts.sum(0), self.pad_rows)
         return AllToAllContext(
-            expert_input=received.index_select(0, regroup),
-            tokens_per_local_expert=recv_counts.sum(0),
+            expert_input=expert_input,
+            tokens_per_local_expert=gemm_counts,
             sorted_slots=sorted_slots,
             num_tokens=hidden.shape[0],
             top_k=topk_idx.shape[1],
             input_splits=input_splits,
             output_splits=output_splits,
             regroup=regroup,
+            expert_rows=positions,
         )
 
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
-        by_source = ungroup(expert_output, ctx.regroup)
+        by_source = scatter_expert_rows(expert_output, ctx.regroup, ctx.expert_rows)
         returned = comm.all_to_all_autograd(by_source, ctx.input_splits, ctx.output_splits, self.group, "ep")
         return unpermute_and_combine(returned, topk_weights, ctx)
 
@@ -109,13 +119,16 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         if keep_mask is not None:
             # gloo cannot gather bool tensors
             mine &= comm.all_gather_autograd(keep_mask.to(torch.uint8), self.group, "ep").bool()
-        permuted, sorted_slots, counts = permute_by_expert(all_hidden, local_idx.clamp(0, self.num_local_experts - 1), mine, self.num_local_experts)
+        top_k = topk_idx.shape[1]
+        sorted_slots, counts = sort_slots_by_expert(local_idx.clamp(0, self.num_local_experts - 1), mine, self.num_local_experts)
+        expert_input, gemm_counts, positions = gather_expert_rows(all_hidden, sorted_slots // top_k, counts, self.pad_rows)
         return AllGatherContext(
-            expert_input=permuted,
-            tokens_per_local_expert=counts,
+            expert_input=expert_input,
+            tokens_per_local_expert=gemm_counts,
             sorted_slots=sorted_slots,
             num_tokens=all_hidden.shape[0],
-            top_k=topk_idx.shape[1],
+            top_k=top_k,
+            row_positions=positions,
         )
 
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllGatherContext) -> torch.Tensor:
@@ -129,6 +142,7 @@ class ExpertTensorParallelContext(DispatchContext):
     inner: DispatchContext | None = None
     rows_per_rank: list[int] | None = None
     regroup: torch.Tensor | None = None
+    expert_rows: torch.Tensor | None = None  # padded row of each regrouped row (None: unpadded)
 
 
 class ExpertTensorParallelDispatcher:
@@ -140,8 +154,13 @@ class ExpertTensorParallelDispatcher:
     (reduce-scatter) before the inner combine. Tokens cross the ep network once.
     """
 
-    def __init__(self, inner: AllToAllDispatcher | AllGatherDispatcher | object, tp_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self, inner: AllToAllDispatcher | AllGatherDispatcher | object, tp_group: dist.ProcessGroup, pad_rows: bool | None = None
+    ) -> None:
         self.inner = inner
+        self.pad_rows = pad_rows
+        if hasattr(inner, "pad_rows"):
+            inner.pad_rows = False  # the rows are padded once, here, after the tp all-gather
         self.group = tp_group
         self.tp_size = dist.get_world_size(tp_group)
         self.num_experts = inner.num_experts
@@ -157,18 +176,20 @@ class ExpertTensorParallelDispatcher:
         rows_per_rank = all_counts.sum(1).tolist()
         gathered = comm.all_gather_uneven_autograd(inner.expert_input, rows_per_rank, self.group, "tp")
         regroup = regroup_by_local_expert(all_counts)
+        expert_input, gemm_counts, positions = gather_expert_rows(gathered, regroup, all_counts.sum(0), self.pad_rows)
         return ExpertTensorParallelContext(
-            expert_input=gathered.index_select(0, regroup),
-            tokens_per_local_expert=all_counts.sum(0),
+            expert_input=expert_input,
+            tokens_per_local_expert=gemm_counts,
             sorted_slots=inner.sorted_slots,
             num_tokens=inner.num_tokens,
             top_k=inner.top_k,
             inner=inner,
             rows_per_rank=rows_per_rank,
             regroup=regroup,
+            expert_rows=positions,
         )
 
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: ExpertTensorParallelContext) -> torch.Tensor:
-        by_rank = ungroup(expert_output, ctx.regroup)
+        by_rank = scatter_expert_rows(expert_output, ctx.regroup, ctx.expert_rows)
         mine = comm.reduce_scatter_uneven_autograd(by_rank, ctx.rows_per_rank, self.group, "tp")
         return self.inner.combine(mine, topk_weights, ctx.inner)
