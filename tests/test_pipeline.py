@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.conftest import get_pool
+from tests.dist_pool import layout
 
 ATOL = 2e-6
 
@@ -174,7 +175,7 @@ def pipeline_grad_case(
 
     from torch.distributed.tensor import DTensor
 
-    from lightning_moe import ParallelDims, parallelize
+    from lightning_moe import parallelize
     from lightning_moe.cp import context_parallel_attention
     from lightning_moe.moe import set_aux_loss_scale
     from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
@@ -187,9 +188,8 @@ def pipeline_grad_case(
         unpack_target_loss,
     )
 
-    dims = ParallelDims(pp=pp, ep=ep, tp=tp, cp=cp)
-    dims.validate(dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
+    dims = layout(pp=pp, ep=ep, tp=tp, cp=cp)
+    mesh = dims.mesh
     torch.manual_seed(0)
     model = _tiny_model(num_layers, load_balancing=load_balancing)
     reference = copy.deepcopy(model)
@@ -211,6 +211,8 @@ def pipeline_grad_case(
     # As the strategy does: each cp rank holds a partial aux loss, but gradients average over cp.
     set_aux_loss_scale(scale * cp)
     losses = []
+    # FSDP2's gradient reduction (which of the two depends on the torch version).
+    reduce_scatters = _CallCounter(dist, "reduce_scatter_tensor", "reduce_scatter_single")
     for step in range(steps):
         seeds = [100 * step + replica * microbatches + j for j in range(microbatches)]
         batch = concat_batches([_batch(seed, loss_mask=loss_mask) for seed in seeds])
@@ -224,6 +226,7 @@ def pipeline_grad_case(
             dist.all_reduce(loss, group=dims.cp_group)
             loss = loss / cp
         losses.append(loss)
+    reduce_scatters.restore()
 
     total_mb = steps * microbatches * replicas
     set_aux_loss_scale(1.0 / total_mb)
@@ -251,17 +254,37 @@ def pipeline_grad_case(
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         assert grad is not None, name
         worst = max(worst, (grad - ref_params[name].grad).abs().max().item())
-    return worst
+    return {"worst": worst, "reduce_scatters_per_step": reduce_scatters.calls / steps}
+
+
+class _CallCounter:
+    """Counts the calls of the functions ``module.<name>`` (those that exist) until ``restore()``."""
+
+    def __init__(self, module: object, *names: str) -> None:
+        self.module, self.calls = module, 0
+        self.originals = {name: getattr(module, name) for name in names if hasattr(module, name)}
+        for name, original in self.originals.items():
+            setattr(module, name, self._counted(original))
+
+    def _counted(self, original):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    def restore(self) -> None:
+        for name, original in self.originals.items():
+            setattr(self.module, name, original)
 
 
 def pipeline_eval_case(pp: int, schedule: str, stages_per_rank: int = 1, num_layers: int = 2) -> float:
     """Forward-only steps (validation): the micro-batch losses equal the single-process ones on every rank."""
-    from lightning_moe import ParallelDims, parallelize
+    from lightning_moe import parallelize
     from lightning_moe.parallel.pipeline import PipelineRunner, pipeline_stage_modules
 
-    dims = ParallelDims(pp=pp)
-    dims.validate(dist.get_world_size())
-    mesh = dims.build_mesh("cpu")
+    dims = layout(pp=pp)
+    mesh = dims.mesh
     torch.manual_seed(0)
     model = _tiny_model(num_layers)
     reference = copy.deepcopy(model)
@@ -294,37 +317,48 @@ def test_forward_only_pipeline_losses(pp, schedule, stages_per_rank, num_layers)
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 @pytest.mark.parametrize("data_parallel", ["fsdp", "ddp"])
 def test_pp2_dp2_gradients_equal_single_process(schedule, data_parallel):
-    worst = get_pool(4).run(pipeline_grad_case, pp=2, schedule=schedule, data_parallel=data_parallel)
-    assert max(worst) < ATOL, worst
+    results = get_pool(4).run(pipeline_grad_case, pp=2, schedule=schedule, data_parallel=data_parallel)
+    assert max(r["worst"] for r in results) < ATOL, results
+
+
+@pytest.mark.slow
+def test_fsdp_reduces_once_per_step_whatever_the_microbatches():
+    """FSDP reduce-scatters in the last micro-batch's backward only, like gradient accumulation."""
+    per_step = {m: get_pool(4).run(pipeline_grad_case, pp=2, microbatches=m) for m in (2, 4)}
+    for results in per_step.values():
+        assert max(r["worst"] for r in results) < ATOL, results
+    counts = {m: [r["reduce_scatters_per_step"] for r in results] for m, results in per_step.items()}
+    assert all(c > 0 for c in counts[2]), counts
+    assert counts[4] == counts[2], counts
 
 
 @pytest.mark.slow
 def test_interleaved_pp2_dp2_gradients_equal_single_process():
-    worst = get_pool(4).run(
+    results = get_pool(4).run(
         pipeline_grad_case, pp=2, schedule="Interleaved1F1B", stages_per_rank=2, num_layers=4, microbatches=4
     )
-    assert max(worst) < ATOL, worst
+    assert max(r["worst"] for r in results) < ATOL, results
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ep,tp", [(2, 1), (1, 2)])
 def test_pp2_with_ep_or_tp_gradients_equal_single_process(ep, tp):
-    worst = get_pool(4).run(pipeline_grad_case, pp=2, ep=ep, tp=tp, load_balancing="seq_aux_loss")
-    assert max(worst) < ATOL, worst
+    results = get_pool(4).run(pipeline_grad_case, pp=2, ep=ep, tp=tp, load_balancing="seq_aux_loss")
+    assert max(r["worst"] for r in results) < ATOL, results
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [1, 2])
 def test_loss_mask_and_context_parallel_under_pp(cp):
     """Masked tokens, uneven per micro-batch and per cp shard: each micro-batch divides by its own count."""
-    worst = get_pool(4).run(pipeline_grad_case, pp=2, cp=cp, loss_mask=True)
-    assert max(worst) < ATOL, worst
+    results = get_pool(4).run(pipeline_grad_case, pp=2, cp=cp, loss_mask=True)
+    assert max(r["worst"] for r in results) < ATOL, results
 
 
 @pytest.mark.slow
 def test_pp4_gradient_clipping_combines_the_stages():
-    worst = get_pool(4).run(pipeline_grad_case, pp=4, num_layers=4, microbatches=4, clip=0.01)
-    assert max(worst) < ATOL, worst
+    results = get_pool(4).run(pipeline_grad_case, pp=4, num_layers=4, microbatches=4, clip=0.01)
+    assert max(r["worst"] for r in results) < ATOL, results
 
 
 # -- trainer level: validation and metrics (CLI subprocesses) ---------------------------------------

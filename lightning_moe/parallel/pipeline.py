@@ -359,7 +359,8 @@ def _make_stage_class() -> type:
         stages on uninitialised tensors). Here the received inputs are zeros, the module's buffers
         (e.g. expert-load accumulators) and the communication counters are restored afterwards, MoE
         statistics of that forward are ignored, and gradients accumulated by earlier steps survive
-        (torch would set them to None).
+        (torch would set them to None). FSDP/replicate units reduce their gradients once per step,
+        in the backward of the stage's last micro-batch.
         """
 
         _saved_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
@@ -391,6 +392,16 @@ def _make_stage_class() -> type:
         def _save_grads(self) -> None:
             if self._saved_grads is None:
                 self._saved_grads = [(p, p.grad) for p in self.submod.parameters()]
+
+        def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+            # Reduce gradients once per step, in the last micro-batch's backward: torch does this
+            # only when the stage module itself is the FSDP root, and ours wraps its children.
+            from torch.distributed.fsdp import FSDPModule
+
+            for unit in self.submod.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_requires_gradient_sync(last_backward, recurse=False)
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     return _Stage
 
