@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import close_pools
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A tiny model and a short run: enough steps for layouts to drift apart if anything is wrong.
@@ -36,6 +38,7 @@ def run_cli(run_dir: Path, *overrides: str, timeout: int = 600, torchrun_procs: 
     ``torchrun_procs``: start the processes with ``torchrun --nproc_per_node`` instead of
     Lightning's own launcher.
     """
+    close_pools()  # the run's processes get the cores to themselves
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
     launcher = [sys.executable, "-m"]
     if torchrun_procs is not None:
@@ -49,6 +52,7 @@ def run_cli(run_dir: Path, *overrides: str, timeout: int = 600, torchrun_procs: 
 
 def run_cli_error(run_dir: Path, *overrides: str, timeout: int = 300) -> str:
     """Run the CLI expecting a failure; return its combined output."""
+    close_pools()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "lightning_moe.train", *TINY_RUN, *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)

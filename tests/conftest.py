@@ -18,11 +18,21 @@ def get_pool(world_size: int) -> DistributedPool:
     return pool
 
 
+def close_pools() -> None:
+    """Stop the idle pools (the next ``get_pool`` starts a fresh one).
+
+    Every process group keeps a gloo loop thread that wakes up even when idle; after the layouts
+    of many tests, an idle pool's hundreds of them take a large share of 2 cores from the
+    processes a CLI test starts.
+    """
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
 @pytest.fixture
 def pool4() -> DistributedPool:
     return get_pool(4)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for pool in _POOLS.values():
-        pool.close()
+    close_pools()

@@ -26,6 +26,7 @@ from lightning_moe.data import ByteTextDataModule
 from lightning_moe.models import MoEGPT
 from lightning_moe.moe import MoELayer
 from lightning_moe.train import CONF_DIR, build
+from tests.conftest import close_pools
 
 GROUPS = ("model", "parallel", "data", "trainer", "logger", "callbacks", "experiment")
 SUMMARY_KEYS = {"layout", "losses", "final_loss", "tokens_per_second", "expert_load"}
@@ -138,6 +139,7 @@ def test_model_schedule_and_sequence_length_follow_trainer_and_data(tmp_path):
 
 def _run_cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
     """Run the CLI in ``cwd`` (not the checkout: it must work from anywhere); returns its stdout."""
+    close_pools()
     env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "lightning_moe.train", *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)

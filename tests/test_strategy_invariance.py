@@ -125,7 +125,9 @@ def test_any_sdpa_module_gets_context_parallel(tmp_path):
     import sys
 
     from tests.cli import ROOT
+    from tests.conftest import close_pools
 
+    close_pools()
     losses = {}
     for cp in (1, 2):
         out = tmp_path / f"cp{cp}.json"
