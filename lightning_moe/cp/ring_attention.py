@@ -456,9 +456,9 @@ def ring_attention(
     ``1 / sqrt(head_dim)``. ``kernel``: ``"flash"`` (fused kernel with log-sum-exp: the CPU flash
     kernel, or FlashAttention on CUDA for fp16/bf16), ``"torch"`` (blockwise matmul + logsumexp,
     always available) or ``"auto"`` (flash where available). ``head_chunks``: run the ring once per
-    equal share of the K/V heads (a divisor of ``kv_heads``): the K/V and dK/dV blocks in flight shrink
-    by that factor, for ``head_chunks`` times as many (smaller) P2P messages. Softmax statistics and accumulation are
-    fp32 for every input dtype; under autocast the inputs are cast to the autocast dtype, as SDPA
+    equal share of the K/V heads (a divisor of ``kv_heads``): the K/V and dK/dV blocks in flight
+    shrink by that factor, for ``head_chunks`` times as many (smaller) P2P messages. Softmax
+    statistics and accumulation are fp32 for every input dtype; under autocast the inputs are cast to the autocast dtype, as SDPA
     does. ``group=None`` is the default process group.
 
     Example::

@@ -37,9 +37,10 @@ class RingAttentionMode(TorchFunctionMode):
     """Make ``F.scaled_dot_product_attention`` ring attention over ``group`` while active.
 
     The inputs must already be this rank's part of the sequence in ``layout`` (the strategy shards
-    the batch); ``head_chunks`` is passed to :func:`ring_attention`. A cp group of size 1 leaves SDPA untouched. Under cp > 1 an explicit ``attn_mask`` or
-    ``dropout_p > 0`` raises ``NotImplementedError``: a dense mask over the full sequence does not
-    exist on any rank, and dropout would need one RNG stream across the ring.
+    the batch); ``head_chunks`` is passed to :func:`ring_attention`. A cp group of size 1 leaves
+    SDPA untouched. Under cp > 1 an explicit ``attn_mask`` or ``dropout_p > 0`` raises
+    ``NotImplementedError``: a dense mask over the full sequence does not exist on any rank, and
+    dropout would need one RNG stream across the ring.
 
     Example::
 

@@ -24,6 +24,7 @@ __all__ = [
     "padded_group_rows",
     "pads_expert_rows",
     "permute_by_expert",
+    "permute_to_experts",
     "scatter_expert_rows",
     "sort_slots_by_expert",
     "unpermute_and_combine",
@@ -143,6 +144,20 @@ def scatter_expert_rows(expert_output: torch.Tensor, order: torch.Tensor, positi
     return _GatherRows.apply(expert_output, torch.empty_like(order).index_copy_(0, order, rows_of))
 
 
+def permute_to_experts(
+    hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None, num_experts: int, pad_rows: bool | None
+) -> DispatchContext:
+    """The context of a dispatch whose experts are all here: kept slots' rows grouped by expert.
+
+    ``topk_idx`` holds ids in ``[0, num_experts)``; groups are padded as :func:`gather_expert_rows`
+    decides, and :func:`unpermute_and_combine` undoes it.
+    """
+    top_k = topk_idx.shape[1]
+    sorted_slots, counts = sort_slots_by_expert(topk_idx, keep_mask, num_experts)
+    expert_input, counts, positions = gather_expert_rows(hidden, sorted_slots // top_k, counts, pad_rows)
+    return DispatchContext(expert_input, counts, sorted_slots, hidden.shape[0], top_k, positions)
+
+
 class _WeightedScatterAdd(torch.autograd.Function):
     """``y[token[n]] += weight[n] * rows[n]`` in ``rows.dtype``, with fp32 gate weights.
 
@@ -207,9 +222,7 @@ class LocalDispatcher:
         self.pad_rows = pad_rows
 
     def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> DispatchContext:
-        sorted_slots, counts = sort_slots_by_expert(topk_idx, keep_mask, self.num_experts)
-        expert_input, counts, positions = gather_expert_rows(hidden, sorted_slots // topk_idx.shape[1], counts, self.pad_rows)
-        return DispatchContext(expert_input, counts, sorted_slots, hidden.shape[0], topk_idx.shape[1], positions)
+        return permute_to_experts(hidden, topk_idx, keep_mask, self.num_experts, self.pad_rows)
 
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         return unpermute_and_combine(expert_output, topk_weights, ctx)

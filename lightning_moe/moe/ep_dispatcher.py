@@ -17,8 +17,8 @@ from lightning_moe.moe.dispatcher import (
     DispatchContext,
     gather_expert_rows,
     permute_by_expert,
+    permute_to_experts,
     scatter_expert_rows,
-    sort_slots_by_expert,
     unpermute_and_combine,
 )
 
@@ -99,11 +99,6 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         return unpermute_and_combine(returned, topk_weights, ctx)
 
 
-@dataclass
-class AllGatherContext(DispatchContext):
-    gathered_weights: torch.Tensor | None = None
-
-
 class AllGatherDispatcher(_ExpertParallelDispatcher):
     """All-gather the tokens of the ep group, compute the local experts, reduce-scatter the outputs.
 
@@ -111,7 +106,7 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     """
 
 
-    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> AllGatherContext:
+    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> DispatchContext:
         all_hidden = comm.all_gather_autograd(hidden, self.group, "ep")
         all_idx = comm.all_gather_autograd(topk_idx, self.group, "ep")
         local_idx = all_idx - self.first_expert
@@ -119,19 +114,10 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
         if keep_mask is not None:
             # gloo cannot gather bool tensors
             mine &= comm.all_gather_autograd(keep_mask.to(torch.uint8), self.group, "ep").bool()
-        top_k = topk_idx.shape[1]
-        sorted_slots, counts = sort_slots_by_expert(local_idx.clamp(0, self.num_local_experts - 1), mine, self.num_local_experts)
-        expert_input, gemm_counts, positions = gather_expert_rows(all_hidden, sorted_slots // top_k, counts, self.pad_rows)
-        return AllGatherContext(
-            expert_input=expert_input,
-            tokens_per_local_expert=gemm_counts,
-            sorted_slots=sorted_slots,
-            num_tokens=all_hidden.shape[0],
-            top_k=top_k,
-            row_positions=positions,
-        )
+        local_experts = local_idx.clamp(0, self.num_local_experts - 1)
+        return permute_to_experts(all_hidden, local_experts, mine, self.num_local_experts, self.pad_rows)
 
-    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllGatherContext) -> torch.Tensor:
+    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         all_weights = comm.all_gather_autograd(topk_weights, self.group, "ep")
         partial = unpermute_and_combine(expert_output, all_weights, ctx)
         return comm.reduce_scatter_autograd(partial, self.group, "ep")
