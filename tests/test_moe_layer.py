@@ -195,6 +195,29 @@ def test_grouped_experts_fallback_inside_layer():
 # -- expert bias -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"score_func": "sigmoid", "shared_expert_hidden_size": 6}, {"capacity_factor": 1.0}],
+    ids=["softmax", "sigmoid_shared", "capacity"],
+)
+def test_float64_layer_passes_gradcheck(kwargs):
+    """float64 has no grouped-GEMM kernel: the layer takes the bmm path, and its gradients are exact.
+
+    ``load_balancing="none"``: the aux loss reaches the router's gradient without being part of the
+    output, which gradcheck would (rightly) report as a mismatch.
+    """
+    torch.manual_seed(0)
+    layer = MoELayer(4, 6, num_experts=4, top_k=2, load_balancing="none", **kwargs).double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x,))
+    names = [name for name, _ in layer.named_parameters()]
+    params = tuple(p.detach().requires_grad_() for p in layer.parameters())
+    assert torch.autograd.gradcheck(
+        lambda *ps: torch.func.functional_call(layer, dict(zip(names, ps)), (x.detach(),)), params
+    )
+    assert layer(x).dtype == torch.float64
+
+
 def test_expert_bias_changes_selection_not_gate_weights():
     torch.manual_seed(0)
     router = TopKRouter(H, E, 2, score_func="sigmoid", expert_bias=True)

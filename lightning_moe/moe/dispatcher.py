@@ -182,7 +182,7 @@ class _WeightedScatterAdd(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_rows = grad_per_row * weights.to(rows.dtype).unsqueeze(1)
         if ctx.needs_input_grad[1]:
-            grad_weights = torch.linalg.vecdot(grad_per_row, rows).float()
+            grad_weights = torch.linalg.vecdot(grad_per_row, rows).to(weights.dtype)
         return grad_rows, grad_weights, None, None
 
 

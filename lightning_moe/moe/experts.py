@@ -21,13 +21,17 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# The dtypes ``torch._grouped_mm`` has kernels for (torch 2.13); float64 (gradcheck) takes the bmm path.
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def grouped_mm_available(device: torch.device, dtype: torch.dtype, *row_sizes: int) -> bool:
-    """Whether ``torch._grouped_mm`` can run this case (CPU: any float dtype; CUDA: bf16 kernels).
+    """Whether ``torch._grouped_mm`` can run this case (CPU: fp32/bf16/fp16; CUDA: bf16 kernels).
 
     ``row_sizes``: the inner sizes of the operands (hidden, FFN); ``_grouped_mm`` needs their rows
     to be multiples of 16 bytes, which an FFN dim sharded over etp may not be.
     """
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or dtype not in _GROUPED_MM_DTYPES:
         return False
     itemsize = torch.empty((), dtype=dtype).element_size()
     if any(size * itemsize % 16 for size in row_sizes):

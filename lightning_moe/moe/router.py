@@ -104,9 +104,10 @@ class TopKRouter(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
-        """Route ``x [T, H]``; fp32 whatever the dtype of ``x`` or an enclosing autocast."""
+        """Route ``x [T, H]``; fp32 (fp64 for fp64 inputs) whatever an enclosing autocast says."""
+        router_dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.to(router_dtype), self.weight.to(router_dtype))
         if self.score_func == "softmax":
             # Softmax over the expert dim of [E, T] runs ~4x faster on CPU than over a short last dim.
             scores = torch.softmax(logits.t(), dim=0).t().contiguous()
