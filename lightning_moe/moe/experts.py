@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GroupedExperts", "SharedExpert", "compute_dtype", "grouped_mm_available"]
+__all__ = ["ACTIVATIONS", "GroupedExperts", "SharedExpert", "compute_dtype", "expert_activation", "grouped_mm_available"]
+
+ACTIVATIONS: tuple[str, ...] = ("swiglu", "gpt_oss")
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -44,39 +46,66 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous.
+def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``'s backward rejects a stride-0 gradient such as the one ``y.sum()``
+    sends, also when it has no rows (``contiguous()`` keeps the strides of an empty tensor)."""
+    return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
 
-    ``torch._grouped_mm``'s backward rejects a stride-0 gradient such as the one ``y.sum()`` sends,
-    also when it has no rows (``contiguous()`` keeps the strides of an empty tensor).
+
+def expert_activation(
+    gate: torch.Tensor, up: torch.Tensor, activation: str = "swiglu", alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
+    """The gated activation of the expert FFN, elementwise over the FFN dim.
+
+    - ``"swiglu"``: ``silu(gate) * up``;
+    - ``"gpt_oss"``: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+      ``g = clamp(gate, max=limit)`` (GPT-OSS; transformers' ``GptOssExperts._apply_gate``).
     """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous() if grad.numel() else grad.new_zeros(grad.shape)
+    if activation == "swiglu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def _grouped_swiglu(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tokens_per_expert: torch.Tensor
+def _row_bias(bias: torch.Tensor | None, tokens_per_expert: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+    """``bias[expert of row]`` for rows grouped by expert: ``[N, F]`` (None without bias)."""
+    if bias is None:
+        return None
+    return bias.repeat_interleave(tokens_per_expert.to(bias.device), dim=0, output_size=num_rows)
+
+
+def _grouped_ffn(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tokens_per_expert: torch.Tensor,
+    b1: torch.Tensor | None = None, b3: torch.Tensor | None = None, activation: str = "swiglu",
+    alpha: float = 1.702, limit: float = 7.0,
 ) -> torch.Tensor:
     # Separate gate and up GEMMs: a fused [w1 | w3] GEMM is no faster on CPU once its halves feed
     # the elementwise SwiGLU as strided views, which are much slower than contiguous ones in bf16.
     offsets = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32)  # _grouped_mm wants int32
-    hidden = F.silu(torch._grouped_mm(x, w1, offsets)) * torch._grouped_mm(x, w3, offsets)
-    return _ContiguousGrad.apply(torch._grouped_mm(hidden, w2, offsets))
+    gate, up = torch._grouped_mm(x, w1, offsets), torch._grouped_mm(x, w3, offsets)
+    if b1 is not None:
+        gate = gate + _row_bias(b1, tokens_per_expert, x.shape[0])
+    if b3 is not None:
+        up = up + _row_bias(b3, tokens_per_expert, x.shape[0])
+    hidden = expert_activation(gate, up, activation, alpha, limit)
+    out = torch._grouped_mm(hidden, w2, offsets)
+    if out.requires_grad:
+        # A gradient hook, not an identity autograd Function: that would return a view, on which
+        # FSDP (which wraps the experts) cannot place its pre-backward hook.
+        out.register_hook(_contiguous_grad)
+    return out
 
 
-def _padded_swiglu(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tokens_per_expert: torch.Tensor
+def _padded_ffn(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tokens_per_expert: torch.Tensor,
+    b1: torch.Tensor | None = None, b3: torch.Tensor | None = None, activation: str = "swiglu",
+    alpha: float = 1.702, limit: float = 7.0,
 ) -> torch.Tensor:
     """Fallback without ``_grouped_mm``: scatter rows into ``[E, max_count, H]`` and use ``bmm``.
 
-    Three batched GEMMs instead of a Python loop over experts; the padding rows are zeros, so they
-    add nothing to the weight gradients, and their outputs are never gathered back.
+    Three batched GEMMs instead of a Python loop over experts; the padding rows are zeros and never
+    gathered back, so they add nothing to any gradient (their outputs get zero gradient).
     """
     num_experts, hidden_size = w1.shape[0], x.shape[1]
     counts = tokens_per_expert.to(x.device)
@@ -87,7 +116,12 @@ def _padded_swiglu(
     slot = expert_of_row * max_count + rows - starts[expert_of_row]
     padded = x.new_zeros(num_experts * max_count, hidden_size).index_copy(0, slot, x)
     padded = padded.view(num_experts, max_count, hidden_size)
-    hidden = F.silu(torch.bmm(padded, w1)) * torch.bmm(padded, w3)
+    gate, up = torch.bmm(padded, w1), torch.bmm(padded, w3)
+    if b1 is not None:
+        gate = gate + b1.unsqueeze(1)
+    if b3 is not None:
+        up = up + b3.unsqueeze(1)
+    hidden = expert_activation(gate, up, activation, alpha, limit)
     out = torch.bmm(hidden, w2).view(num_experts * max_count, w2.shape[-1])
     return out.index_select(0, slot)
 
@@ -95,7 +129,11 @@ def _padded_swiglu(
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`` as grouped GEMMs.
 
-    Parameters ``w1 [E, H, F]`` (gate), ``w3 [E, H, F]`` (up), ``w2 [E, F, H]`` (down).
+    Parameters ``w1 [E, H, F]`` (gate), ``w3 [E, H, F]`` (up), ``w2 [E, F, H]`` (down); with
+    ``bias=True`` also ``b1 [E, F]`` and ``b3 [E, F]``, added to the gate and up projections (the
+    down projection's bias lives in :class:`~lightning_moe.moe.MoELayer`, which adds it per token).
+    ``activation``: ``"swiglu"`` or ``"gpt_oss"`` (:func:`expert_activation`, with ``alpha`` and
+    ``limit``).
     ``forward(x [N, H], tokens_per_expert [E])`` takes rows already grouped by expert (expert 0
     first) and returns ``[N, H]`` in the compute dtype (the autocast dtype under autocast, else
     ``x.dtype``). It uses ``torch._grouped_mm`` where available and a padded ``bmm`` otherwise
@@ -109,14 +147,34 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(
-        self, num_experts: int, hidden_size: int, ffn_hidden_size: int, *, use_grouped_mm: bool | None = None
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        use_grouped_mm: bool | None = None,
+        activation: str = "swiglu",
+        bias: bool = False,
+        alpha: float = 1.702,
+        limit: float = 7.0,
     ) -> None:
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is unknown: choose one of {ACTIVATIONS}")
         self.num_experts = num_experts
         self.use_grouped_mm = use_grouped_mm
+        self.activation = activation
+        self.alpha = alpha
+        self.limit = limit
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+        if bias:
+            self.b1 = nn.Parameter(torch.zeros(num_experts, ffn_hidden_size))
+            self.b3 = nn.Parameter(torch.zeros(num_experts, ffn_hidden_size))
+        else:
+            self.register_parameter("b1", None)
+            self.register_parameter("b3", None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -124,17 +182,20 @@ class GroupedExperts(nn.Module):
         for weight in (self.w1, self.w3, self.w2):
             bound = 1.0 / math.sqrt(weight.shape[1])
             nn.init.uniform_(weight, -bound, bound)
+        for bias in (self.b1, self.b3):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         dtype = compute_dtype(x)
         x = x.to(dtype)
         w1, w3, w2 = (_local(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+        b1, b3 = (_local(b).to(dtype) if b is not None else None for b in (self.b1, self.b3))
         use_grouped = self.use_grouped_mm
         if use_grouped is None:
             use_grouped = grouped_mm_available(x.device, dtype, w1.shape[1], w1.shape[2])
-        if use_grouped:
-            return _grouped_swiglu(x, w1, w3, w2, tokens_per_expert)
-        return _padded_swiglu(x, w1, w3, w2, tokens_per_expert)
+        ffn = _grouped_ffn if use_grouped else _padded_ffn
+        return ffn(x, w1, w3, w2, tokens_per_expert, b1, b3, self.activation, self.alpha, self.limit)
 
 
 class SharedExpert(nn.Module):

@@ -11,11 +11,11 @@ from torch import nn
 from lightning_moe import comm
 from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
 from lightning_moe.moe.dispatcher import DISPATCHERS, LocalDispatcher
-from lightning_moe.moe.experts import GroupedExperts, SharedExpert, compute_dtype
+from lightning_moe.moe.experts import ACTIVATIONS, GroupedExperts, SharedExpert, compute_dtype
 from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
 from lightning_moe.moe.router import RouterOutput, TopKRouter
 
-__all__ = ["LOAD_BALANCING", "MoELayer", "update_expert_biases"]
+__all__ = ["LOAD_BALANCING", "ExpertOutputBias", "MoELayer", "update_expert_biases"]
 
 LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 
@@ -41,6 +41,22 @@ class MoELayer(nn.Module):
     ``stats`` (detached, after every forward): ``tokens_per_expert [E]`` (slots before dropping),
     ``aux_loss``, ``z_loss``, ``dropped_fraction``, ``router_entropy``; reduced over
     ``sequence_group`` when it is set.
+
+    Options real models need (shared/DESIGN.md section 8):
+
+    - ``routed_scaling_factor``: the routed gate weights are multiplied by it after the top-k
+      normalisation (DeepSeek-V3: 2.5).
+    - ``shared_expert_gate``: the shared expert's output is scaled per token by
+      ``sigmoid(x @ shared_expert_gate.weight.T)`` (Qwen2-MoE; weight ``[1, H]``). Needs
+      ``shared_expert_hidden_size``.
+    - ``router_bias``: ``router.bias [E]`` is added to the router logits (GPT-OSS).
+    - ``expert_linear_bias``: the experts' gate/up projections get ``experts.b1/b3 [E, F]`` and the
+      down projection ``expert_output_bias.weight [E, H]`` (GPT-OSS). The down bias is added per
+      token as ``sum_k w_k * b[i_k]`` over the kept slots, which equals adding it inside each expert
+      but needs no expert sharding: it is a token-level parameter like ``router.weight``.
+    - ``activation``: ``"swiglu"`` (default) or ``"gpt_oss"``: ``(clamp(up, -L, L) + 1) * g *
+      sigmoid(alpha * g)`` with ``g = clamp(gate, max=L)``, ``alpha = swiglu_alpha`` (1.702) and
+      ``L = swiglu_limit`` (7.0).
 
     ``sequence_group``/``data_group`` are set by :func:`lightning_moe.parallelize` (None on one
     device): the ranks sharing one micro-batch's tokens, and all ranks of one optimizer step.
@@ -75,6 +91,13 @@ class MoELayer(nn.Module):
         drop_policy: str = "probs",
         shared_expert_hidden_size: int | None = None,
         dispatcher: str = "alltoall",
+        routed_scaling_factor: float = 1.0,
+        shared_expert_gate: bool = False,
+        router_bias: bool = False,
+        expert_linear_bias: bool = False,
+        activation: str = "swiglu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
     ) -> None:
         super().__init__()
         if hidden_size < 1 or ffn_hidden_size < 1:
@@ -93,6 +116,12 @@ class MoELayer(nn.Module):
             raise ValueError(f"dispatcher={dispatcher!r} is unknown: choose one of {DISPATCHERS}")
         if shared_expert_hidden_size is not None and shared_expert_hidden_size < 1:
             raise ValueError(f"shared_expert_hidden_size must be >= 1 (or None), got {shared_expert_hidden_size}")
+        if shared_expert_gate and shared_expert_hidden_size is None:
+            raise ValueError("shared_expert_gate=True gates the shared expert: set shared_expert_hidden_size as well")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is unknown: choose one of {ACTIVATIONS}")
+        if not routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor must be > 0, got {routed_scaling_factor}")
         self.router = TopKRouter(
             hidden_size,
             num_experts,
@@ -104,11 +133,18 @@ class MoELayer(nn.Module):
             num_groups=num_groups,
             group_topk=group_topk,
             use_sinkhorn=load_balancing == "sinkhorn",
+            bias=router_bias,
+            routed_scaling_factor=routed_scaling_factor,
         )
-        self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size)
+        self.experts = GroupedExperts(
+            num_experts, hidden_size, ffn_hidden_size, activation=activation, bias=expert_linear_bias,
+            alpha=swiglu_alpha, limit=swiglu_limit,
+        )
         self.shared_expert = (
             SharedExpert(hidden_size, shared_expert_hidden_size) if shared_expert_hidden_size is not None else None
         )
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
+        self.expert_output_bias = ExpertOutputBias(num_experts, hidden_size) if expert_linear_bias else None
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
@@ -138,8 +174,13 @@ class MoELayer(nn.Module):
         ctx = self.dispatcher.dispatch(tokens.to(compute_dtype(tokens)), routing.topk_idx, keep)
         expert_output = self.experts(ctx.expert_input, ctx.tokens_per_local_expert)
         out = self.dispatcher.combine(expert_output, routing.topk_weights, ctx)
+        if self.expert_output_bias is not None:
+            out = out + self.expert_output_bias(routing.topk_idx, routing.topk_weights, keep).to(out.dtype)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(tokens)
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            out = out + shared
         loss = self._losses_and_stats(routing, keep, x.shape)
         if loss is not None and loss.requires_grad:
             out = MoEAuxLossAutoScaler.apply(out, loss)
@@ -238,6 +279,26 @@ class MoELayer(nn.Module):
             counts, prob_sum_all, seq_tokens = totals[:, :num_experts], totals[:, num_experts:-1], totals[:, -1]
         args = (counts, seq_tokens, seq_tokens * top_k, self.aux_loss_coeff)
         return load_balancing_loss(prob_sum, *args), load_balancing_loss(prob_sum_all, *args)
+
+
+class ExpertOutputBias(nn.Module):
+    """The experts' down-projection biases ``weight [E, H]``, added per token after the combine.
+
+    ``forward(topk_idx [T, k], topk_weights [T, k], keep [T, k] | None) -> [T, H]`` (fp32):
+    ``sum_k keep_k * w_k * weight[i_k]``: exactly what adding ``weight[e]`` to expert e's output
+    inside every expert would contribute, but computed where the token is, so it needs no
+    expert-parallel sharding and no dispatch.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        weights = topk_weights if keep is None else topk_weights * keep.to(topk_weights.dtype)
+        num_tokens, top_k = topk_idx.shape
+        gates = weights.new_zeros(num_tokens, self.weight.shape[0]).scatter_add_(1, topk_idx, weights)
+        return gates @ self.weight.to(gates.dtype)
 
 
 def update_expert_biases(module: nn.Module) -> None:

@@ -44,6 +44,9 @@ class TopKRouter(nn.Module):
       token first keeps the ``group_topk`` best groups, then picks its top-k experts inside them.
       A group's score is the sum of its two best (biased) scores for sigmoid, as in DeepSeek-V3,
       and its best score for softmax, as in DeepSeek-V2.
+    - ``bias``: a learned logit bias ``bias [E]`` (``logits = x @ weight.T + bias``, GPT-OSS).
+    - ``routed_scaling_factor``: the gate weights are multiplied by it after the top-k
+      normalisation (DeepSeek-V3's 2.5); selection and the balancing losses do not see it.
     - ``use_sinkhorn``: in training, experts are chosen on the Sinkhorn-normalised logits
       (balanced assignment, Megatron's ``"sinkhorn"``); gate weights still come from the scores.
       In eval the scores choose.
@@ -69,9 +72,13 @@ class TopKRouter(nn.Module):
         num_groups: int | None = None,
         group_topk: int | None = None,
         use_sinkhorn: bool = False,
+        bias: bool = False,
+        routed_scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
         _validate_routing(num_experts, top_k, score_func, num_groups, group_topk, bias_update_rate)
+        if not routed_scaling_factor > 0:
+            raise ValueError(f"routed_scaling_factor must be > 0, got {routed_scaling_factor}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func
@@ -81,7 +88,9 @@ class TopKRouter(nn.Module):
         self.num_groups = num_groups
         self.group_topk = group_topk
         self.use_sinkhorn = use_sinkhorn
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.register_parameter("bias", nn.Parameter(torch.zeros(num_experts)) if bias else None)
         if expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
             # Not checkpointed: it is reset after every optimizer step.
@@ -107,7 +116,8 @@ class TopKRouter(nn.Module):
         """Route ``x [T, H]``; fp32 (fp64 for fp64 inputs) whatever an enclosing autocast says."""
         router_dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.to(router_dtype), self.weight.to(router_dtype))
+            bias = self.bias.to(router_dtype) if self.bias is not None else None
+            logits = F.linear(x.to(router_dtype), self.weight.to(router_dtype), bias)
         if self.score_func == "softmax":
             # Softmax over the expert dim of [E, T] runs ~4x faster on CPU than over a short last dim.
             scores = torch.softmax(logits.t(), dim=0).t().contiguous()
@@ -133,6 +143,8 @@ class TopKRouter(nn.Module):
         if self.topk_norm:
             # The epsilon only guards sigmoid scores that all underflow to 0.
             topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+        if self.routed_scaling_factor != 1.0:
+            topk_weights = topk_weights * self.routed_scaling_factor
         return RouterOutput(logits, scores, probs, topk_idx, topk_weights, tokens_per_expert)
 
     def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
