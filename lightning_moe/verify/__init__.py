@@ -1,0 +1,16 @@
+"""Prove that a module, a layout and a config give the single-device numbers, and find where they don't.
+
+- ``python -m lightning_moe.verify parallel=tp2_ep2`` (Hydra, the config groups of ``train``);
+- :func:`verify_layout` from Python; both return/print a :class:`VerifyReport`.
+
+Two real Lightning runs of the same seed and global batch, one process and the layout, each in
+its own processes; compared in fp32: the loss per step, every parameter's reduced gradient at
+step 1 and every parameter after the last step. On failure, step 1 is run again with forward hooks
+on every module, whose outputs are reassembled to full tensors (DTensor, tensor-parallel shards,
+context-parallel zigzag, pipeline stages) and compared in execution order.
+"""
+
+from lightning_moe.verify.compare import VerifyReport
+from lightning_moe.verify.runner import VerifyConfigError, verify_layout
+
+__all__ = ["VerifyConfigError", "VerifyReport", "verify_layout"]
