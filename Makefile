@@ -17,8 +17,11 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+# The default experiment on 2 local processes with expert parallelism (ep=2), unless ARGS picks a
+# layout itself (e.g. ARGS=parallel=single for one process).
+TRAIN_LAYOUT := $(if $(findstring parallel,$(ARGS)),,parallel=ep2)
 train: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(PY) -m lightning_moe.train $(ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m lightning_moe.train $(TRAIN_LAYOUT) $(ARGS)
 
 test: install
 	$(PY) -m pytest tests -q $(ARGS)

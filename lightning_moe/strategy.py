@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_moe.cp import context_parallel_attention
-from lightning_moe.moe import set_aux_loss_scale
+from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
@@ -83,6 +83,8 @@ class MoE5DStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "moe5d"
+    # Every MoELayer's expert bias is updated here once per optimizer step, for any module.
+    updates_expert_biases = True
 
     def __init__(
         self,
@@ -149,6 +151,7 @@ class MoE5DStrategy(ModelParallelStrategy):
             raise MisconfigurationException(
                 f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})"
             ) from err
+        check_unreduced_replicas(self.parallel_dims, self.data_parallel)
         super()._configure_launcher()
 
     @override
@@ -325,6 +328,22 @@ class MoE5DStrategy(ModelParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step, then every ``MoELayer``'s expert-bias update (loads of the whole step)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        update_expert_biases(self.model)
+        return output
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """Loader batches each Lightning batch holds: ``pp_microbatches`` under pp > 1, else 1.
+
+        A data module sizes its automatic ``micro_batch_size`` so that the accumulation count is a
+        multiple of it (``ByteTextDataModule`` does).
+        """
+        return self.pp_microbatches if self.parallel_dims.pp > 1 else 1
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         if self.parallel_dims.pp > 1:
@@ -465,6 +484,22 @@ class MoE5DStrategy(ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="lightning-moe 5D parallel strategy (tp, cp, ep, dp, pp)")
+
+
+def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:
+    """``data_parallel="none"`` reduces no gradient: refuse it where replicas would drift apart.
+
+    Across dp x ep x cp ranks every parameter sees different tokens, and across tp ranks the router
+    and shared expert do; without a reduction their copies train apart.
+    """
+    replicas = dims.dp * dims.ep * dims.cp * dims.tp
+    if data_parallel == "none" and replicas > 1:
+        raise MisconfigurationException(
+            f"data_parallel='none' reduces no gradient, but dp*ep*cp*tp = {dims.dp}*{dims.ep}*{dims.cp}*{dims.tp} ="
+            f" {replicas} ranks hold copies of parameters that see different tokens (they would drift apart):"
+            " use data_parallel='fsdp' or 'ddp', or reduce gradients yourself with lightning_moe.parallelize in"
+            " configure_model"
+        )
 
 
 def _flat_optimizer_options() -> Any:

@@ -14,6 +14,8 @@ Examples::
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
 import sys
@@ -25,6 +27,7 @@ from typing import Any
 
 import hydra
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 # Hydra's own command-line parser (no public equivalent), to re-run one sweep job in the children.
 from hydra._internal.utils import get_args_parser
@@ -34,6 +37,10 @@ from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from lightning_moe.callbacks import SummaryCallback
+from lightning_moe.cp import check_seq_len
+from lightning_moe.data import resolve_batch_layout
+from lightning_moe.parallel.parallelize import check_layout
+from lightning_moe.strategy import check_unreduced_replicas
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 _PARALLEL_SIZES = ("tp", "cp", "ep", "dp", "pp")
@@ -145,9 +152,62 @@ def build(cfg: DictConfig) -> TrainingRun:
     return TrainingRun(trainer, model, datamodule, callbacks, loggers)
 
 
+def describe_run(summary: dict[str, Any]) -> str:
+    """Two lines from a ``summary.json``: the layout, and the bytes each rank sent per optimizer step.
+
+    Example::
+
+        describe_run({"layout": {"tp": 1, "ep": 2}, "comm": {"ep": {"bytes": 2.5e6, "calls": 10}}})
+        # 'layout: tp=1 ep=2\ncommunication per optimizer step and rank: ep 2.50 MB in 10 calls'
+    """
+    layout = " ".join(f"{name}={size}" for name, size in summary.get("layout", {}).items())
+    sent = [
+        f"{name} {entry['bytes'] / 1e6:.2f} MB in {entry['calls']:.0f} calls"
+        for name, entry in summary.get("comm", {}).items()
+        if entry.get("calls")
+    ]
+    return f"layout: {layout}\ncommunication per optimizer step and rank: {', '.join(sent) or 'none'}"
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Check a composed config against every layout rule, in this process, before anything starts.
+
+    Raises the error the run would raise later (``ValueError``/``MisconfigurationException``,
+    naming the fix): the strategy's arguments (pipeline schedule, sizes), ``world_size`` =
+    ``trainer.devices * trainer.num_nodes`` against ``tp*cp*ep*dp*pp``, the batch layout
+    (``global_batch_size`` over ``micro_batch_size * dp*ep * pp_microbatches``), ``seq_len`` for cp,
+    and the model (built on the meta device: heads, KV heads, experts, expert FFN and pipeline
+    split). Needs no process group. Example::
+
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            check_config(compose("train", overrides=["parallel=pp2"]))
+    """
+    strategy = hydra.utils.instantiate(cfg.parallel)
+    dims = dataclasses.replace(strategy.parallel_dims)
+    devices, num_nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    if not isinstance(devices, int):  # "auto" and device lists: Lightning resolves them at launch
+        return
+    dims.validate(devices * num_nodes)
+    check_unreduced_replicas(dims, strategy.data_parallel)
+    data = cfg.data
+    if "global_batch_size" in data:
+        resolve_batch_layout(
+            data.global_batch_size, data.get("micro_batch_size"), dims.dp * dims.ep, strategy.microbatches_per_step
+        )
+    if dims.cp > 1 and "seq_len" in data:
+        check_seq_len(data.seq_len, dims.cp)
+    try:
+        with torch.device("meta"):
+            model = hydra.utils.instantiate(cfg.model)
+    except Exception:  # noqa: BLE001 - a model that reads files at construction cannot be built on meta;
+        return  # the strategy runs the same checks (lightning_moe.parallelize) before training
+    check_layout(model, dims, strategy.pp_stages_per_rank)
+
+
 def train(cfg: DictConfig) -> float | None:
     """Build everything from ``cfg``, fit, and report where the outputs are; returns the final loss."""
     _launch_children_for_this_job_only()
+    check_config(cfg)
     with _separate_from_other_sweep_jobs():
         pl.seed_everything(cfg.seed, workers=True)
         run = build(cfg)
@@ -160,6 +220,7 @@ def train(cfg: DictConfig) -> float | None:
     summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
     if run.trainer.is_global_zero:  # last, after W&B's own closing messages
         if summary is not None and summary.path is not None:
+            print(describe_run(json.loads(summary.path.read_text())))
             print(f"summary.json: {summary.path}")
         for wandb_run in wandb_runs:
             print(f"W&B {wandb_run.settings.mode} run: {wandb_run.settings.sync_dir}")

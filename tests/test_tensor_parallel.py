@@ -47,7 +47,15 @@ def tp_layer_case(
     x = (x_full[:, shard] if sequence_parallel else x_full).clone().requires_grad_(True)
     probe = probe_full[:, shard] if sequence_parallel else probe_full
     comm.reset()
-    y = layer(x)
+    if sequence_parallel:
+        # Sequence shards reach the layer as a DTensor Shard(seq) over tp; a plain tensor means replicated.
+        from torch.distributed.tensor import DTensor, Shard
+
+        y = layer(DTensor.from_local(x, dims.tp_mesh, [Shard(1)], run_check=False))
+        assert isinstance(y, DTensor) and y.placements == (Shard(1),)
+        y = y.to_local()
+    else:
+        y = layer(x)
     (y * probe).sum().backward()
     ep_bytes = torch.tensor(float(comm.snapshot().get("ep", {"bytes": 0})["bytes"]))
 

@@ -223,7 +223,8 @@ class ByteTextDataModule(pl.LightningDataModule):
         global_batch_size: samples per optimizer step, summed over data-parallel ranks and
             micro-batches.
         micro_batch_size: samples per forward/backward on one rank; None means
-            `global_batch_size / num_replicas` (no gradient accumulation).
+            `global_batch_size / (num_replicas * microbatches_per_step)`: no gradient accumulation
+            beyond the micro-batches a pipeline step needs (`pp_microbatches` under pp > 1).
         max_corpus_bytes: cap on the bytes read from the default corpus or a folder.
         val_fraction: fraction of the windows (the corpus tail) used for validation.
         cache_dir: where built corpora are cached (default `$LIGHTNING_MOE_CACHE` or
@@ -232,7 +233,8 @@ class ByteTextDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers.
 
     `num_replicas`/`rank` come from `trainer.strategy.distributed_sampler_kwargs` (the strategy's
-    `dp_ep` group) and are 1/0 without a distributed strategy. `setup()` sets
+    `dp_ep` group) and are 1/0 without a distributed strategy; `microbatches_per_step` from
+    `trainer.strategy.microbatches_per_step` (1 if absent). `setup()` sets
     `trainer.accumulate_grad_batches = global_batch_size // (micro_batch_size * num_replicas)`.
 
     Example:
@@ -278,21 +280,23 @@ class ByteTextDataModule(pl.LightningDataModule):
         self.train_dataset: ByteWindowDataset | None = None
         self.val_dataset: ByteWindowDataset | None = None
 
-    def _replica_layout(self) -> tuple[int, int]:
+    def _replica_layout(self) -> tuple[int, int, int]:
+        """(data-parallel replicas, this rank among them, loader batches per training step)."""
         strategy = getattr(self.trainer, "strategy", None)
+        microbatches = int(getattr(strategy, "microbatches_per_step", 1))
         # Single-device strategies have no distributed_sampler_kwargs at all.
         kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
         if not kwargs:
-            return 1, 0
-        return int(kwargs["num_replicas"]), int(kwargs["rank"])
+            return 1, 0, microbatches
+        return int(kwargs["num_replicas"]), int(kwargs["rank"]), microbatches
 
     def prepare_data(self) -> None:
         build_corpus(self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir)
 
     def setup(self, stage: str | None = None) -> None:
-        self.num_replicas, self.rank = self._replica_layout()
+        self.num_replicas, self.rank, microbatches = self._replica_layout()
         self.micro_batch_size, self.accumulate_grad_batches = resolve_batch_layout(
-            self.global_batch_size, self.requested_micro_batch_size, self.num_replicas
+            self.global_batch_size, self.requested_micro_batch_size, self.num_replicas, microbatches
         )
         # Every rank builds (or finds) the corpus: the build is atomic, so racing is harmless.
         self.corpus = build_corpus(

@@ -19,37 +19,49 @@ __all__ = ["LayoutInvariantSampler", "ResumableDataLoader", "resolve_batch_layou
 
 
 def resolve_batch_layout(
-    global_batch_size: int, micro_batch_size: int | None, num_replicas: int
+    global_batch_size: int, micro_batch_size: int | None, num_replicas: int, microbatches_per_step: int = 1
 ) -> tuple[int, int]:
     """Check a batch layout and return `(micro_batch_size, accumulate_grad_batches)`.
 
-    `micro_batch_size=None` means `global_batch_size // num_replicas` (no accumulation).
-    `num_replicas` is the data-parallel size `dp_ep` (dp x ep).
+    `num_replicas` is the data-parallel size `dp_ep` (dp x ep). `microbatches_per_step` is the
+    number of loader batches one training step consumes together (`pp_microbatches` under pipeline
+    parallelism, see `MoE5DStrategy.microbatches_per_step`): the accumulation count must be a
+    multiple of it. `micro_batch_size=None` means the largest size that allows this:
+    `global_batch_size // (num_replicas * microbatches_per_step)`.
 
     >>> resolve_batch_layout(16, 4, 2)
     (4, 2)
+    >>> resolve_batch_layout(16, None, 1, microbatches_per_step=2)
+    (8, 2)
     """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if microbatches_per_step < 1:
+        raise ValueError(f"microbatches_per_step must be >= 1, got {microbatches_per_step}")
+    pipelined = microbatches_per_step > 1
     if micro_batch_size is None:
-        if global_batch_size % num_replicas:
+        per_step = num_replicas * microbatches_per_step
+        if global_batch_size % per_step:
+            names, product = ("dp_ep*pp_microbatches", f"{num_replicas}*{microbatches_per_step} = ") if pipelined else ("dp_ep", "")
             raise ValueError(
-                f"global_batch_size {global_batch_size} not divisible by dp_ep = {num_replicas} "
-                f"(the data-parallel replicas): make global_batch_size a multiple of {num_replicas}"
+                f"global_batch_size {global_batch_size} not divisible by {names} = {product}{per_step} (the"
+                f" data-parallel replicas{', times the micro-batches of a pipeline step' if pipelined else ''}):"
+                f" make global_batch_size a multiple of {per_step}"
             )
-        return global_batch_size // num_replicas, 1
+        return global_batch_size // per_step, microbatches_per_step
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
-    per_step = micro_batch_size * num_replicas
+    per_step = micro_batch_size * num_replicas * microbatches_per_step
     if global_batch_size % per_step:
+        product = f"{micro_batch_size}*{num_replicas}" + (f"*{microbatches_per_step}" if pipelined else "")
+        names = "micro_batch_size*dp_ep" + ("*pp_microbatches" if pipelined else "")
         raise ValueError(
-            f"global_batch_size {global_batch_size} not divisible by micro_batch_size*dp_ep = "
-            f"{micro_batch_size}*{num_replicas} = {per_step}: make global_batch_size a multiple "
-            f"of {per_step} or change micro_batch_size"
+            f"global_batch_size {global_batch_size} not divisible by {names} = {product} = {per_step}:"
+            f" make global_batch_size a multiple of {per_step} or change micro_batch_size"
         )
-    return micro_batch_size, global_batch_size // per_step
+    return micro_batch_size, global_batch_size // (micro_batch_size * num_replicas)
 
 
 class LayoutInvariantSampler(DistributedSampler):

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -218,10 +219,12 @@ class MoEGPT(pl.LightningModule):
         return loss
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's step, then the aux-loss-free expert-bias update: once per optimizer step,
-        after the loads of all its micro-batches were accumulated."""
+        """Lightning's step, then the aux-loss-free expert-bias update once per optimizer step (after
+        the loads of all its micro-batches were accumulated), unless the strategy does it itself
+        (`MoE5DStrategy` does, for any module)."""
         super().optimizer_step(*args, **kwargs)
-        update_expert_biases(self)
+        if not getattr(self.trainer.strategy, "updates_expert_biases", False):
+            update_expert_biases(self)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW; weight decay on matrices (ndim >= 2: linear, router and expert weights) except
@@ -273,9 +276,9 @@ class MoEGPT(pl.LightningModule):
           reduce-scattered after `wo`/`w2`; without it everything outside those regions is
           replicated.
 
-        MoE FFNs are not in the plan: their input is the `ffn_norm` output (a local sequence shard
-        with sequence parallelism, else replicated tokens) and `lightning_moe.parallelize` owns
-        expert sharding. Only layers present in `self.layers` are listed, so the plan also fits
+        MoE FFNs get no sharding style: with sequence parallelism their input is marked as a
+        sequence-sharded DTensor (`PrepareModuleInputOutput`), without it they receive replicated
+        tokens; `lightning_moe.parallelize` owns expert sharding and reads which of the two arrives. Only layers present in `self.layers` are listed, so the plan also fits
         a pipeline stage.
         """
         seq = Shard(1) if sequence_parallel else Replicate()
@@ -299,7 +302,19 @@ class MoEGPT(pl.LightningModule):
             for name in ("wq", "wk", "wv"):
                 plan[f"{prefix}attention.{name}"] = ColwiseParallel()
             plan[prefix + "attention.wo"] = RowwiseParallel(output_layouts=seq)
-            if isinstance(block.feed_forward, FeedForward):
+            if isinstance(block.feed_forward, MoELayer):
+                if sequence_parallel:
+                    # Tell the MoE layer its tokens are sequence shards (a plain tensor would mean
+                    # replicated tokens); the residual stream stays a local tensor.
+                    plan[prefix + "feed_forward"] = PrepareModuleInputOutput(
+                        input_layouts=(Shard(1),),
+                        desired_input_layouts=(Shard(1),),
+                        use_local_input=False,
+                        output_layouts=(Shard(1),),
+                        desired_output_layouts=(Shard(1),),
+                        use_local_output=True,
+                    )
+            elif isinstance(block.feed_forward, FeedForward):
                 if sequence_parallel:
                     plan[prefix + "feed_forward"] = PrepareModuleInput(
                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)

@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.moe import MoELayer
+from lightning_moe.parallel.blocks import block_container
 from lightning_moe.parallel.dims import ParallelDims
 
 
@@ -43,9 +44,9 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
         wrap_averaged(layer.experts, dims.edp_mesh)
         if dims.tp > 1:
             wrap_averaged([m for m in (layer.router, layer.shared_expert) if m is not None], dims.token_mesh)
-    blocks = getattr(module, "layers", None)
-    if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
-        for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
+    blocks = block_container(module)
+    if blocks is not None:
+        for block in blocks._modules.values():
             wrap(block, mesh=dims.dense_grad_mesh)
     if dims.pp > 1:
         # Pipeline stages call the module's children, never the module itself (a stage may be a

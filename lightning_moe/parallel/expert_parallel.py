@@ -25,16 +25,10 @@ def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
     tokens within the ep group at a fixed tp coordinate, and its statistics reduce over the ranks
     that share a micro-batch (cp x tp) and over all token-holding ranks (dp x ep x cp x tp).
     """
+    check_expert_layout(module, dims)
     expert_tp = dims.etp == dims.tp and dims.tp > 1
     mesh = dims.expert_mesh
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-        if layer.num_experts % dims.ep:
-            raise ValueError(
-                f"num_experts {layer.num_experts} is not divisible by ep {dims.ep}: choose ep dividing num_experts"
-            )
-        ffn = layer.experts.w1.shape[2]
-        if expert_tp and ffn % dims.tp:
-            raise ValueError(f"expert ffn_hidden_size {ffn} is not divisible by etp={dims.tp}: choose etp=1 or a divisible size")
         for name, param in list(layer.experts.named_parameters(recurse=False)):
             if isinstance(param, DTensor):
                 continue
@@ -50,6 +44,19 @@ def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
             layer.dispatcher = ExpertTensorParallelDispatcher(layer.dispatcher, dims.tp_group)
         layer.sequence_group = _group_if_shared(dims.sequence_group)
         layer.data_group = _group_if_shared(dims.token_group)
+
+
+def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
+    """Every MoELayer's experts split over ``ep`` and, under expert TP, its FFN dim over ``tp``."""
+    expert_tp = dims.etp == dims.tp and dims.tp > 1
+    for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
+        if layer.num_experts % dims.ep:
+            raise ValueError(
+                f"num_experts {layer.num_experts} is not divisible by ep {dims.ep}: choose ep dividing num_experts"
+            )
+        ffn = layer.experts.w1.shape[2]
+        if expert_tp and ffn % dims.tp:
+            raise ValueError(f"expert ffn_hidden_size {ffn} is not divisible by etp={dims.tp}: choose etp=1 or a divisible size")
 
 
 def _group_if_shared(group: dist.ProcessGroup) -> dist.ProcessGroup | None:

@@ -9,9 +9,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.parallel.data_parallel import apply_data_parallel
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.expert_parallel import apply_expert_parallel
-from lightning_moe.parallel.pipeline import split_module
-from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel
+from lightning_moe.parallel.expert_parallel import apply_expert_parallel, check_expert_layout
+from lightning_moe.parallel.pipeline import check_pipeline_split, split_module
+from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel, check_head_counts
 
 DataParallelKind = Literal["fsdp", "ddp", "none"]
 DATA_PARALLEL_KINDS: tuple[str, ...] = ("fsdp", "ddp", "none")
@@ -29,6 +29,26 @@ def is_parallelized(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
         isinstance(p, DTensor) for p in module.parameters()
     )
+
+
+def check_layout(module: nn.Module, dims: ParallelDims, pp_stages_per_rank: int = 1) -> None:
+    """Raise ``ValueError`` naming the fix if ``module`` cannot take the layout ``dims``.
+
+    Needs no process group (a module on the meta device will do): heads and KV heads divisible by
+    tp (modules exposing ``num_heads``/``num_kv_heads``), experts by ep, expert FFNs by etp, and
+    the pipeline split into ``pp * pp_stages_per_rank`` stages. :func:`parallelize` calls it first.
+
+    Example::
+
+        with torch.device("meta"):
+            model = MoEGPT(num_layers=3)
+        check_layout(model, ParallelDims(pp=2))   # ValueError: 3 layers cannot be split evenly ...
+    """
+    if dims.tp > 1:
+        check_head_counts(module, dims.tp)
+    check_expert_layout(module, dims)
+    if dims.pp > 1:
+        check_pipeline_split(module, dims.pp * pp_stages_per_rank)
 
 
 def parallelize(
@@ -58,6 +78,7 @@ def parallelize(
     if data_parallel not in DATA_PARALLEL_KINDS:
         raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL_KINDS}")
     dims = ParallelDims.from_mesh(mesh, etp=etp)
+    check_layout(module, dims, pp_stages_per_rank)
     if dims.pp > 1:
         # Split first: only this rank's layers get sharded for ep, tp and dp.
         split_module(module, dims.pp_mesh.get_local_rank(), dims.pp, pp_stages_per_rank)

@@ -4,11 +4,14 @@ A module says how it splits in one of three ways (first match wins):
 
 1. ``pipeline_split(stage_index, num_stages) -> nn.Module``: returns the stage's module, which must
    share its parameters with ``module`` (e.g. a shallow copy with parts removed);
-2. ``pipeline_stage_layers``: a list with, per stage, the keys of ``module.layers`` it runs;
-3. the default convention: ``module.layers`` (an ``nn.ModuleDict``) is cut evenly in order; the first
-   stage also keeps ``pipeline_first_stage_modules`` (default ``("tok_embeddings",)``), the last one
-   ``pipeline_last_stage_modules`` (default ``("norm", "output")``); on other stages these attributes
-   are None, so ``forward`` must accept a hidden state as input and return one (``MoEGPT`` does).
+2. ``pipeline_stage_layers``: a list with, per stage, the keys of the block container it runs;
+3. the default convention: the block container — ``module.layers``, or the attribute named by
+   ``pipeline_layers_attr`` (e.g. ``"blocks"``), an ``nn.ModuleDict`` or ``nn.ModuleList`` — is cut
+   evenly in order; the first stage also keeps ``pipeline_first_stage_modules`` (default
+   ``("tok_embeddings",)``), the last one ``pipeline_last_stage_modules`` (default
+   ``("norm", "output")``); on other stages these attributes are None, so ``forward`` must accept a
+   hidden state as input and return one (``MoEGPT`` does). Blocks keep their keys on every stage
+   (a ``ModuleList`` stage iterates over its own blocks, named ``blocks.2``, ``blocks.3``, ...).
 
 Rank ``r`` of the pp group runs the stages ``r, r + pp, r + 2 pp, ...`` (``stages_per_rank`` of them,
 "virtual" stages for the interleaved schedule). :func:`split_module` removes from ``module``
@@ -29,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_moe.parallel.blocks import block_container, blocks_attr, remove_block, subset
+
 PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B")
 DEFAULT_FIRST_STAGE_MODULES: tuple[str, ...] = ("tok_embeddings",)
 DEFAULT_LAST_STAGE_MODULES: tuple[str, ...] = ("norm", "output")
@@ -39,6 +44,7 @@ __all__ = [
     "GroupedBatchLoader",
     "PipelineRunner",
     "check_pipeline_config",
+    "check_pipeline_split",
     "concat_batches",
     "pipeline_batch",
     "pipeline_stage_modules",
@@ -120,19 +126,29 @@ def split_module(module: nn.Module, pp_rank: int, pp: int, stages_per_rank: int 
     return stages
 
 
+def check_pipeline_split(module: nn.Module, num_stages: int) -> None:
+    """Raise ``ValueError`` naming the fix if the default convention cannot split ``module`` into ``num_stages``."""
+    if callable(getattr(module, "pipeline_split", None)):
+        return
+    _layer_keys_per_stage(module, num_stages)
+    _end_modules(module)
+
+
 def pipeline_stage_modules(module: nn.Module) -> list[tuple[int, nn.Module]] | None:
     """``[(stage_index, stage_module), ...]`` of this rank after :func:`split_module`, else None."""
     return getattr(module, _STAGES_ATTR, None)
 
 
 def _layer_keys_per_stage(module: nn.Module, num_stages: int) -> list[list[str]]:
-    layers = getattr(module, "layers", None)
-    if not isinstance(layers, nn.ModuleDict):
+    layers = block_container(module)
+    if layers is None:
+        name = blocks_attr(module)
         raise ValueError(
-            f"pipeline parallelism needs {type(module).__name__}.layers to be an nn.ModuleDict (names stay global"
-            f" across stages), or a pipeline_split(stage_index, num_stages) method; got {type(layers).__name__}"
+            f"pipeline parallelism needs {type(module).__name__}.{name} to be an nn.ModuleDict or nn.ModuleList of"
+            " blocks (set pipeline_layers_attr to name another attribute), or a"
+            f" pipeline_split(stage_index, num_stages) method; got {type(getattr(module, name, None)).__name__}"
         )
-    keys = list(layers.keys())
+    keys = list(layers._modules)
     explicit = getattr(module, "pipeline_stage_layers", None)
     if explicit is not None:
         explicit = [list(stage) for stage in explicit]
@@ -154,11 +170,11 @@ def _layer_keys_per_stage(module: nn.Module, num_stages: int) -> list[list[str]]
 def _end_modules(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     first = tuple(getattr(module, "pipeline_first_stage_modules", DEFAULT_FIRST_STAGE_MODULES))
     last = tuple(getattr(module, "pipeline_last_stage_modules", DEFAULT_LAST_STAGE_MODULES))
-    owned = set(first) | set(last) | {"layers"}
+    owned = set(first) | set(last) | {blocks_attr(module)}
     for name, child in module.named_children():
         if name not in owned and child is not None and any(True for _ in _tensors(child)):
             raise ValueError(
-                f"{type(module).__name__}.{name} holds parameters but is neither in `layers` nor in"
+                f"{type(module).__name__}.{name} holds parameters but is neither in `{blocks_attr(module)}` nor in"
                 f" pipeline_first_stage_modules {first} / pipeline_last_stage_modules {last}: list it in one of them"
                 " or define pipeline_split(stage_index, num_stages)"
             )
@@ -179,9 +195,9 @@ def _parts_to_drop(module: nn.Module, stage: int, num_stages: int) -> list[str]:
 def _trim_in_place(module: nn.Module, stage: int, num_stages: int, keys: Sequence[str]) -> None:
     for name in _parts_to_drop(module, stage, num_stages):
         setattr(module, name, None)
-    layers = module.layers
-    for key in [k for k in layers.keys() if k not in set(keys)]:
-        del layers[key]
+    layers = block_container(module)
+    for key in [k for k in layers._modules if k not in set(keys)]:
+        remove_block(layers, key)
 
 
 def _stage_copy(module: nn.Module, stage: int, num_stages: int, keys: Sequence[str]) -> nn.Module:
@@ -193,7 +209,7 @@ def _stage_copy(module: nn.Module, stage: int, num_stages: int, keys: Sequence[s
     clone._modules = dict(module._modules)
     for name in drop:
         clone._modules[name] = None
-    clone._modules["layers"] = nn.ModuleDict({k: module.layers[k] for k in keys})
+    clone._modules[blocks_attr(module)] = subset(block_container(module), list(keys))
     return clone
 
 
@@ -209,8 +225,8 @@ def _remove_unused(parent: nn.Module, used: set[int]) -> None:
         if not tensors or all(id(t) in used for t in tensors):
             continue
         if not any(id(t) in used for t in tensors):
-            if isinstance(parent, nn.ModuleDict):
-                del parent[name]
+            if isinstance(parent, (nn.ModuleDict, nn.ModuleList)):
+                remove_block(parent, name)
             else:
                 setattr(parent, name, None)
             continue

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_moe import comm
 from lightning_moe.moe import MoELayer
@@ -18,23 +21,36 @@ def apply_tensor_parallel(module: nn.Module, dims: ParallelDims, sequence_parall
     """Shard ``module`` over ``tp`` with the plan it declares in ``tensor_parallel_plan()``.
 
     The plan maps module-name patterns to ``ParallelStyle``s (Colwise/Rowwise/SequenceParallel);
-    it receives ``sequence_parallel``. MoE layers are not in plans: their tokens arrive as sequence
-    shards (SP) or replicated (no SP), where each tp rank keeps only its 1/tp sequence slice and
-    the outputs are all-gathered afterwards, so no token is dispatched twice.
+    ``tensor_parallel_plan(self)`` and ``tensor_parallel_plan(self, sequence_parallel: bool)`` are
+    both accepted (the second receives the strategy's ``sequence_parallel``).
+
+    MoE layers are not in plans. Each reads what reaches it: a DTensor sharded over tp on the
+    sequence dim (the second-last) is used as is, each tp rank dispatching its own tokens; tokens
+    replicated over tp (a plain tensor, or a ``Replicate``/``Partial`` DTensor) are split so that
+    each tp rank dispatches 1/tp of them and the outputs are all-gathered, so no token is
+    dispatched twice. The output has the input's kind and placement.
     """
     plan_fn = getattr(module, "tensor_parallel_plan", None)
     if callable(plan_fn):
-        check_head_counts(module, dims.tp)
-        parallelize_module(module, dims.tp_mesh, plan_fn(sequence_parallel=sequence_parallel))
+        parallelize_module(module, dims.tp_mesh, call_plan(plan_fn, sequence_parallel))
     elif _has_dense_parameters(module):
         raise ValueError(
             f"tp={dims.tp} needs a tensor-parallel plan: {type(module).__name__} has no tensor_parallel_plan() method"
             " returning {module-name pattern: ParallelStyle}; add one or set tp=1"
         )
-    if not sequence_parallel:
-        for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-            layer.register_forward_pre_hook(partial(_keep_tp_slice, dims=dims))
-            layer.register_forward_hook(partial(_gather_tp_slices, dims=dims))
+    for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
+        # Innermost: after the plan's input hooks (which may mark the tokens as a DTensor) and
+        # before its output hooks (which expect the output in the input's kind).
+        layer.register_forward_pre_hook(partial(_enter_tp_tokens, dims=dims))
+        layer.register_forward_hook(partial(_exit_tp_tokens, dims=dims), prepend=True)
+
+
+def call_plan(plan_fn: Callable[..., dict[str, ParallelStyle]], sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """``plan_fn(sequence_parallel=...)`` if it takes that keyword (or ``**kwargs``), else ``plan_fn()``."""
+    params = inspect.signature(plan_fn).parameters.values()
+    if any(p.name == "sequence_parallel" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return plan_fn(sequence_parallel=sequence_parallel)
+    return plan_fn()
 
 
 def _has_dense_parameters(module: nn.Module) -> bool:
@@ -52,16 +68,63 @@ def check_head_counts(module: nn.Module, tp: int) -> None:
                 raise ValueError(f"{name}.{attr}={count} is not divisible by tp={tp}: choose tp dividing {attr}")
 
 
-def _keep_tp_slice(layer: MoELayer, args: tuple[Any, ...], dims: ParallelDims) -> tuple[Any, ...]:
+# How the tokens that reached a layer looked, per call in flight (a stack: activation checkpointing
+# re-enters forward): None for a plain tensor, else the DTensor's (mesh, placements).
+_TOKEN_LAYOUTS_ATTR = "_lightning_moe_tp_token_layouts"
+
+
+def _enter_tp_tokens(layer: MoELayer, args: tuple[Any, ...], dims: ParallelDims) -> tuple[Any, ...]:
+    """Forward pre-hook: hand the layer this tp rank's distinct tokens, whatever kind ``x`` is."""
     x = args[0]
+    layouts = layer.__dict__.setdefault(_TOKEN_LAYOUTS_ATTR, [])
+    if not isinstance(x, DTensor):
+        layouts.append(None)
+        return (_split_replicated(x, dims), *args[1:])
+    seq_dim = x.dim() - 2
+    placement = _tp_placement(x, dims)
+    if isinstance(placement, Shard):
+        if placement.dim % x.dim() != seq_dim:
+            raise ValueError(
+                f"MoE input DTensor {tuple(x.shape)} is sharded over tp on dim {placement.dim}: MoE layers take"
+                f" tokens sharded on the sequence dim ({seq_dim}) or replicated; fix the tensor-parallel plan"
+                " around the MoE layer (e.g. SequenceParallel, or a Replicate output before it)"
+            )
+        layouts.append((x.device_mesh, x.placements, False))
+        return (x.to_local(), *args[1:])
+    if isinstance(placement, Partial):
+        x = x.redistribute(placements=[Replicate() if isinstance(p, Partial) else p for p in x.placements])
+    layouts.append((x.device_mesh, x.placements, True))
+    return (_split_replicated(x.to_local(), dims), *args[1:])
+
+
+def _exit_tp_tokens(layer: MoELayer, args: tuple[Any, ...], output: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Forward hook: the output in the input's kind and placement (replicated tokens all-gathered)."""
+    layout = layer.__dict__[_TOKEN_LAYOUTS_ATTR].pop()
+    if layout is None:
+        return comm.gather_from_ranks(output, dims.tp_group, output.dim() - 2, "tp")
+    mesh, placements, was_split = layout
+    if was_split:
+        output = comm.gather_from_ranks(output, dims.tp_group, output.dim() - 2, "tp")
+    return DTensor.from_local(output, mesh, placements, run_check=False)
+
+
+def _tp_placement(x: DTensor, dims: ParallelDims) -> Any:
+    names = x.device_mesh.mesh_dim_names or ()
+    if "tp" in names:
+        return x.placements[names.index("tp")]
+    if x.device_mesh.ndim == 1 and x.device_mesh.size() == dims.tp:
+        return x.placements[0]
+    raise ValueError(
+        f"MoE input DTensor lives on a mesh {names or x.device_mesh.shape} without a 'tp' dim: convert it to a"
+        " local tensor (replicated over tp) or a DTensor on the tp mesh"
+    )
+
+
+def _split_replicated(x: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     seq_dim = x.dim() - 2
     if x.dim() < 2 or x.shape[seq_dim] % dims.tp:
         raise ValueError(
             f"MoE input {tuple(x.shape)}: sequence length not divisible by tp={dims.tp} (needed to split the"
             " replicated tokens between tp ranks): choose seq_len divisible by tp"
         )
-    return (comm.split_to_rank(x, dims.tp_group, seq_dim, "tp"), *args[1:])
-
-
-def _gather_tp_slices(layer: MoELayer, args: tuple[Any, ...], output: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    return comm.gather_from_ranks(output, dims.tp_group, output.dim() - 2, "tp")
+    return comm.split_to_rank(x, dims.tp_group, seq_dim, "tp")

@@ -1,0 +1,42 @@
+"""The transformer-block list of a module: what pipeline stages split and FSDP wraps unit by unit."""
+
+from __future__ import annotations
+
+from torch import nn
+
+DEFAULT_BLOCKS_ATTR = "layers"
+
+
+def blocks_attr(module: nn.Module) -> str:
+    """Name of ``module``'s block container: ``module.pipeline_layers_attr`` if set, else ``"layers"``."""
+    return getattr(module, "pipeline_layers_attr", DEFAULT_BLOCKS_ATTR)
+
+
+def block_container(module: nn.Module) -> nn.ModuleDict | nn.ModuleList | None:
+    """``module``'s blocks (an ``nn.ModuleDict`` or ``nn.ModuleList``), or None if it has none.
+
+    Example::
+
+        class MyLM(L.LightningModule):
+            pipeline_layers_attr = "blocks"      # self.blocks = nn.ModuleList([...])
+        block_container(MyLM())                  # the ModuleList
+    """
+    blocks = getattr(module, blocks_attr(module), None)
+    return blocks if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)) else None
+
+
+def remove_block(container: nn.ModuleDict | nn.ModuleList, key: str) -> None:
+    """Remove one block, keeping the others' keys (``blocks.3`` stays ``blocks.3`` on its stage).
+
+    ``nn.ModuleList.__delitem__`` renumbers the blocks that follow, which would rename their
+    parameters; iteration over the list still yields the remaining blocks in order.
+    """
+    del container._modules[key]
+
+
+def subset(container: nn.ModuleDict | nn.ModuleList, keys: list[str]) -> nn.ModuleDict | nn.ModuleList:
+    """A container of the same kind holding the blocks ``keys`` under their original keys."""
+    part = type(container)()
+    for key in keys:
+        part._modules[key] = container._modules[key]
+    return part
