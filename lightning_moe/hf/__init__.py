@@ -1,0 +1,36 @@
+"""Hugging Face MoE models under lightning-moe (optional extra ``[hf]``: transformers >= 5).
+
+The only part of lightning-moe that imports ``transformers``; see shared/DESIGN.md section 8.
+
+- :func:`convert_moe_blocks`: swap each sparse-MoE block of a transformers causal LM for an
+  equal :class:`~lightning_moe.moe.MoELayer` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3,
+  GPT-OSS);
+- :class:`HFMoEModule`: a LightningModule around such a model (TP plan, pipeline split, SDPA);
+- :func:`save_hf`: gather from any layout and write a folder ``from_pretrained`` loads.
+"""
+
+from lightning_moe.hf.configs import TINY_CONFIGS, build_config
+from lightning_moe.hf.convert import (
+    FAMILIES,
+    SUPPORTED_MODEL_TYPES,
+    check_supported,
+    convert_moe_blocks,
+    hf_state_dict,
+    moe_layer_to_hf,
+)
+from lightning_moe.hf.module import HFMoEModule, load_causal_lm
+from lightning_moe.hf.save import save_hf
+
+__all__ = [
+    "FAMILIES",
+    "HFMoEModule",
+    "SUPPORTED_MODEL_TYPES",
+    "TINY_CONFIGS",
+    "build_config",
+    "check_supported",
+    "convert_moe_blocks",
+    "hf_state_dict",
+    "load_causal_lm",
+    "moe_layer_to_hf",
+    "save_hf",
+]
