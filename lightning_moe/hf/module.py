@@ -110,6 +110,7 @@ class HFMoEModule(pl.LightningModule):
     Args:
         model: a transformers ``PreTrainedModel``, a ``PretrainedConfig`` (random init), a config
             mapping ``{"model_type": "qwen3_moe", ...}`` (Hydra presets) or a local folder.
+        pretrained: a local folder (Hydra's ``model=hf model.pretrained=...``), instead of ``model``.
         learning_rate, warmup_steps, max_steps, min_lr_ratio, weight_decay, betas: AdamW with
             linear warmup and cosine decay (``max_steps=None``: the trainer's).
         aux_loss_coeff, z_loss_coeff, capacity_factor, dispatcher, bias_update_rate: passed to
@@ -134,7 +135,7 @@ class HFMoEModule(pl.LightningModule):
 
     def __init__(
         self,
-        model: Any,
+        model: Any = None,
         learning_rate: float = 1e-3,
         warmup_steps: int = 10,
         max_steps: int | None = None,
@@ -147,10 +148,14 @@ class HFMoEModule(pl.LightningModule):
         dispatcher: str = "alltoall",
         bias_update_rate: float = 1e-3,
         attn_implementation: str | None = "sdpa",
+        pretrained: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
+        if (model is None) == (pretrained is None):
+            raise ValueError("pass exactly one of model (a model, config or folder) and pretrained (a local folder)")
+        model = pretrained if model is None else model
         keep = model if isinstance(model, (str, os.PathLike, Mapping)) else None
-        self.save_hyperparameters(ignore=["model"])
+        self.save_hyperparameters(ignore=["model", "pretrained"])
         # A path or config mapping is kept (checkpoints say what was trained); a model object is not.
         self.hparams["model"] = str(keep) if isinstance(keep, os.PathLike) else keep
         hf = load_causal_lm(model, attn_implementation)
