@@ -30,8 +30,8 @@ def _gather_stages(state: dict[str, torch.Tensor], dims: Any) -> dict[str, torch
         return state
     sends = True
     if dims is not None:
-        meshes = (dims.tp_mesh, dims.cp_mesh, dims.ep_mesh, dims.dp_mesh)
-        sends = all(mesh.get_local_rank() == 0 for mesh in meshes)
+        # Full mesh (pp, dp, ep, cp, tp): coordinate 0 on every dim but pp.
+        sends = all(c == 0 for c in dims.mesh.get_coordinate()[1:])
     rank = dist.get_rank()
     gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else None  # type: ignore[assignment]
     dist.gather_object(state if sends else None, gathered, dst=0)
