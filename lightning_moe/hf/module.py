@@ -40,6 +40,43 @@ UNSUPPORTED_LAYOUTS: dict[str, dict[str, str]] = {
 }
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over ``group`` (Megatron's "f" operator)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceGradOfTrailingColumns(ParallelStyle):
+    """For a replicated ``nn.Linear`` whose last output columns feed every tp rank's *local* heads
+    without passing a DTensor op (MLA's shared rotary key ``k_rot``): sum their gradient over tp.
+
+    The other columns reach the heads through a column-parallel projection, whose input gradient
+    torch's tensor parallelism already reduces.
+    """
+
+    def __init__(self, start: int) -> None:
+        super().__init__()
+        self.start = start
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        group, start = device_mesh.get_group(), self.start
+
+        def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            return torch.cat([out[..., :start], _SumGradOverGroup.apply(out[..., start:], group)], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
 def warmup_cosine_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier after ``step`` optimizer steps: linear warmup, then cosine to ``min_lr_ratio`` (as MoEGPT)."""
     if step < warmup_steps:
@@ -351,6 +388,8 @@ class HFMoEModule(pl.LightningModule):
             for name in ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"):
                 if getattr(attn, name, None) is not None:
                     plan[prefix + f"self_attn.{name}"] = ColwiseParallel()
+            if getattr(attn, "kv_a_proj_with_mqa", None) is not None:
+                plan[prefix + "self_attn.kv_a_proj_with_mqa"] = ReduceGradOfTrailingColumns(attn.kv_lora_rank)
             for name in ("q_norm", "k_norm"):
                 if getattr(attn, name, None) is not None:
                     # Per-head norms over [B, S, heads, head_dim]: the local heads are a shard of dim 2.
