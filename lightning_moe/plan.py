@@ -78,10 +78,12 @@ def layout_from_parallel(parallel: Mapping[str, Any], world_size: int, global_ba
     etp = parallel.get("etp") or tp
     per_rank = global_batch_size // (sizes["dp"] * sizes["ep"])
     microbatches = max(1, per_rank // micro_batch_size)
+    pp_microbatches = int(parallel.get("pp_microbatches") or sizes["pp"]) if sizes["pp"] > 1 else 0
     return Layout(
         tp=tp, cp=int(sizes["cp"]), ep=int(sizes["ep"]), dp=int(sizes["dp"]), pp=int(sizes["pp"]), etp=int(etp),
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         pp_schedule=str(parallel.get("pp_schedule") or "1F1B"), pp_stages_per_rank=int(parallel.get("pp_stages_per_rank") or 1),
+        pp_microbatches=pp_microbatches,
     )  # fmt: skip
 
 

@@ -288,9 +288,9 @@ class Cluster:
 class Layout:
     """One candidate: the five sizes, expert tensor parallel, micro-batch and pipeline schedule.
 
-    ``microbatches``: micro-batches per optimizer step on each data-parallel rank; under pp > 1 one
-    pipeline step runs all of them (``pp_microbatches``). ``strategy_kwargs()`` gives the
-    :class:`~lightning_moe.MoE5DStrategy` arguments.
+    ``microbatches``: micro-batches per optimizer step on each data-parallel rank; under pp > 1 each
+    pipeline step runs ``pp_microbatches`` of them (0: all, one pipeline step per optimizer step).
+    ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
     """
 
     tp: int = 1
@@ -303,6 +303,17 @@ class Layout:
     microbatches: int = 1
     pp_schedule: str = "1F1B"
     pp_stages_per_rank: int = 1
+    pp_microbatches: int = 0
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches of one pipeline step (all of the optimizer step's unless set)."""
+        return self.pp_microbatches or self.microbatches
+
+    @property
+    def pipeline_steps(self) -> int:
+        """Pipeline steps (Lightning batches) per optimizer step under pp > 1."""
+        return max(1, self.microbatches // self.pipeline_microbatches)
 
     @property
     def world_size(self) -> int:
@@ -326,7 +337,7 @@ class Layout:
         kwargs: dict[str, Any] = {d: self.size(d) for d in PARALLEL_DIMS}
         kwargs["etp"] = self.etp
         if self.pp > 1:
-            kwargs.update(pp_schedule=self.pp_schedule, pp_microbatches=self.microbatches, pp_stages_per_rank=self.pp_stages_per_rank)
+            kwargs.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pipeline_microbatches, pp_stages_per_rank=self.pp_stages_per_rank)
         return kwargs
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -459,7 +470,7 @@ def _rank_stages(layout: Layout, pp_rank: int) -> list[int]:
 
 def _batches_per_step(layout: Layout) -> int:
     """Lightning training batches per optimizer step (pp > 1: one grouped batch per pipeline step)."""
-    return 1 if layout.pp > 1 else layout.microbatches
+    return layout.pipeline_steps if layout.pp > 1 else layout.microbatches
 
 
 def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> list[CommRecord]:
@@ -531,7 +542,8 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
             (3 * cp - 2) * m * layers_per_rank, pattern="ring", overlapped=True)
         if pp > 1:
             # pipeline_batch all-reduces each sample's loss-token count (float64) over cp per pipeline step
-            add("loss-token count all-reduce", "cp", "cp", 2 * b * m * 8 * (cp - 1) // cp, 1)
+            samples = b * layout.pipeline_microbatches
+            add("loss-token count all-reduce", "cp", "cp", 2 * samples * 8 * (cp - 1) // cp * layout.pipeline_steps, layout.pipeline_steps)
     # ---- expert parallel ----
     if ep > 1 and moe_per_rank:
         tokens = b * seq_local // tp  # each tp rank dispatches its sequence shard
@@ -559,7 +571,7 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
         gathers = (1 if unit.root else 2) * m
         # pp = 1: gradients reduce-scatter after every micro-batch's backward; pp > 1: only in the
         # last backward of the step (lightning_moe.parallel.pipeline's backward_maybe_with_nosync)
-        scatters = m if layout.pp == 1 else 1
+        scatters = m if layout.pp == 1 else layout.pipeline_steps
         frac = unit.ranks_fraction * unit.count
         add(f"FSDP {unit.name}", "dp", unit.group, (gathers + scatters) * shard * frac, (gathers + scatters) * frac,
             overlapped=True)
@@ -578,7 +590,8 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
         boundary = b * seq_local // tp * h * a  # sequence-parallel shard of the hidden states
         sends = 2 * (pp * v - 1) * m  # forward activations and backward gradients over every stage boundary
         add("stage activations/gradients", "pp", "pp", boundary * sends / pp, sends / pp, pattern="chain")
-        add("mean-loss broadcast", "pp", "pp", PIPELINE_LOSS_BYTES * (pp - 1) / pp, 1 / pp)
+        steps = layout.pipeline_steps
+        add("mean-loss broadcast", "pp", "pp", PIPELINE_LOSS_BYTES * (pp - 1) / pp * steps, steps / pp)
     # ---- Lightning's per-batch sigterm flag, broadcast from rank 0 over the world ----
     world = layout.world_size
     batches = _batches_per_step(layout)
@@ -875,7 +888,7 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
         layers = [i for st in _rank_stages(layout, pp_rank) for i in stages[st]]
         # micro-batches in flight on this rank: GPipe all of them, 1F1B up to pp - pp_rank,
         # interleaved the 1F1B figure times (1 + (p-1)/(p v)) (Korthikanti et al. 2022, §4.2.3)
-        m, p, v = layout.microbatches, layout.pp, layout.pp_stages_per_rank
+        m, p, v = layout.pipeline_microbatches, layout.pp, layout.pp_stages_per_rank
         if p == 1:
             in_flight = 1.0
         elif layout.pp_schedule == "GPipe":
@@ -1021,7 +1034,7 @@ def estimate(
     if cluster.concurrent_ranks:
         slowdown = max(1.0, layout.world_size / cluster.concurrent_ranks)
     t_compute_mb = worst * slowdown
-    m, p, v = layout.microbatches, layout.pp, layout.pp_stages_per_rank
+    m, p, v = layout.pipeline_microbatches, layout.pp, layout.pp_stages_per_rank
     records = comm_records(model, layout, seq_len, precision)
     exposed = overlapped = 0.0
     for rec in records:
@@ -1039,7 +1052,7 @@ def estimate(
             overlapped += seconds
         else:
             exposed += seconds
-    compute = t_compute_mb * m
+    compute = t_compute_mb * layout.microbatches
     # FSDP and ring traffic hide behind compute (where the backend runs them asynchronously);
     # what does not fit is exposed
     hidden_capacity = compute if cluster.fsdp_overlap else 0.0
@@ -1063,7 +1076,8 @@ def estimate(
     reason = "" if fits else (
         f"needs {total / 2**30:.1f} GiB per rank with checkpointing={checkpointing} "
         f"(parameters+gradients+optimizer {(mem.parameters + mem.gradients + mem.optimizer) / 2**30:.1f} GiB, "
-        f"activations {mem.activations[checkpointing] / 2**30:.1f} GiB), budget {budget / 2**30:.1f} GiB"
+        f"activations {mem.activations[checkpointing] / 2**30:.1f} GiB, FSDP all-gather buffers"
+        f" {mem.fsdp_buffers / 2**30:.1f} GiB, logits {mem.logits / 2**30:.1f} GiB), budget {budget / 2**30:.1f} GiB"
     )
     comm = comm_bytes_by_dim(records, layout, cluster)
     ep_inter = comm["ep"]["inter"]
@@ -1111,9 +1125,12 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
     stages = pp * layout.pp_stages_per_rank
     if model.num_layers % stages:
         problems.append(f"num_layers={model.num_layers} is not divisible by pp*stages_per_rank={stages}")
-    if pp > 1 and layout.pp_schedule in ("1F1B", "Interleaved1F1B") and layout.microbatches < pp:
-        problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches, got {layout.microbatches}")
-    if layout.pp_schedule == "Interleaved1F1B" and pp > 1 and (layout.pp_stages_per_rank < 2 or layout.microbatches % pp):
+    mp = layout.pipeline_microbatches
+    if pp > 1 and layout.pp_schedule in ("1F1B", "Interleaved1F1B") and mp < pp:
+        problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches per pipeline step, got {mp}")
+    if pp > 1 and layout.microbatches % mp:
+        problems.append(f"micro-batches per step {layout.microbatches} are not a multiple of pp_microbatches={mp}")
+    if layout.pp_schedule == "Interleaved1F1B" and pp > 1 and (layout.pp_stages_per_rank < 2 or mp % pp):
         problems.append("Interleaved1F1B needs pp_stages_per_rank >= 2 and micro-batches divisible by pp")
     return problems
 

@@ -1,0 +1,289 @@
+"""The layout planner: cost model, ``python -m lightning_moe.plan``, dry run, checks against real runs.
+
+- the parameter bytes per rank equal what the real ``parallelize`` builds: on the fake process group
+  (up to 1024 ranks) and in real gloo processes;
+- the bytes per step per dimension equal what ``CommAccountingCallback`` measures in short CLI runs
+  of the CPU presets (exactly for tp, cp, dp, pp; ep within the routing band);
+- bad input raises a ValueError naming the argument and the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_moe.parallel.planner import (
+    Cluster,
+    Layout,
+    ModelShape,
+    accounted_comm_bytes,
+    chunk_size,
+    comm_records,
+    estimate,
+    parameter_bytes_per_rank,
+    peer_split,
+    plan,
+    rank_parameters,
+)
+from lightning_moe.plan import CONF_DIR, dry_run, layout_from_parallel, model_shape, run_plan
+from tests.cli import ROOT, TINY_RUN
+from tests.conftest import close_pools, get_pool
+from tests.dist_pool import layout as pool_layout
+
+
+def compose_plan(*overrides: str):
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("plan", overrides=list(overrides), return_hydra_config=False)
+
+
+def cluster(name: str) -> Cluster:
+    return Cluster.from_config(OmegaConf.to_container(compose_plan(f"cluster={name}").cluster, resolve=True))
+
+
+def preset_shape(name: str) -> ModelShape:
+    return model_shape(compose_plan(f"model={name}").model, name)
+
+
+# The model of tests/cli.py's TINY_RUN (tiny preset, hidden 32, 2 layers, 4 experts of FFN 32).
+TINY = {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128,
+        "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}}  # fmt: skip
+TINY_SEQ, TINY_GLOBAL_BATCH, TINY_MICRO_BATCH = 32, 8, 2
+
+
+# -- pure cost model -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("length,parts", [(10, 4), (7, 8), (16, 4), (1, 3)])
+def test_chunk_size_follows_torch_chunk(length, parts):
+    chunks = torch.arange(length).chunk(parts)
+    assert [chunk_size(length, parts, i) for i in range(parts)] == [len(chunks[i]) if i < len(chunks) else 0 for i in range(parts)]
+
+
+@pytest.mark.parametrize(
+    "name,published,tolerance",
+    [
+        ("mixtral_8x7b", 46.7e9, 0.01),  # Mixtral paper, table 1
+        ("mixtral_8x22b", 141e9, 0.01),  # Mistral AI model card
+        ("qwen3_30b_a3b", 30.5e9, 0.03),  # Qwen3 model card; head_dim 64 here, 128 there
+        ("deepseek_v3", 671e9, 0.06),  # DeepSeek-V3 report; MHA for MLA and all layers MoE here
+    ],
+)
+def test_real_size_presets_have_their_published_parameter_counts(name, published, tolerance):
+    assert preset_shape(name).total_parameters() == pytest.approx(published, rel=tolerance)
+
+
+def test_parameter_count_equals_the_built_model():
+    from lightning_moe.models import MoEGPT
+
+    cfg = {**TINY, "moe_layer_freq": 2, "num_layers": 4, "moe": {**TINY["moe"], "shared_expert_hidden_size": 16}}
+    with torch.device("meta"):
+        model = MoEGPT(**cfg)
+    shape = ModelShape.from_config(cfg)
+    assert shape.total_parameters() == sum(p.numel() for p in model.parameters())
+    specs = rank_parameters(shape, Layout(), rank=0)
+    assert specs == {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def test_bubble_follows_the_schedule():
+    shape = ModelShape.from_config({**TINY, "num_layers": 8})
+    cl = cluster("h100_sxm")
+    one = estimate(shape, Layout(pp=4, microbatches=8), cl, 64, 8)
+    assert one.bubble_fraction == pytest.approx(3 / (8 + 3))
+    inter = estimate(shape, Layout(pp=4, microbatches=8, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2), cl, 64, 8)
+    assert inter.bubble_fraction == pytest.approx(1.5 / (8 + 1.5))
+
+
+def test_intra_and_inter_node_split_follows_rank_order():
+    # 16 ranks on 8-GPU nodes: tp8 stays in a node, dp2 crosses it; tp2 x dp8: dp has 3 of 7 peers in-node
+    assert peer_split(Layout(tp=8, dp=2), "tp", 8) == (1.0, 0.0)
+    assert peer_split(Layout(tp=8, dp=2), "dense", 8) == (0.0, 1.0)
+    assert peer_split(Layout(tp=2, dp=8), "dense", 8) == pytest.approx((3 / 7, 4 / 7))
+    shape = preset_shape("mixtral_8x7b")
+    est = estimate(shape, Layout(tp=8, ep=4, dp=2, etp=8, microbatches=4), cluster("h100_sxm"), 4096, 8)
+    assert est.comm["tp"]["inter"] == 0 and est.comm["tp"]["intra"] > 0
+    assert est.comm["ep"]["inter"] > 0 and est.comm["ep"]["intra"] == 0  # ep strides over whole nodes
+    assert est.ep_internode_bytes == est.comm["ep"]["inter"]
+
+
+def test_expert_bytes_scale_with_the_share_of_slots_leaving_the_rank():
+    shape = ModelShape.from_config(TINY)
+    ep_bytes = {ep: sum(r.bytes for r in comm_records(shape, Layout(ep=ep, microbatches=1), 32) if r.dim == "ep" and r.routing_dependent) for ep in (2, 4)}
+    assert ep_bytes[4] / ep_bytes[2] == pytest.approx((3 / 4) / (1 / 2))
+
+
+def test_mixtral_on_256_h100_plans_in_seconds_and_writes_its_outputs(tmp_path, capsys):
+    cfg = compose_plan("model=mixtral_8x7b", "cluster=h100_sxm", "world_size=256", f"output_dir={tmp_path}")
+    start = time.perf_counter()
+    out = run_plan(cfg, tmp_path, {"model": "mixtral_8x7b", "cluster": "h100_sxm"})
+    assert time.perf_counter() - start < 60
+    printed = capsys.readouterr().out
+    assert "| # | layout | step s | MFU |" in printed and "ep inter-node" in printed and "do not fit" in printed
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["layouts"] and saved["rejected"]
+    best = saved["layouts"][0]
+    assert math.prod(best[d] for d in ("tp", "cp", "ep", "dp", "pp")) == 256
+    assert best["step_time_s"] == min(e["step_time_s"] for e in saved["layouts"])
+    assert all(not e["fits"] and e["reason"] for e in saved["rejected"])
+    assert set(best["memory_bytes"]["activations"]) == {"none", "selective", "full"}
+    assert set(best["comm_bytes"]) == {"tp", "cp", "ep", "dp", "pp"}
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    assert out["model"] == "mixtral_8x7b"
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+def test_unknown_presets_are_named_with_the_choices(tmp_path):
+    cfg = compose_plan("model=tiny")
+    with pytest.raises(ValueError, match=r"cluster='dgx_z'.*h100_sxm"):
+        run_plan(cfg, tmp_path, {"model": "tiny", "cluster": "dgx_z"})
+    with pytest.raises(ValueError, match=r"model='gpt5'.*mixtral_8x7b"):
+        run_plan(cfg, tmp_path, {"model": "gpt5", "cluster": "h100_sxm"})
+
+
+def test_a_world_size_no_layout_fits_is_refused():
+    with pytest.raises(ValueError, match=r"no layout of world_size=7 is valid.*change world_size"):
+        plan(7, ModelShape.from_config(TINY), cluster("cpu_local"), seq_len=32, global_batch_size=8)
+
+
+def test_a_memory_budget_below_the_parameters_is_refused():
+    with pytest.raises(ValueError, match=r"memory_budget .* smaller than the parameters.*raise memory_budget"):
+        plan(8, preset_shape("mixtral_8x7b"), cluster("h100_sxm"), seq_len=4096, global_batch_size=64, memory_budget=10 * 2**30)
+
+
+def test_bad_arguments_name_themselves():
+    shape = ModelShape.from_config(TINY)
+    with pytest.raises(ValueError, match="world_size=0"):
+        plan(0, shape, cluster("cpu_local"), seq_len=32, global_batch_size=8)
+    with pytest.raises(ValueError, match="checkpointing='some'"):
+        plan(2, shape, cluster("cpu_local"), seq_len=32, global_batch_size=8, checkpointing="some")
+    with pytest.raises(ValueError, match="cluster.peak_flops"):
+        Cluster.from_config({**OmegaConf.to_container(compose_plan().cluster), "peak_flops": 0})
+
+
+# -- dry run: parameter bytes per rank ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(tp=2, ep=2, dp=2), dict(tp=2, etp=1, cp=2, ep=2), dict(pp=2, ep=4), dict(dp=3, ep=2), dict(tp=4, pp=2, cp=2)],
+)
+def test_dry_run_shards_equal_the_cost_model(sizes):
+    cfg = {**TINY, "num_layers": 4, "num_kv_heads": 4, "moe_layer_freq": 2, "max_steps": 10, "max_seq_len": 64,
+           "moe": {**TINY["moe"], "num_experts": 8, "shared_expert_hidden_size": 16}}  # fmt: skip
+    lay = Layout(**{"etp": sizes.get("tp", 1), **sizes})
+    views = dry_run({"_target_": "lightning_moe.models.MoEGPT", **cfg}, lay, ranks=range(lay.world_size))
+    assert all(v.matches for v in views), [v.mismatches for v in views]
+    assert len({v.parameter_bytes for v in views}) >= 1
+
+
+def test_dry_run_at_1024_ranks_is_quick_and_exact():
+    """DeepSeek-V3-shaped with 4 layers, tp8 x ep64 x pp2 on 1024 fake ranks."""
+    cfg = OmegaConf.to_container(compose_plan("model=deepseek_v3", "model.num_layers=4").model, resolve=True)
+    start = time.perf_counter()
+    views = dry_run(cfg, Layout(tp=8, ep=64, pp=2, dp=1, etp=8))
+    assert time.perf_counter() - start < 120
+    assert [v.rank for v in views] == [0, 512, 1023]
+    assert all(v.matches for v in views), [v.mismatches[:3] for v in views]
+    # the last rank's FSDP chunks are shorter: the padded figure (the memory estimate) bounds it
+    assert views[2].parameter_bytes <= views[2].model_padded_bytes
+
+
+def test_dry_run_fails_with_the_codes_own_error():
+    cfg = {"_target_": "lightning_moe.models.MoEGPT", **TINY, "max_steps": 1, "max_seq_len": 32}
+    with pytest.raises(ValueError, match="num_experts 4 is not divisible by ep 8"):
+        dry_run(cfg, Layout(ep=8), ranks=[0])
+
+
+def _held_parameters(sizes: dict, cfg: dict) -> dict:
+    """A real parallelized tiny model on this gloo worker: its local parameter shapes and bytes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from lightning_moe import parallelize
+    from lightning_moe.models import MoEGPT
+
+    dims = pool_layout(**sizes)
+    torch.manual_seed(0)
+    module = parallelize(MoEGPT(**cfg), dims.mesh, data_parallel="fsdp", etp=sizes.get("etp"))
+    shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
+    nbytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in module.parameters())
+    return {"rank": dist.get_rank(), "shapes": shapes, "bytes": nbytes}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(ep=2, dp=2), dict(pp=2, ep=2), dict(tp=2, etp=1, cp=2)])
+def test_real_gloo_ranks_hold_the_planned_bytes(sizes):
+    cfg = {**TINY, "max_steps": 10, "max_seq_len": 64}
+    held = get_pool(4).run(_held_parameters, sizes=sizes, cfg=cfg)
+    shape = ModelShape.from_config(cfg)
+    lay = Layout(**{"etp": sizes.get("tp", 1), "dp": 4 // math.prod(v for k, v in sizes.items() if k != "etp"), **sizes})
+    for entry in held:
+        assert entry["shapes"] == rank_parameters(shape, lay, entry["rank"])
+        assert entry["bytes"] == parameter_bytes_per_rank(shape, lay, entry["rank"])
+
+
+# -- communication bytes against the comm accounting of real runs --------------------------------------
+# torch's pipeline schedules send pure-send batches with dist.isend, which the accounting does not
+# wrap (only batch_isend_irecv and send): this shim records them as the accounting would, so that
+# the pp check compares everything the code sends. (The same four lines belong in comm_accounting.)
+_SHIM = """
+import runpy, torch.distributed as dist
+import torch.distributed.pipelining.schedules as schedules
+import lightning_moe.callbacks.comm_accounting as ca
+from lightning_moe import comm
+_batch_p2p = schedules._batch_p2p
+def counted_batch_p2p(ops, desc=None):
+    if ops and {op.op for op in ops} == {dist.isend} and ca._counts_this_call():
+        for op in ops:
+            size, _, dim = ca._group_info(op.group)
+            if size > 1:
+                comm.record(dim, ca._nbytes(op.tensor))
+    return _batch_p2p(ops, desc)
+schedules._batch_p2p = counted_batch_p2p
+runpy.run_module("lightning_moe.train", run_name="__main__")
+"""
+
+
+def _measured_comm(run_dir: Path, parallel: str) -> dict[str, float]:
+    """comm/<dim>_bytes of the last optimizer step of a 2-step CLI run (first-step set-up left out)."""
+    close_pools()
+    run_dir.mkdir(parents=True)
+    script = run_dir / "train_counting_isend.py"
+    script.write_text(_SHIM)
+    overrides = [*TINY_RUN, "trainer.max_steps=2", "++trainer.gradient_clip_val=null", "logger=csv",
+                 "trainer.log_every_n_steps=1", "~callbacks.progress_bar", "~callbacks.expert_load_plots",
+                 f"parallel={parallel}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script), *overrides], cwd=run_dir, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("comm/dp_bytes")]
+    last = rows[-1]
+    return {d: float(last[f"comm/{d}_bytes"]) for d in ("tp", "cp", "ep", "dp", "pp")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["dp2", "tp2", "cp2", "ep2", "pp2", "cp2_tp2", "pp2_ep2"])
+def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, parallel):
+    """Deterministic dims exactly; ep within the routing band. The planner's ep figure assumes
+    balanced routing ((ep-1)/ep of each rank's token slots leave it); the measured share depends on
+    the router, so it must lie within 25% of it (and never above every slot leaving)."""
+    measured = _measured_comm(tmp_path / parallel, parallel)
+    cfg = compose_plan("model=tiny", f"parallel={parallel}").parallel
+    sizes = {d: cfg.get(d) for d in ("tp", "cp", "ep", "dp", "pp")}
+    world = math.prod(v for d, v in sizes.items() if d != "dp")
+    lay = layout_from_parallel(cfg, world, TINY_GLOBAL_BATCH, TINY_MICRO_BATCH)
+    shape = ModelShape.from_config(TINY)
+    planned = accounted_comm_bytes(shape, lay, TINY_SEQ, precision="32-true")
+    assert planned["other"] == 0
+    for dim in ("tp", "cp", "dp", "pp"):
+        assert measured[dim] == pytest.approx(planned[dim], abs=0.5), (dim, measured, planned)
+    if lay.ep > 1:
+        assert 0.75 * planned["ep"] <= measured["ep"] <= 1.25 * planned["ep"], (measured["ep"], planned["ep"])
+    else:
+        assert measured["ep"] == planned["ep"] == 0
