@@ -267,8 +267,18 @@ def _measured_comm(run_dir: Path, parallel: str) -> dict[str, float]:
     return {d: float(last[f"comm/{d}_bytes"]) for d in ("tp", "cp", "ep", "dp", "pp")}
 
 
+# cp2_tp2 and pp2_ep2 (4 processes each) cover every dim between them: tp (DTensor plan and expert
+# TP), cp (ring and MoE statistics), ep, dp (FSDP2 on the dense, expert and token meshes, per
+# micro-batch and per pipeline step) and pp. The 2-process presets each take another 20-50 s on
+# 2 shared cores: LMOE_PLANNER_ALL_LAYOUTS=1 runs them too (they passed on 2026-12-01).
+_ALL_LAYOUTS = os.environ.get("LMOE_PLANNER_ALL_LAYOUTS") == "1"
+_EXTRA = pytest.mark.skipif(not _ALL_LAYOUTS, reason="set LMOE_PLANNER_ALL_LAYOUTS=1 for every CPU preset")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["dp2", "tp2", "cp2", "ep2", "pp2", "cp2_tp2", "pp2_ep2"])
+@pytest.mark.parametrize(
+    "parallel", ["cp2_tp2", "pp2_ep2", *(pytest.param(p, marks=_EXTRA) for p in ("dp2", "tp2", "cp2", "ep2", "pp2"))]
+)
 def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, parallel):
     """Deterministic dims exactly; ep within the routing band. The planner's ep figure assumes
     balanced routing ((ep-1)/ep of each rank's token slots leave it); the measured share depends on
@@ -276,7 +286,7 @@ def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, paralle
     measured = _measured_comm(tmp_path / parallel, parallel)
     cfg = compose_plan("model=tiny", f"parallel={parallel}").parallel
     sizes = {d: cfg.get(d) for d in ("tp", "cp", "ep", "dp", "pp")}
-    world = math.prod(v for d, v in sizes.items() if d != "dp")
+    world = math.prod(v if isinstance(v, int) else 1 for v in sizes.values())  # dp "auto": 1
     lay = layout_from_parallel(cfg, world, TINY_GLOBAL_BATCH, TINY_MICRO_BATCH)
     shape = ModelShape.from_config(TINY)
     planned = accounted_comm_bytes(shape, lay, TINY_SEQ, precision="32-true")
