@@ -134,6 +134,36 @@ def _check_model_type(config: Any) -> None:
         )
 
 
+PADDED_SDPA = "lightning_moe_sdpa"
+
+
+def _padded_v_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """transformers' SDPA attention with V zero-padded to the q/k head dim and the output cut back.
+
+    MLA (DeepSeek-V3) has ``v_head_dim < qk_head_dim``; ring attention (context parallelism) needs
+    equal head dims. The padding columns produce zero outputs that are dropped: the result is exact.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dv = value.shape[-1]
+    if dv == query.shape[-1]:
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+    value = F.pad(value, (0, query.shape[-1] - dv))
+    out, weights = sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+    return out[..., :dv], weights
+
+
+def _use_padded_sdpa(model: nn.Module) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PADDED_SDPA, _padded_v_sdpa)
+    model.config._attn_implementation = PADDED_SDPA
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+            config._attn_implementation = PADDED_SDPA
+
+
 def _attn_kwargs(config: Any, attn_implementation: str | None) -> dict[str, Any]:
     # GPT-OSS's attention sinks have no SDPA form: it keeps transformers' default (eager).
     if attn_implementation is None or config.model_type == "gpt_oss":
@@ -202,6 +232,8 @@ class HFMoEModule(pl.LightningModule):
             dispatcher=dispatcher, bias_update_rate=bias_update_rate,
         )
         hf.config.use_cache = False
+        if hf.config.model_type == "deepseek_v3" and hf.config._attn_implementation == "sdpa":
+            _use_padded_sdpa(hf)
         self.model = hf
         self.family: str = hf.config.model_type
         self._stage: tuple[int, int] | None = None
@@ -222,7 +254,16 @@ class HFMoEModule(pl.LightningModule):
         positions of the local shard. Attention gets no mask (SDPA's ``is_causal``), except for
         models whose attention needs one (sliding windows, GPT-OSS), built for the local sequence.
         """
+        # Through ``self.model.__call__`` with this loop as its forward: hooks on the transformers
+        # model (FSDP units under pipeline parallelism) run, and ``module.model`` keeps its own forward.
         lm = self.model
+        lm.forward = partial(self._decoder_loop, lm)
+        try:
+            return lm(input_ids, position_ids)
+        finally:
+            del lm.forward
+
+    def _decoder_loop(self, lm: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         inner = lm.model
         embed = inner.embed_tokens
         h = embed(input_ids) if embed is not None else input_ids
@@ -246,7 +287,7 @@ class HFMoEModule(pl.LightningModule):
     def _attention_masks(self, h: torch.Tensor, seq_len: int) -> dict[str, Any] | None:
         config = self.config
         sliding = getattr(config, "sliding_window", None)
-        if config._attn_implementation == "sdpa" and not sliding:
+        if config._attn_implementation in ("sdpa", PADDED_SDPA) and not sliding:
             return None  # causal SDPA (is_causal=True): what context parallelism turns into ring attention
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
