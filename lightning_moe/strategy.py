@@ -80,6 +80,8 @@ class MoE5DStrategy(ModelParallelStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: process-group timeout.
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
+        layout, layout_options: ``"auto"`` replaces the sizes above by the layout planner's best for
+            the world size (``layout_options``: see ``lightning_moe.parallel.planner.resolve_auto_layout``).
     """
 
     strategy_name = "moe5d"
@@ -104,12 +106,17 @@ class MoE5DStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         save_distributed_checkpoint: bool = True,
+        layout: Literal["manual", "auto"] = "manual",
+        layout_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        if layout not in ("manual", "auto"):
+            raise MisconfigurationException(f"layout={layout!r} must be 'manual' (the sizes given) or 'auto' (the planner's)")
+        self.layout, self.layout_options = layout, layout_options
         if data_parallel not in DATA_PARALLEL_KINDS:
             raise MisconfigurationException(f"data_parallel={data_parallel!r} must be one of {DATA_PARALLEL_KINDS}")
         if not isinstance(cp_head_chunks, int) or cp_head_chunks < 1:
@@ -142,9 +149,30 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.cp_head_chunks = cp_head_chunks
 
     # -- launch and mesh ---------------------------------------------------------------------------
+    def _apply_auto_layout(self, world_size: int) -> None:
+        """``layout="auto"``: the planner's best layout for ``world_size`` replaces the sizes given
+        (:func:`lightning_moe.parallel.planner.resolve_auto_layout` documents ``layout_options``)."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from lightning_moe.parallel.planner import resolve_auto_layout
+
+        try:
+            best, runner_up = resolve_auto_layout(world_size, **dict(self.layout_options or {}))
+        except (TypeError, ValueError) as err:
+            raise MisconfigurationException(str(err)) from err
+        chosen = best.layout.strategy_kwargs()
+        self.parallel_dims = ParallelDims(**{d: chosen[d] for d in ("tp", "cp", "ep", "dp", "pp", "etp")})
+        self.pp_schedule = chosen.get("pp_schedule", "1F1B")
+        self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
+        self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
+        other = f"; runner-up {runner_up.layout.label()} ({runner_up.step_time:.3g} s)" if runner_up else ""
+        rank_zero_info(f"layout='auto': {best.layout.label()} (estimated {best.step_time:.3g} s per step){other}")
+
     @override
     def _configure_launcher(self) -> None:
         # Runs once devices and nodes are known, before any process starts: fail fast on bad sizes.
+        if self.layout == "auto":
+            self._apply_auto_layout(self.num_nodes * self.num_processes)
         try:
             self.parallel_dims.validate(self.num_nodes * self.num_processes)
         except ValueError as err:

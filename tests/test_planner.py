@@ -297,3 +297,39 @@ def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, paralle
         assert 0.75 * planned["ep"] <= measured["ep"] <= 1.25 * planned["ep"], (measured["ep"], planned["ep"])
     else:
         assert measured["ep"] == planned["ep"] == 0
+
+
+# -- layout="auto" -------------------------------------------------------------------------------------
+def test_auto_layout_takes_the_planners_best_for_the_world_size():
+    import lightning.pytorch as pl
+
+    from lightning_moe import MoE5DStrategy
+    from lightning_moe.parallel.planner import resolve_auto_layout
+
+    options = {"model": TINY, "cluster": OmegaConf.to_container(compose_plan("cluster=cpu_local").cluster),
+               "seq_len": TINY_SEQ, "global_batch_size": TINY_GLOBAL_BATCH, "micro_batch_size": TINY_MICRO_BATCH}  # fmt: skip
+    best, runner_up = resolve_auto_layout(4, **options)
+    assert runner_up is not None and runner_up.step_time >= best.step_time
+    strategy = MoE5DStrategy(layout="auto", layout_options=options)
+    pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_checkpointing=False)
+    dims = strategy.parallel_dims
+    assert {d: getattr(dims, d) for d in ("tp", "cp", "ep", "dp", "pp", "etp")} == {
+        d: v for d, v in best.layout.strategy_kwargs().items() if d in ("tp", "cp", "ep", "dp", "pp", "etp")
+    }
+
+
+def test_auto_layout_preset_hands_the_run_config_to_the_planner():
+    import hydra
+
+    from lightning_moe.train import CONF_DIR as TRAIN_CONF
+
+    with initialize_config_dir(str(TRAIN_CONF), version_base="1.3"):
+        cfg = compose("train", overrides=["parallel=auto", "trainer.default_root_dir=/tmp/unused"])
+    strategy = hydra.utils.instantiate(cfg.parallel)
+    assert strategy.layout == "auto"
+    assert strategy.layout_options["model"]["hidden_size"] == cfg.model.hidden_size
+    assert strategy.layout_options["cluster"]["name"] == "cpu_local"
+    with pytest.raises(Exception, match="layout_options .*'model'"):
+        from lightning_moe import MoE5DStrategy
+
+        MoE5DStrategy(layout="auto")._apply_auto_layout(2)

@@ -1330,8 +1330,56 @@ def auto_layout(
 
 __all__ = [
     "CHECKPOINT_MODES", "Cluster", "CommRecord", "Estimate", "Layout", "Memory", "ModelShape", "Plan",
-    "accounted_comm_bytes", "auto_layout", "chunk_size", "comm_bytes_by_dim", "comm_records", "enumerate_layouts",
+    "accounted_comm_bytes", "auto_layout", "chunk_size", "resolve_auto_layout", "comm_bytes_by_dim", "comm_records", "enumerate_layouts",
     "estimate", "flops_per_microbatch", "fsdp_units", "group_ranks", "layout_problems", "local_shape",
     "memory_per_rank", "parameter_bytes_per_rank", "parameter_specs", "plan", "rank_parameters",
 ]  # fmt: skip
 
+
+
+def _precision_of(precision: str | None) -> str:
+    """The planner's precision for a Lightning ``precision`` string (bf16 variants: ``bf16-mixed``)."""
+    return "bf16-mixed" if str(precision or "32-true").startswith("bf16") else "32-true"
+
+
+def resolve_auto_layout(
+    world_size: int,
+    *,
+    model: Mapping[str, Any] | ModelShape | None = None,
+    cluster: Mapping[str, Any] | Cluster | None = None,
+    seq_len: int | None = None,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    precision: str | None = None,
+) -> tuple[Estimate, Estimate | None]:
+    """``MoE5DStrategy(layout="auto", layout_options={...})``: the best layout and the runner-up.
+
+    ``layout_options`` are this function's keyword arguments: ``model`` (MoEGPT arguments or a
+    :class:`ModelShape`), ``cluster`` (a cluster preset's keys or a :class:`Cluster`), ``seq_len``,
+    ``global_batch_size``, ``micro_batch_size`` (the data module's; None lets the planner choose)
+    and ``precision`` (Lightning's string). ``conf/parallel/auto.yaml`` fills them from the run's config.
+
+    Example::
+
+        best, runner_up = resolve_auto_layout(4, model=cfg.model, cluster=cpu_local, seq_len=128, global_batch_size=16)
+        best.layout.strategy_kwargs()   # {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1}
+    """
+    missing = [k for k, v in (("model", model), ("cluster", cluster), ("seq_len", seq_len), ("global_batch_size", global_batch_size)) if v is None]
+    if missing:
+        raise ValueError(
+            f"layout='auto' needs layout_options {missing}: pass layout_options=dict(model=<MoEGPT arguments>,"
+            " cluster=<cluster preset keys>, seq_len=..., global_batch_size=...) or use parallel=auto with the CLI"
+        )
+    shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model, name="model")  # type: ignore[arg-type]
+    machine = cluster if isinstance(cluster, Cluster) else Cluster.from_config(cluster)  # type: ignore[arg-type]
+    result = plan(
+        world_size, shape, machine, seq_len=int(seq_len), global_batch_size=int(global_batch_size),  # type: ignore[arg-type]
+        precision=_precision_of(precision), micro_batch_sizes=None if micro_batch_size is None else [int(micro_batch_size)],
+    )  # fmt: skip
+    if not result.ranked:
+        smallest = result.rejected[0]
+        raise ValueError(
+            f"layout='auto': no layout of world_size={world_size} fits in memory ({smallest.layout.label()}: {smallest.reason});"
+            " add devices, shrink the batch or the model"
+        )
+    return result.ranked[0], (result.ranked[1] if len(result.ranked) > 1 else None)
