@@ -33,6 +33,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from lightning_moe._compat import hydra_sweep_jobs
 from lightning_moe.callbacks.plots import plot_curves
 
 LAYOUT_ORDER: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -75,9 +76,6 @@ def _planned_overrides(sweep_dir: Path) -> list[list[str]] | None:
     if not path.is_file():
         return None
     # Hydra's own expansion of the sweep, so the job numbers match; internal API, hence the guard.
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
         hydra_cfg = OmegaConf.load(path).hydra
         if not str(hydra_cfg.sweeper.get("_target_", "")).endswith("BasicSweeper"):
@@ -86,8 +84,7 @@ def _planned_overrides(sweep_dir: Path) -> list[list[str]] | None:
         task = OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)
         assert isinstance(params, dict) and isinstance(task, list)
         overrides = [f"{key}={value}" for key, value in params.items()] + [str(o) for o in task]
-        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
-        return [list(job) for batch in batches for job in batch]
+        return hydra_sweep_jobs(overrides)
     except Exception:  # noqa: BLE001 - an unexpected multirun.yaml: fall back to the job directories
         return None
 

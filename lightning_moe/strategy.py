@@ -11,15 +11,13 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_moe._compat import distributed_checkpoint_load, materialize_distributed_module, optimizers_to_device
 from lightning_moe.cp import context_parallel_attention
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
@@ -223,7 +221,7 @@ class MoE5DStrategy(ModelParallelStrategy):
                 etp=self.parallel_dims.etp,
                 pp_stages_per_rank=self.pp_stages_per_rank,
             )
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -231,7 +229,7 @@ class MoE5DStrategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
         # Dense and expert parameters are DTensors on different meshes, which torch's
         # clip_grad_norm_ cannot stack: Lightning's gradient_clip_val goes through ours.
         plugin = self.precision_plugin
@@ -447,7 +445,7 @@ class MoE5DStrategy(ModelParallelStrategy):
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
         """Write into a staging path, then swap it in: a crash mid-save leaves the previous checkpoint."""
         path = Path(self.broadcast(str(filepath)))
         staging = path.with_name(path.name + _STAGING_SUFFIX)
@@ -477,7 +475,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         return get_optimizer_state_dict(self.model, optimizer, options=_flat_optimizer_options())
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
         previous = path.with_name(path.name + _PREVIOUS_SUFFIX)
         if not path.exists() and previous.exists():
@@ -489,7 +487,6 @@ class MoE5DStrategy(ModelParallelStrategy):
 
     def _load_flat_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """``ModelParallelStrategy.load_checkpoint`` for optimizer states saved with flattened param groups."""
-        from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _distributed_checkpoint_load
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -498,15 +495,15 @@ class MoE5DStrategy(ModelParallelStrategy):
 
         assert self.model is not None and self.lightning_module is not None
         module_state = {"state_dict": get_model_state_dict(self.model)}
-        _distributed_checkpoint_load(module_state, path)
+        metadata = distributed_checkpoint_load(module_state, path, weights_only)
         self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
         options = _flat_optimizer_options()
         for idx, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{idx}"
             optim_state = {key: get_optimizer_state_dict(self.model, optimizer, options=options)}
-            _distributed_checkpoint_load(optim_state, path)
+            distributed_checkpoint_load(optim_state, path, weights_only)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key], options=options)
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        return metadata
 
     @classmethod
     @override

@@ -29,13 +29,12 @@ import hydra
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-# Hydra's own command-line parser (no public equivalent), to re-run one sweep job in the children.
-from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.cp import check_seq_len
 from lightning_moe.data import resolve_batch_layout
@@ -80,7 +79,7 @@ def _launch_children_for_this_job_only() -> None:
         return
     hydra_cfg = HydraConfig.get()
     # Keep the options that choose the config (--config-name, --config-dir, ...), drop the sweep.
-    args = get_args_parser().parse_args(sys.argv[1:])
+    args = hydra_args_parser().parse_args(sys.argv[1:])  # Hydra's own parser: no public equivalent
     argv = [sys.argv[0]]
     for flag, value in (
         ("--config-path", args.config_path),

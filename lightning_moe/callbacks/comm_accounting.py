@@ -32,10 +32,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
 from lightning_moe import comm
+from lightning_moe._compat import funcol, resolve_process_group
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -194,7 +194,7 @@ def _resolve_group(group: Any) -> dist.ProcessGroup:
     if isinstance(group, dist.ProcessGroup):
         return group
     # Functional collectives take ranks, meshes, (mesh, dim) or names; resolved as they do it.
-    return c10d._resolve_process_group(funcol._resolve_group_name(group))
+    return resolve_process_group(group)
 
 
 def _group_info(group: Any, functional: bool = False) -> tuple[int, int, str]:

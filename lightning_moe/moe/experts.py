@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from lightning_moe._compat import grouped_mm
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "SharedExpert", "compute_dtype", "expert_activation", "grouped_mm_available"]
 
@@ -83,13 +84,13 @@ def _grouped_ffn(
     # Separate gate and up GEMMs: a fused [w1 | w3] GEMM is no faster on CPU once its halves feed
     # the elementwise SwiGLU as strided views, which are much slower than contiguous ones in bf16.
     offsets = torch.cumsum(tokens_per_expert.to(x.device), 0, dtype=torch.int32)  # _grouped_mm wants int32
-    gate, up = torch._grouped_mm(x, w1, offsets), torch._grouped_mm(x, w3, offsets)
+    gate, up = grouped_mm(x, w1, offsets), grouped_mm(x, w3, offsets)
     if b1 is not None:
         gate = gate + _row_bias(b1, tokens_per_expert, x.shape[0])
     if b3 is not None:
         up = up + _row_bias(b3, tokens_per_expert, x.shape[0])
     hidden = expert_activation(gate, up, activation, alpha, limit)
-    out = torch._grouped_mm(hidden, w2, offsets)
+    out = grouped_mm(hidden, w2, offsets)
     if out.requires_grad:
         # A gradient hook, not an identity autograd Function: that would return a view, on which
         # FSDP (which wraps the experts) cannot place its pre-backward hook.

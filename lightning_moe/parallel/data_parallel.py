@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_moe._compat import force_sum_reduction, replicate_module
 from lightning_moe.moe import MoELayer
 from lightning_moe.parallel.blocks import block_container
 from lightning_moe.parallel.dims import ParallelDims
@@ -25,7 +26,7 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard as wrap
     else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+        wrap = replicate_module
 
     divisor = float(dims.dense_grad_mesh.size())
 
@@ -36,9 +37,7 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
         # FSDP turns a custom divide factor into NCCL's PREMUL_SUM for its reduce-scatter, which
         # gloo lacks: there, sum and scale after. Only for a real reduce-scatter: without one
         # (replicate, or a 1-rank group) torch 2.13 already divides once and would divide twice.
-        unit.set_force_sum_reduction_for_comms(
-            kind == "fsdp" and mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "nccl"
-        )
+        force_sum_reduction(unit, kind == "fsdp" and mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "nccl")
 
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         wrap_averaged(layer.experts, dims.edp_mesh)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from lightning_moe._compat import flatten_mesh
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -126,7 +128,7 @@ class ParallelDims:
         return self._mesh
 
     def _flatten(self, dims: tuple[str, ...], name: str) -> DeviceMesh:
-        return self.mesh[dims]._flatten(name)
+        return flatten_mesh(self.mesh[dims], name)
 
     # Dense view -----------------------------------------------------------------------------------
     @property

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_moe._compat import require_pipeline_stage_internals, run_schedule_forward_only
 from lightning_moe.parallel.blocks import block_container, blocks_attr, remove_block, subset
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -366,6 +367,7 @@ _INFERRING = False
 
 @functools.cache
 def _make_stage_class() -> type:
+    require_pipeline_stage_internals()  # the overrides below are torch 2.13's private methods
     from torch.distributed.pipelining import PipelineStage
 
     class _Stage(PipelineStage):
@@ -583,7 +585,7 @@ class PipelineRunner:
             # FSDP's unshard and the stages' receive buffers cannot be inference tensors.
             with torch.inference_mode(False), torch.no_grad():
                 args, kwargs, tgt = _outside_inference((args, kwargs, tgt))
-                schedule.eval(*args, target=tgt, losses=losses, **kwargs)
+                run_schedule_forward_only(schedule, *args, target=tgt, losses=losses, **kwargs)
             # Without a backward FSDP units that are roots stay unsharded after forward: reshard,
             # so that training finds the sharded parameters (those the optimizer updates) in place.
             self._reshard()

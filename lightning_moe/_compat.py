@@ -1,0 +1,142 @@
+"""Every private or version-specific API of torch, Lightning and Hydra that lightning-moe calls.
+
+One function (or name) per API, each with the versions it was checked against, so that an upgrade
+breaks here, with the reason, and nowhere else. "Present in" means the call exists with this
+signature in the released wheels of those versions; "run on" means the test suite ran it.
+The floors in pyproject.toml follow from this file: torch >= 2.11 (the GPU machine's build; every
+torch API below is present there), pipeline parallelism torch >= 2.13 (see
+:func:`require_pipeline_stage_internals`), lightning >= 2.6, hydra-core >= 1.3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# Differentiable functional collectives (all_to_all_single_autograd, ...): private module, the
+# autograd-aware collectives torch's own TP/EP code uses. Present in torch 2.9-2.13, run on 2.13.
+import torch.distributed._functional_collectives as funcol  # noqa: E402  (re-exported)
+
+__all__ = [
+    "PIPELINE_MIN_TORCH",
+    "distributed_checkpoint_load",
+    "flatten_mesh",
+    "force_sum_reduction",
+    "funcol",
+    "grouped_mm",
+    "hydra_args_parser",
+    "hydra_sweep_jobs",
+    "materialize_distributed_module",
+    "optimizers_to_device",
+    "replicate_module",
+    "require_pipeline_stage_internals",
+    "resolve_process_group",
+    "run_schedule_forward_only",
+]
+
+PIPELINE_MIN_TORCH = (2, 13)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+# -- torch ------------------------------------------------------------------------------------------
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offsets)`` (int32 offsets). Present in torch 2.9-2.13; its CPU
+    kernels (fp32/bf16/fp16) run on 2.13."""
+    return torch._grouped_mm(a, b, offsets)
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """``DeviceMesh._flatten(name)``: one process group over several mesh dims. Present in torch 2.9-2.13."""
+    return mesh._flatten(name)
+
+
+def replicate_module(modules: nn.Module | list[nn.Module], mesh: Any) -> None:
+    """DDP-style replication with FSDP2's hooks and options:
+    ``torch.distributed._composable.replicate_with_fsdp.replicate``. Present in torch 2.9-2.13."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicate(modules, mesh=mesh)
+
+
+def force_sum_reduction(unit: Any, enabled: bool) -> None:
+    """``FSDPModule.set_force_sum_reduction_for_comms``: sum in the collective, divide after (gloo has
+    no PREMUL_SUM). Present in torch 2.9-2.13."""
+    unit.set_force_sum_reduction_for_comms(enabled)
+
+
+def resolve_process_group(group: Any) -> dist.ProcessGroup:
+    """The ``ProcessGroup`` behind a functional collective's ``group`` argument (group, name or mesh):
+    ``c10d._resolve_process_group(funcol._resolve_group_name(group))``. Present in torch 2.9-2.13."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._resolve_process_group(funcol._resolve_group_name(group))
+
+
+def run_schedule_forward_only(schedule: Any, *args: Any, **kwargs: Any) -> Any:
+    """``_PipelineSchedule.eval``: a forward-only pass through the pipeline stages. Present in torch 2.9-2.13."""
+    return schedule.eval(*args, **kwargs)
+
+
+def require_pipeline_stage_internals() -> None:
+    """Pipeline parallelism subclasses ``PipelineStage`` and overrides its metadata inference
+    (``_prepare_forward_infra``, ``_prepare_backward_infra``, ``_compute_outputs``,
+    ``_post_metadata_inference_cleanup``, ``backward_maybe_with_nosync``): written against torch
+    2.13; torch 2.11 infers shapes through other methods (``_shape_inference``), so older versions
+    are refused rather than run with side effects the subclass cannot undo."""
+    if _torch_version() < PIPELINE_MIN_TORCH:
+        raise RuntimeError(
+            f"pipeline parallelism (pp > 1) needs torch >= {'.'.join(map(str, PIPELINE_MIN_TORCH))}, found"
+            f" {torch.__version__}: upgrade torch or use pp=1"
+        )
+
+
+# -- Lightning --------------------------------------------------------------------------------------
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """``lightning.fabric.utilities.init._materialize_distributed_module`` (what ModelParallelStrategy
+    calls after ``configure_model``). Run on lightning 2.6."""
+    from lightning.fabric.utilities.init import _materialize_distributed_module
+
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
+    """``lightning.fabric.utilities.optimizer._optimizers_to_device``. Run on lightning 2.6."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+def distributed_checkpoint_load(state: dict[str, Any], path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """Load a DCP folder into ``state`` in place as ModelParallelStrategy does, and return its metadata
+    file's contents (``_distributed_checkpoint_load``, ``_METADATA_FILENAME`` of
+    ``lightning.fabric.strategies.model_parallel``). Run on lightning 2.6."""
+    from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _distributed_checkpoint_load
+
+    _distributed_checkpoint_load(state, path)
+    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+
+# -- Hydra ------------------------------------------------------------------------------------------
+def hydra_args_parser() -> Any:
+    """Hydra's own command-line parser (``hydra._internal.utils.get_args_parser``). Run on hydra-core 1.3."""
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser()
+
+
+def hydra_sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The basic sweeper's expansion of sweep overrides into jobs, in job order
+    (``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments``). Run on hydra-core 1.3."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    return [list(job) for batch in batches for job in batch]
