@@ -8,12 +8,15 @@ from lightning_moe.data.byte_text import (
     stdlib_source_files,
 )
 from lightning_moe.data.sampler import LayoutInvariantSampler, ResumableDataLoader, resolve_batch_layout
+from lightning_moe.data.text import TextDataModule, TokenWindowDataset
 
 __all__ = [
     "ByteTextDataModule",
     "ByteWindowDataset",
     "LayoutInvariantSampler",
     "ResumableDataLoader",
+    "TextDataModule",
+    "TokenWindowDataset",
     "build_corpus",
     "default_cache_dir",
     "resolve_batch_layout",
