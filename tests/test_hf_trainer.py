@@ -83,3 +83,28 @@ def test_hf_module_layout_matches_single_process(name, reference, tmp_path):
         with torch.no_grad():
             got_logits = loaded(saved["ids"]).logits
         assert _rel(got_logits, saved["logits"]) < REL, f"{name} {family}: save_hf round trip"
+
+
+CLI_RUN = [
+    "logger=none", "trainer.max_steps=6", "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
+    "data.seq_len=32", "data.global_batch_size=4", "data.max_corpus_bytes=200000",
+]
+
+
+def _cli(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    close_pools()
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "lightning_moe.train", *CLI_RUN, *overrides, f"hydra.run.dir={run_dir}"]
+    return subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_cli_trains_the_tiny_qwen3_moe_preset_under_ep2(tmp_path):
+    """The issue's done-when: `python -m lightning_moe.train model=hf_tiny_qwen3_moe parallel=ep2`."""
+    proc = _cli(tmp_path / "run", "model=hf_tiny_qwen3_moe", "parallel=ep2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["layout"]["ep"] == 2 and len(summary["losses"]) == 6
+    assert summary["losses"][-1] < summary["losses"][0]
+    assert len(summary["expert_load"]) == 2  # both MoE layers report their load
+
