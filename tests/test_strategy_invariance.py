@@ -204,7 +204,7 @@ def _read_dcp_tensors(path) -> dict[str, torch.Tensor]:
         (["parallel=pp2", "model.num_layers=3"], r"3 layers cannot be split evenly into pp\*pp_stages_per_rank = 2"),
         (["parallel=pp2", "parallel.pp_microbatches=1"], r"pp_microbatches=1 < pp=2"),
         (["parallel=pp2", "data.global_batch_size=6"],
-         r"global_batch_size 6 is not divisible by dp\*ep\*pp_microbatches\*micro_batch_size = 1\*1\*2\*2 = 4"),
+         r"global_batch_size 6 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 2\*1\*2 = 4"),
         (["parallel=pp2_interleaved", "model.num_layers=2"], r"2 layers cannot be split evenly .* = 4"),
     ],
     ids=["layers", "microbatches", "global_batch", "virtual_stages"],
