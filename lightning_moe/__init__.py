@@ -6,6 +6,7 @@
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.strategy import MoE5DStrategy, register
+from lightning_moe.verify import VerifyReport, verify_layout  # noqa: F401  (lightning_moe.verify_layout)
 
 register()
 

@@ -59,7 +59,10 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
     sizes = {k: parallel.get(k, 1) for k in ("tp", "cp", "ep", "pp")}
     sizes = {k: _as_int(v, f"parallel.{k}") for k, v in sizes.items()}
     product = sizes["tp"] * sizes["cp"] * sizes["ep"] * sizes["pp"]
-    layout = {**sizes, "dp": devices // max(product, 1), "etp": parallel.get("etp") or sizes["tp"]}
+    layout = {"tp": sizes["tp"], "cp": sizes["cp"], "ep": sizes["ep"], "dp": devices // max(product, 1),
+              "pp": sizes["pp"], "etp": parallel.get("etp") or sizes["tp"]}
+    if int(verify.steps) < 1:
+        raise VerifyConfigError(f"verify.steps={verify.steps} must be >= 1")
     notes = []
     if str(trainer.get("precision", "32-true")) not in ("32-true", "32", "32-true"):
         notes.append(f"trainer.precision={trainer['precision']} replaced by 32-true: verification compares in fp32")

@@ -218,7 +218,7 @@ def format_report(report: VerifyReport) -> str:
             lines.append(
                 f"{p.name:<{width}}  {p.module_type:<{twidth}}  {_fmt(p.grad_rel):>10}  {_fmt(p.final_rel):>9}{flag}{ratio}"
             )
-    if report.error is not None:
+    if report.error is not None and report.error.get("summary") != report.first_difference:
         lines.append(f"error: {report.error.get('summary', '')}")
     if report.first_difference:
         lines.append(f"first difference: {report.first_difference}")

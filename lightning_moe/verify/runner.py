@@ -26,6 +26,7 @@ from lightning_moe.verify.compare import (
     RunData,
     VerifyReport,
     check_same_samples,
+    compare_module_outputs,
     compare_runs,
     describe_error,
     first_gradient_difference,
@@ -235,8 +236,11 @@ def _report(job: Job, single: RunData, layout: RunData) -> VerifyReport:
         report.passed = False
         report.notes.append(samples)
         report.first_difference = samples
-    elif not report.passed and single.ranks[0].get("forward") and layout.ranks[0].get("forward") is not None:
-        localise(single, layout, report)
+    elif single.ranks[0].get("forward") and layout.ranks[0].get("forward") is not None:
+        if report.passed:
+            report.modules = compare_module_outputs(single, layout, job.rtol)
+        else:
+            localise(single, layout, report)
     return report
 
 
@@ -302,6 +306,8 @@ def verify_layout(
         )
     if localize not in LOCALIZE_MODES:
         raise VerifyConfigError(f"localize={localize!r} must be one of {LOCALIZE_MODES}")
+    if steps < 1:
+        raise VerifyConfigError(f"steps={steps} must be >= 1")
     sizes = {k: int(strategy_kwargs.get(k, 1) or 1) for k in ("tp", "cp", "ep", "pp")}
     dp = strategy_kwargs.get("dp", "auto")
     product = math.prod(sizes.values())
@@ -337,7 +343,8 @@ def verify_layout(
             raise VerifyConfigError("the factories are defined in an interactive session: define them in an importable module")
     common = {"kind": "factories", "module_factory": module_factory, "datamodule_factory": datamodule_factory,
               "trainer_kwargs": trainer_kwargs}
-    layout = {**sizes, "dp": devices // product, "etp": strategy_kwargs.get("etp") or sizes["tp"]}
+    layout = {"tp": sizes["tp"], "cp": sizes["cp"], "ep": sizes["ep"], "dp": devices // product, "pp": sizes["pp"],
+              "etp": strategy_kwargs.get("etp") or sizes["tp"]}
     job = Job(
         single_body={**common, "strategy_kwargs": single_kwargs, "devices": 1},
         layout_body={**common, "strategy_kwargs": dict(strategy_kwargs), "devices": devices},

@@ -138,12 +138,13 @@ def _recorder_class() -> type:
             self.in_step1 = True
             self.handles: list[Any] = []
             self.dropout: list[str] = []
+            self.backward_depth = 0
 
         # hooks on every module: where are we (errors), what did they compute (step 1)
         def _pre(self, name: str) -> Any:
             def hook(module: nn.Module, args: Any) -> None:
                 self.stack.append(name)
-                if self.in_step1 and not _inferring():
+                if self.in_step1 and not self.backward_depth and not _inferring():
                     self.start_order.setdefault(name, None)
 
             return hook
@@ -152,7 +153,7 @@ def _recorder_class() -> type:
             def hook(module: nn.Module, args: Any, output: Any) -> None:
                 if self.stack and self.stack[-1] == name:
                     self.stack.pop()
-                if not self.in_step1 or _inferring():
+                if not self.in_step1 or self.backward_depth or _inferring():
                     return
                 self.end_order.setdefault(name, None)
                 if record:
@@ -173,6 +174,13 @@ def _recorder_class() -> type:
                     continue  # a pipeline stage's root returns hidden states, not the model's output
                 self.handles.append(module.register_forward_pre_hook(self._pre(name), prepend=True))
                 self.handles.append(module.register_forward_hook(self._post(name, self.record_forward)))
+
+        # Activation checkpointing runs forwards again inside backward: those are not new calls.
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self.backward_depth += 1
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            self.backward_depth -= 1
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             ids = batch.get("input_ids") if isinstance(batch, dict) else None
