@@ -114,14 +114,12 @@ def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
     _optimizers_to_device(optimizers, device)
 
 
-def distributed_checkpoint_load(state: dict[str, Any], path: Path, weights_only: bool | None = None) -> dict[str, Any]:
-    """Load a DCP folder into ``state`` in place as ModelParallelStrategy does, and return its metadata
-    file's contents (``_distributed_checkpoint_load``, ``_METADATA_FILENAME`` of
-    ``lightning.fabric.strategies.model_parallel``). Run on lightning 2.6."""
-    from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _distributed_checkpoint_load
+def distributed_checkpoint_load(state: dict[str, Any], path: Path) -> None:
+    """Load a DCP folder into ``state`` in place as ModelParallelStrategy does
+    (``lightning.fabric.strategies.model_parallel._distributed_checkpoint_load``). Run on lightning 2.6."""
+    from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load
 
     _distributed_checkpoint_load(state, path)
-    return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
 
 
 # -- Hydra ------------------------------------------------------------------------------------------

@@ -17,7 +17,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_moe._compat import distributed_checkpoint_load, materialize_distributed_module, optimizers_to_device
+from lightning_moe._compat import materialize_distributed_module, optimizers_to_device
+from lightning_moe.checkpoint.state import (
+    STATE_KEY,
+    load_model_and_optimizers,
+    optimizer_state_dict,
+    read_metadata,
+    rescale_batch_progress,
+    rng_state,
+    set_rng_state,
+)
 from lightning_moe.cp import context_parallel_attention
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
@@ -65,6 +74,8 @@ class MoE5DStrategy(ModelParallelStrategy):
         tp, cp, ep, pp: tensor, context, expert and pipeline parallel sizes.
         dp: data parallel size, or ``"auto"`` for ``world_size // (tp*cp*ep*pp)``.
         etp: expert tensor parallel size, 1 or ``tp`` (default ``tp``).
+        ranks_per_node: ranks sharing a node (default: devices per node as the launcher's ``LOCAL_WORLD_SIZE``
+            gives it, else one node); set it smaller to simulate nodes (see ``ParallelDims``).
         pp_schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"`` (needs ``pp_stages_per_rank >= 2``).
         pp_microbatches: micro-batches per pipeline step (default ``pp``); 1F1B needs ``>= pp``.
         pp_stages_per_rank: virtual stages per rank (interleaved schedule).
@@ -106,6 +117,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         layout: Literal["manual", "auto"] = "manual",
         layout_options: dict[str, Any] | None = None,
+        ranks_per_node: int | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -124,7 +136,9 @@ class MoE5DStrategy(ModelParallelStrategy):
         if dp != "auto" and (not isinstance(dp, int) or dp < 1):
             raise MisconfigurationException(f"dp={dp!r} must be a positive integer or 'auto'")
         try:
-            self.parallel_dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp)
+            self.parallel_dims = ParallelDims(
+                tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp, ranks_per_node=ranks_per_node
+            )
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
         self.pp_schedule = pp_schedule
@@ -159,7 +173,9 @@ class MoE5DStrategy(ModelParallelStrategy):
         except (TypeError, ValueError) as err:
             raise MisconfigurationException(str(err)) from err
         chosen = best.layout.strategy_kwargs()
-        self.parallel_dims = ParallelDims(**{d: chosen[d] for d in ("tp", "cp", "ep", "dp", "pp", "etp")})
+        self.parallel_dims = ParallelDims(
+            **{d: chosen[d] for d in ("tp", "cp", "ep", "dp", "pp", "etp")}, ranks_per_node=self.parallel_dims.ranks_per_node
+        )
         self.pp_schedule = chosen.get("pp_schedule", "1F1B")
         self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
         self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
@@ -446,7 +462,17 @@ class MoE5DStrategy(ModelParallelStrategy):
     # -- checkpoints -------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
-        """Write into a staging path, then swap it in: a crash mid-save leaves the previous checkpoint."""
+        """Write into a staging path, then swap it in: a crash mid-save leaves the previous checkpoint.
+
+        The checkpoint is layout-free (see :mod:`lightning_moe.checkpoint.state`): any valid layout
+        of the same model resumes it on the same curve.
+        """
+        assert self.lightning_module is not None
+        checkpoint[STATE_KEY] = {
+            "layout": {name: getattr(self.parallel_dims, name) for name in ("tp", "cp", "ep", "dp", "pp", "etp")},
+            "accumulate_grad_batches": self.lightning_module.trainer.accumulate_grad_batches,
+            "rng": rng_state(),
+        }
         path = Path(self.broadcast(str(filepath)))
         staging = path.with_name(path.name + _STAGING_SUFFIX)
         previous = path.with_name(path.name + _PREVIOUS_SUFFIX)
@@ -465,44 +491,31 @@ class MoE5DStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.parallel_dims.pp == 1:
-            return super().optimizer_state(optimizer)
-        # DCP writes a non-tensor entry (the param_groups list) once, from rank 0; pipeline stages
-        # hold different parameters, so each parameter carries its group's options instead.
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        return get_optimizer_state_dict(self.model, optimizer, options=_flat_optimizer_options())
+        # One form under every layout: each parameter's state and group options under its name in
+        # the whole model (DCP writes non-tensor entries once, from rank 0, and pipeline stages hold
+        # different parameters, so a nested param_groups list could not hold them all).
+        return optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))  # a LightningOptimizer
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint written under any layout; never unpickles code (``weights_only`` is always on)."""
         path = Path(checkpoint_path)
         previous = path.with_name(path.name + _PREVIOUS_SUFFIX)
         if not path.exists() and previous.exists():
             # A save was interrupted between the two renames: the previous checkpoint is complete.
             path = previous
-        if _has_flat_optimizer_state(path):  # saved under pp > 1, loadable by any layout
-            return self._load_flat_checkpoint(Path(self.broadcast(str(path))), weights_only)
-        return super().load_checkpoint(path, weights_only=weights_only)
-
-    def _load_flat_checkpoint(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
-        """``ModelParallelStrategy.load_checkpoint`` for optimizer states saved with flattened param groups."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
+        path = Path(self.broadcast(str(path)))
+        if path.is_file():  # one full file (save_distributed_checkpoint=False): Lightning's loader
+            return super().load_checkpoint(path, weights_only=True)
         assert self.model is not None and self.lightning_module is not None
-        module_state = {"state_dict": get_model_state_dict(self.model)}
-        metadata = distributed_checkpoint_load(module_state, path, weights_only)
-        self.model.load_state_dict(module_state["state_dict"], strict=self.lightning_module.strict_loading)
-        options = _flat_optimizer_options()
-        for idx, optimizer in enumerate(self.optimizers):
-            key = f"optimizer_{idx}"
-            optim_state = {key: get_optimizer_state_dict(self.model, optimizer, options=options)}
-            distributed_checkpoint_load(optim_state, path, weights_only)
-            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key], options=options)
+        metadata = read_metadata(path)
+        load_model_and_optimizers(self.model, self.optimizers, path, complete=self.parallel_dims.pp == 1,
+                                  strict=self.lightning_module.strict_loading)
+        state = metadata.get(STATE_KEY)
+        if state is not None:
+            trainer = self.lightning_module.trainer
+            rescale_batch_progress(metadata.get("loops", {}), state["accumulate_grad_batches"], trainer.accumulate_grad_batches)
+            set_rng_state(state["rng"])
         return metadata
 
     @classmethod
@@ -525,24 +538,6 @@ def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:
             " use data_parallel='fsdp' or 'ddp', or reduce gradients yourself with lightning_moe.parallelize in"
             " configure_model"
         )
-
-
-def _flat_optimizer_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
-
-
-def _has_flat_optimizer_state(path: Path) -> bool:
-    """Whether a DCP checkpoint folder holds optimizer param groups flattened per parameter name."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not (path / ".metadata").is_file():
-        return False
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    groups = [k for k in keys if k.startswith("optimizer_") and ".param_groups." in k]
-    # Nested (torch's default): "optimizer_0.param_groups.0.lr", with a "...params" list per group.
-    return bool(groups) and not any(k.endswith(".params") or ".params." in k for k in groups)
 
 
 def _remove(path: Path) -> None:

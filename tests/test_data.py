@@ -299,7 +299,7 @@ def test_resumed_sampler_skips_the_finished_micro_batches():
     full = list(sampler)
     loader = ResumableDataLoader(range(64), batch_size=4, sampler=sampler, drop_last=True, progress=lambda: (0, 3))
     state = loader.state_dict()
-    assert state == {"epoch": 0, "micro_batches_done": 3}
+    assert state == {"epoch": 0, "samples_consumed": 3 * 4 * 2}  # 3 micro-batches of 4 on each of 2 ranks
 
     resumed_sampler = LayoutInvariantSampler(range(64), global_batch_size=16, micro_batch_size=4, num_replicas=2, rank=1)
     resumed = ResumableDataLoader(range(64), batch_size=4, sampler=resumed_sampler, drop_last=True, progress=lambda: (0, 0))
@@ -310,3 +310,27 @@ def test_resumed_sampler_skips_the_finished_micro_batches():
     # A state from another epoch does not cut this one.
     resumed_sampler.resume_at(epoch=5, micro_batches_done=2)
     assert list(resumed_sampler) == full
+
+
+def test_resume_state_is_layout_free():
+    """The samples consumed on 2 ranks x micro-batch 4 resume on 1 rank x 2 and on 4 ranks x 2 (pp groups of 2)."""
+    from lightning_moe.data import LayoutInvariantSampler, ResumableDataLoader
+
+    def loader(replicas: int, rank: int, micro: int, done: int, group: int = 1) -> ResumableDataLoader:
+        sampler = LayoutInvariantSampler(range(64), global_batch_size=16, micro_batch_size=micro, num_replicas=replicas, rank=rank)
+        return ResumableDataLoader(range(64), batch_size=micro, sampler=sampler, drop_last=True,
+                                   progress=lambda: (0, done), microbatches_per_step=group)
+
+    state = loader(2, 0, 4, done=4).state_dict()  # 2 optimizer steps of 16 samples
+    assert state == {"epoch": 0, "samples_consumed": 32}
+    assert loader(4, 3, 2, done=2, group=2).state_dict() == state  # pp: 2 loader batches per training batch
+    order = LayoutInvariantSampler(range(64), global_batch_size=16, micro_batch_size=16).global_order().tolist()
+    for replicas, micro in ((1, 2), (4, 2), (2, 8)):
+        seen = []
+        for rank in range(replicas):
+            resumed = loader(replicas, rank, micro, done=0)
+            resumed.load_state_dict(state)
+            seen += [int(i) for batch in resumed for i in batch]
+        assert sorted(seen) == sorted(order[32:])  # exactly the samples of steps 3 and 4
+    with pytest.raises(ValueError, match=r"40 samples were consumed, not a multiple of micro_batch_size\*dp_ep = 8\*2 = 16"):
+        loader(2, 0, 8, done=0).load_state_dict({"epoch": 0, "samples_consumed": 40})

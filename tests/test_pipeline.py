@@ -124,7 +124,7 @@ def test_strategy_rejects_bad_schedules_at_construction():
     assert strategy.pp_microbatches == 2 and strategy.pp_schedule == "1F1B"
 
 
-def test_grouped_loader_concatenates_and_translates_resume_state():
+def test_grouped_loader_concatenates_and_passes_resume_state_through():
     from lightning_moe.parallel.pipeline import GroupedBatchLoader
 
     class Loader:
@@ -137,14 +137,14 @@ def test_grouped_loader_concatenates_and_translates_resume_state():
             return 5
 
         def state_dict(self):
-            return {"epoch": 0, "micro_batches_done": 2}
+            return {"epoch": 0, "samples_consumed": 8}
 
     grouped = GroupedBatchLoader(Loader(), 2)
     batches = list(grouped)
     assert len(grouped) == len(batches) == 2
     assert batches[1]["x"].tolist() == [2.0, 2.0, 3.0, 3.0]
     assert grouped.sampler == "the sampler"
-    assert grouped.state_dict() == {"epoch": 0, "micro_batches_done": 4}
+    assert grouped.state_dict() == {"epoch": 0, "samples_consumed": 8}
 
 
 # -- gradients (4 gloo ranks) ------------------------------------------------------------------------

@@ -294,9 +294,9 @@ class ByteTextDataModule(pl.LightningDataModule):
         build_corpus(self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir)
 
     def setup(self, stage: str | None = None) -> None:
-        self.num_replicas, self.rank, microbatches = self._replica_layout()
+        self.num_replicas, self.rank, self.microbatches_per_step = self._replica_layout()
         self.micro_batch_size, self.accumulate_grad_batches = resolve_batch_layout(
-            self.global_batch_size, self.requested_micro_batch_size, self.num_replicas, microbatches
+            self.global_batch_size, self.requested_micro_batch_size, self.num_replicas, self.microbatches_per_step
         )
         # Every rank builds (or finds) the corpus: the build is atomic, so racing is harmless.
         self.corpus = build_corpus(
@@ -352,7 +352,9 @@ class ByteTextDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
         if shuffle:  # the training loader: resumable mid-epoch from a checkpoint
-            return ResumableDataLoader(dataset, progress=self._train_progress, **kwargs)
+            return ResumableDataLoader(
+                dataset, progress=self._train_progress, microbatches_per_step=self.microbatches_per_step, **kwargs
+            )
         return DataLoader(dataset, **kwargs)
 
     def _train_progress(self) -> tuple[int, int]:

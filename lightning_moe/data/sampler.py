@@ -133,22 +133,42 @@ class LayoutInvariantSampler(DistributedSampler):
 
 
 class ResumableDataLoader(DataLoader):
-    """A DataLoader that Lightning can resume mid-epoch (it implements ``state_dict``).
+    """A DataLoader that Lightning can resume mid-epoch, on any layout (it implements ``state_dict``).
 
-    ``progress()`` returns ``(epoch, micro-batches this rank has finished in that epoch)``; the
+    ``progress()`` returns ``(epoch, training batches this rank has finished in that epoch)``; the
     data module reads it from the trainer's loop progress, which, unlike a count of yielded
-    batches, does not include the batch Lightning prefetched. On load, the sampler skips them.
+    batches, does not include the batch Lightning prefetched. Each training batch holds
+    ``microbatches_per_step`` loader batches (``pp_microbatches`` under pipeline parallelism).
+
+    The state is layout-free: ``{"epoch", "samples_consumed"}``, the samples of the epoch that all
+    data-parallel ranks together have consumed. On load, each rank skips its share of them under
+    the new layout (its micro-batch size and number of replicas); a count that does not fall on a
+    micro-batch boundary of the new layout is an error.
     """
 
-    def __init__(self, *args: Any, progress: Callable[[], tuple[int, int]], **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, progress: Callable[[], tuple[int, int]], microbatches_per_step: int = 1, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, LayoutInvariantSampler):
             raise TypeError("ResumableDataLoader needs a LayoutInvariantSampler")
         self._progress = progress
+        self.microbatches_per_step = microbatches_per_step
 
     def state_dict(self) -> dict[str, int]:
         epoch, done = self._progress()
-        return {"epoch": epoch, "micro_batches_done": done}
+        sampler = self.sampler
+        samples = done * self.microbatches_per_step * sampler.micro_batch_size * sampler.num_replicas
+        return {"epoch": epoch, "samples_consumed": samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.resume_at(state["epoch"], state["micro_batches_done"])
+        sampler = self.sampler
+        per_micro_batch = sampler.micro_batch_size * sampler.num_replicas
+        samples = state["samples_consumed"]
+        if samples % per_micro_batch:
+            raise ValueError(
+                f"cannot resume: {samples} samples were consumed, not a multiple of micro_batch_size*dp_ep ="
+                f" {sampler.micro_batch_size}*{sampler.num_replicas} = {per_micro_batch} of this layout; resume from a"
+                " checkpoint saved at an optimizer step, or choose micro_batch_size dividing it"
+            )
+        sampler.resume_at(state["epoch"], samples // per_micro_batch)

@@ -239,10 +239,9 @@ class GroupedBatchLoader:
     """Iterate ``loader`` ``group`` batches at a time, concatenated on dim 0 (one batch per pipeline step).
 
     Each loader batch becomes one pipeline micro-batch: the schedule splits the concatenation back
-    into them. Incomplete groups at the end are dropped. Attributes (``sampler``, ``dataset``, ...)
-    are those of ``loader``; ``state_dict``/``load_state_dict`` pass through, with a
-    ``micro_batches_done`` entry (:class:`lightning_moe.data.ResumableDataLoader`) counted in loader
-    batches, not in groups.
+    into them. Incomplete groups at the end are dropped. Attributes (``sampler``, ``dataset``,
+    ``state_dict``, ...) are those of ``loader`` (a :class:`lightning_moe.data.ResumableDataLoader`
+    counts ``group`` loader batches per training batch itself).
     """
 
     def __init__(self, loader: Iterable, group: int) -> None:
@@ -264,19 +263,6 @@ class GroupedBatchLoader:
         if name in ("loader", "group"):
             raise AttributeError(name)
         return getattr(self.loader, name)
-
-    def state_dict(self) -> dict[str, Any]:
-        fn = getattr(self.loader, "state_dict", None)
-        state = dict(fn()) if callable(fn) else {}
-        if "micro_batches_done" in state:
-            # The data module counts Lightning batches (groups) as done; the sampler skips loader batches.
-            state["micro_batches_done"] = state["micro_batches_done"] * self.group
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        fn = getattr(self.loader, "load_state_dict", None)
-        if callable(fn) and state:
-            fn(state)
 
 
 def concat_batches(batches: Sequence[Any]) -> Any:

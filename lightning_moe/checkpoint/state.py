@@ -1,0 +1,185 @@
+"""What makes a DCP checkpoint layout-free: safe metadata, step counters, RNG, and a model-match check.
+
+A checkpoint folder (``MoE5DStrategy(save_distributed_checkpoint=True)``) holds the DCP shards of
+``state_dict.<name>`` (global shapes, whatever the layout) and ``optimizer_<i>.state.<name>.<key>``
+/ ``optimizer_<i>.param_groups.<name>.<key>`` (one flat, per-parameter form under every layout),
+plus ``meta.pt``: Lightning's loops, callbacks and schedulers, and under ``lightning_moe``:
+
+- ``layout``: the ``tp, cp, ep, dp, pp, etp`` it was written with (information only);
+- ``accumulate_grad_batches``: training batches per optimizer step on that layout, to translate
+  Lightning's batch counters to another layout's accumulation;
+- ``rng``: global rank 0's torch, Python and NumPy generator states, restored on every rank.
+
+The data position is the data loader's ``samples_consumed`` (see
+:class:`lightning_moe.data.ResumableDataLoader`), which no layout changes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+METADATA_FILE = "meta.pt"
+STATE_KEY = "lightning_moe"
+MODEL_PREFIX = "state_dict."
+
+
+def load_safely(path: str | Path) -> Any:
+    """``torch.load(path, weights_only=True)``: never runs code from a checkpoint.
+
+    A file that holds pickled Python objects (anything beyond tensors, numbers, strings and their
+    containers) is refused with a ``ValueError`` saying so.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path} holds pickled Python objects, which lightning-moe refuses to load (loading them could run"
+            f" code from the file; only tensors, numbers, strings and containers are accepted): {err}"
+        ) from err
+
+
+def read_metadata(checkpoint: str | Path) -> dict[str, Any]:
+    """The ``meta.pt`` of a DCP checkpoint folder, loaded safely; a missing folder names itself."""
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist (or is not a DCP checkpoint folder)")
+    if not (folder / METADATA_FILE).is_file():
+        raise FileNotFoundError(f"{folder} has no {METADATA_FILE}: not a lightning-moe/Lightning DCP checkpoint")
+    return load_safely(folder / METADATA_FILE)
+
+
+def rng_state() -> dict[str, Any]:
+    """The torch CPU, Python and NumPy generator states, in types ``weights_only`` loading accepts."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": _to_lists(random.getstate()),
+        "numpy": [kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss],
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_to_tuples(state["python"]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+
+
+def _to_lists(value: Any) -> Any:
+    return [_to_lists(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _to_tuples(value: Any) -> Any:
+    return tuple(_to_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def rescale_batch_progress(loops: MutableMapping[str, Any], old_accumulate: int, new_accumulate: int) -> None:
+    """Translate the fit loop's batch counters to another accumulation count, in place.
+
+    Lightning counts training batches; an optimizer step is ``accumulate_grad_batches`` of them,
+    which depends on the layout (micro-batch size, dp x ep, pipeline micro-batches). A checkpoint
+    saved after ``s`` steps holds counters ``s * old`` (``completed`` one less while the batch that
+    saved it was running); they become ``s * new`` so that accumulation resumes on step boundaries.
+    """
+    if old_accumulate == new_accumulate:
+        return
+    progress = loops.get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not progress:
+        return
+    for scope in ("total", "current"):
+        counters = progress[scope]
+        processed = counters["processed"]
+        if processed % old_accumulate:
+            raise ValueError(
+                f"cannot resume with accumulate_grad_batches={new_accumulate}: the checkpoint was saved after"
+                f" {processed} training batches, not at an optimizer step of its accumulate_grad_batches={old_accumulate};"
+                " resume it on a layout with the same accumulation, or save checkpoints at optimizer steps"
+            )
+        steps = processed // old_accumulate
+        for name, value in counters.items():
+            counters[name] = steps * new_accumulate + (value - processed)
+
+
+def check_model_matches(
+    saved: Mapping[str, torch.Size], expected: Mapping[str, torch.Size], *, complete: bool, limit: int = 5
+) -> None:
+    """Raise ``ValueError`` listing the first mismatches between a checkpoint's model tensors and a model's.
+
+    ``saved``/``expected``: parameter name -> global shape. Every expected name must be saved with
+    its shape; with ``complete`` (the model holds every parameter: no pipeline split) the checkpoint
+    may hold no other model tensor either.
+    """
+    problems = []
+    for name, shape in expected.items():
+        if name not in saved:
+            problems.append(f"missing in the checkpoint: {name} {tuple(shape)}")
+        elif tuple(saved[name]) != tuple(shape):
+            problems.append(f"shape differs: {name} is {tuple(saved[name])} in the checkpoint, {tuple(shape)} in the model")
+    if complete:
+        problems += [f"not in the model: {name} {tuple(shape)}" for name, shape in saved.items() if name not in expected]
+    if problems:
+        shown = "\n  ".join(problems[:limit])
+        more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
+        raise ValueError(
+            f"the checkpoint holds another model ({len(problems)} mismatches; nothing was loaded):\n  {shown}{more}"
+        )
+
+
+def saved_model_shapes(checkpoint: str | Path) -> dict[str, torch.Size]:
+    """Model tensor name -> global shape, read from a DCP folder's metadata (no tensor data)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    return {
+        key[len(MODEL_PREFIX) :]: item.size
+        for key, item in metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def _flat_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+
+
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state in the one form every layout saves and loads: flat, keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_flat_options())
+
+
+def load_model_and_optimizers(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], checkpoint: str | Path, *, complete: bool, strict: bool = True
+) -> None:
+    """Load a DCP checkpoint of any layout into this rank's (sharded) model and optimizers.
+
+    DCP reshards every tensor from its global shape to the placements it has here. The model is
+    checked first (:func:`check_model_matches`), so another model's checkpoint loads nothing.
+    ``complete``: this rank's model holds every parameter (no pipeline split).
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_optimizer_state_dict
+
+    from lightning_moe._compat import distributed_checkpoint_load
+
+    path = Path(checkpoint)
+    model_state = get_model_state_dict(model)
+    check_model_matches(saved_model_shapes(path), {name: t.shape for name, t in model_state.items()}, complete=complete)
+    state = {"state_dict": model_state}
+    distributed_checkpoint_load(state, path)
+    model.load_state_dict(state["state_dict"], strict=strict)
+    for index, optimizer in enumerate(optimizers):
+        key = f"optimizer_{index}"
+        optim_state = {key: optimizer_state_dict(model, optimizer)}
+        distributed_checkpoint_load(optim_state, path)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key], options=_flat_options())
