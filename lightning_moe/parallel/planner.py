@@ -235,7 +235,8 @@ class Cluster:
 
     Built from ``conf/cluster/<name>.yaml`` (each figure's source is in the file). Bandwidths are
     per GPU and per direction, in bytes/s; efficiencies are the fraction of the peak an op kind
-    reaches. ``concurrent_ranks``: how many ranks compute at once (CPU cores; None: all).
+    reaches; ``collective_latency`` is paid per collective call and ``ring_step_overhead`` per ring
+    attention shift. ``concurrent_ranks``: how many ranks compute at once (CPU cores; None: all).
 
     Example::
 
@@ -255,6 +256,7 @@ class Cluster:
     attention_efficiency: float = 0.5
     comm_efficiency: float = 0.8
     collective_latency: float = 20e-6
+    ring_step_overhead: float = 0.0
     memory_reserve_bytes: float = 0.0
     concurrent_ranks: int | None = None
     fsdp_overlap: bool = True
@@ -270,7 +272,7 @@ class Cluster:
         values = {k: v for k, v in cfg.items()}
         floats = ("memory_bytes", "peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth",
                   "gemm_efficiency", "grouped_gemm_efficiency", "attention_efficiency", "comm_efficiency",
-                  "collective_latency", "memory_reserve_bytes")  # fmt: skip
+                  "collective_latency", "ring_step_overhead", "memory_reserve_bytes")  # fmt: skip
         for key in floats:
             if key in values:
                 try:
@@ -1048,6 +1050,8 @@ def estimate(
             # all-to-all and point-to-point use both tiers at once
             seconds = max(rec.bytes * intra / bw_intra, rec.bytes * inter / bw_inter)
         seconds += rec.calls * cluster.collective_latency
+        if rec.pattern == "ring":  # ring attention's per-block work around each shift
+            seconds += rec.calls * cluster.ring_step_overhead
         if rec.overlapped:
             overlapped += seconds
         else:
