@@ -32,14 +32,19 @@ class DropLastTokenDispatcher(L.Callback):
             return
         from lightning_moe.moe.ep_dispatcher import AllToAllDispatcher
 
-        original = AllToAllDispatcher.dispatch
+        # Every entry point that takes the keep mask (dropping twice is the same as once).
+        for method in ("dispatch", "dispatch_start"):
+            if method in vars(AllToAllDispatcher):
+                setattr(AllToAllDispatcher, method, _dropping_last_token(vars(AllToAllDispatcher)[method]))
 
-        def dispatch(self, hidden, topk_idx, keep_mask):  # noqa: ANN001
-            keep = torch.ones_like(topk_idx, dtype=torch.bool) if keep_mask is None else keep_mask.clone()
-            keep[-1] = False
-            return original(self, hidden, topk_idx, keep)
 
-        AllToAllDispatcher.dispatch = dispatch
+def _dropping_last_token(original):  # noqa: ANN001, ANN202
+    def dispatch(self, hidden, topk_idx, keep_mask, *args, **kwargs):  # noqa: ANN001, ANN202
+        keep = torch.ones_like(topk_idx, dtype=torch.bool) if keep_mask is None else keep_mask.clone()
+        keep[-1] = False
+        return original(self, hidden, topk_idx, keep, *args, **kwargs)
+
+    return dispatch
 
 
 class WrongCausalRingBlock(L.Callback):
