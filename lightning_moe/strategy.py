@@ -19,11 +19,14 @@ from typing_extensions import override
 
 from lightning_moe._compat import materialize_distributed_module, optimizers_to_device
 from lightning_moe.checkpoint.state import (
+    PREVIOUS_SUFFIX,
+    STAGING_SUFFIX,
     STATE_KEY,
     load_model_and_optimizers,
     optimizer_state_dict,
     read_metadata,
     rescale_batch_progress,
+    resolve_checkpoint_path,
     rng_state,
     set_rng_state,
 )
@@ -32,6 +35,7 @@ from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.init import has_meta_tensors, materialize_sharded
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS, is_parallelized, parallelize
 from lightning_moe.parallel.pipeline import (
     GroupedBatchLoader,
@@ -42,8 +46,6 @@ from lightning_moe.parallel.pipeline import (
     unpack_target_loss,
 )
 
-_STAGING_SUFFIX = ".staging"
-_PREVIOUS_SUFFIX = ".previous"
 
 
 class MoE5DStrategy(ModelParallelStrategy):
@@ -237,7 +239,7 @@ class MoE5DStrategy(ModelParallelStrategy):
                 etp=self.parallel_dims.etp,
                 pp_stages_per_rank=self.pp_stages_per_rank,
             )
-        materialize_distributed_module(self.model, self.root_device)
+        self._materialize()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -256,6 +258,18 @@ class MoE5DStrategy(ModelParallelStrategy):
         )
         if pipelined:
             self._build_pipeline()
+
+    def _materialize(self) -> None:
+        """Allocate a meta-device model's shards: with the module's ``initial_value(name, tensor)``
+        (single-process values on every layout) if it has one, else Lightning's convention
+        (``to_empty`` and each submodule's ``reset_parameters()``)."""
+        if not has_meta_tensors(self.model):
+            return
+        initial_value = getattr(self.lightning_module, "initial_value", None)
+        if callable(initial_value):
+            materialize_sharded(self.model, self.root_device, initial_value)
+        else:
+            materialize_distributed_module(self.model, self.root_device)
 
     # -- pipeline ----------------------------------------------------------------------------------
     def _check_pipeline_module(self) -> None:
@@ -474,8 +488,8 @@ class MoE5DStrategy(ModelParallelStrategy):
             "rng": rng_state(),
         }
         path = Path(self.broadcast(str(filepath)))
-        staging = path.with_name(path.name + _STAGING_SUFFIX)
-        previous = path.with_name(path.name + _PREVIOUS_SUFFIX)
+        staging = path.with_name(path.name + STAGING_SUFFIX)
+        previous = path.with_name(path.name + PREVIOUS_SUFFIX)
         if self.is_global_zero:
             _remove(staging)
         self.barrier()
@@ -499,12 +513,7 @@ class MoE5DStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint written under any layout; never unpickles code (``weights_only`` is always on)."""
-        path = Path(checkpoint_path)
-        previous = path.with_name(path.name + _PREVIOUS_SUFFIX)
-        if not path.exists() and previous.exists():
-            # A save was interrupted between the two renames: the previous checkpoint is complete.
-            path = previous
-        path = Path(self.broadcast(str(path)))
+        path = Path(self.broadcast(str(resolve_checkpoint_path(checkpoint_path))))
         if path.is_file():  # one full file (save_distributed_checkpoint=False): Lightning's loader
             return super().load_checkpoint(path, weights_only=True)
         assert self.model is not None and self.lightning_module is not None

@@ -14,13 +14,13 @@ Examples::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,7 +98,7 @@ def _launch_children_for_this_job_only() -> None:
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
-@contextmanager
+@contextlib.contextmanager
 def _separate_from_other_sweep_jobs() -> Iterator[None]:
     """Leave the process as this job found it: launcher variables restored, process group closed."""
     saved = {name: os.environ.get(name) for name in _LAUNCHER_ENV}
@@ -143,11 +143,15 @@ def build(cfg: DictConfig) -> TrainingRun:
         built.trainer.strategy.parallel_dims.ep  # 2
     """
     datamodule = hydra.utils.instantiate(cfg.data)
-    model = hydra.utils.instantiate(cfg.model)
     strategy = hydra.utils.instantiate(cfg.parallel)
     callbacks = _instantiate_all(cfg.callbacks)
     loggers = _instantiate_all(cfg.logger)
     trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
+    # A model that says how to initialise any shard of itself is built on the meta device: no
+    # process ever holds all of it, and the strategy materialises each rank's shards.
+    meta_init = callable(getattr(hydra.utils.get_class(cfg.model._target_), "initial_value", None))
+    with trainer.init_module(empty_init=True) if meta_init else contextlib.nullcontext():
+        model = hydra.utils.instantiate(cfg.model)
     return TrainingRun(trainer, model, datamodule, callbacks, loggers)
 
 

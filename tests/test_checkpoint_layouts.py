@@ -88,3 +88,84 @@ def test_bad_resume_fails_before_training(tmp_path, tmp_path_factory, overrides,
 def test_missing_checkpoint_folder_names_itself(tmp_path):
     output = run_cli_error(tmp_path / "bad", *FOUR_LAYERS, f"ckpt_path={tmp_path / 'nowhere' / 'last.ckpt'}")
     assert "nowhere/last.ckpt" in output and ("does not exist" in output or "not found" in output.lower()), output[-3000:]
+
+
+# -- the checkpoint CLI and crash safety -------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("source", sorted(A_LAYOUTS))
+def test_consolidate_equals_the_single_process_state_after_the_same_steps(tmp_path, tmp_path_factory, source):
+    """Model and Adam moments, consolidated from any layout's checkpoint in this plain process."""
+    from lightning_moe.checkpoint.__main__ import main
+
+    single = checkpoint_after_5_steps(tmp_path_factory, "single", "parallel=single")
+    other = checkpoint_after_5_steps(tmp_path_factory, source, *A_LAYOUTS[source])
+    for ckpt, out in ((single, tmp_path / "single.pt"), (other, tmp_path / "other.pt")):
+        assert main(["consolidate", str(ckpt), str(out), "--with-optimizer"]) == 0
+    want, got = torch.load(tmp_path / "single.pt", weights_only=True), torch.load(tmp_path / "other.pt", weights_only=True)
+    assert "tok_embeddings.weight" in want and "layers.3.feed_forward.experts.w1" in want
+    assert set(got) == set(want)
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.slow
+def test_inspect_reports_layout_step_samples_and_tensors(tmp_path_factory, capsys):
+    from lightning_moe.checkpoint.__main__ import main
+
+    ckpt = checkpoint_after_5_steps(tmp_path_factory, "ep2", *A_LAYOUTS["ep2"])
+    assert main(["inspect", str(ckpt)]) == 0
+    report = capsys.readouterr().out
+    assert "layout: tp=1 cp=1 ep=2 dp=1 pp=1 etp=1" in report
+    assert "global step: 5" in report and "samples consumed in the epoch: 40" in report  # 5 steps x 8 samples
+    assert "state_dict.layers.0.feed_forward.experts.w1" in report and "(4, 32, 32)" in report
+
+
+def test_cli_errors_on_a_missing_folder(tmp_path, capsys):
+    from lightning_moe.checkpoint.__main__ import main
+
+    assert main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "out.pt")]) == 2
+    assert "missing does not exist" in capsys.readouterr().err
+
+
+def test_pickled_objects_are_refused(tmp_path):
+    """Loading never runs code from a checkpoint: a meta.pt holding a pickled object is refused."""
+    from lightning_moe.checkpoint import read_metadata
+
+    class Payload:
+        def __reduce__(self):  # would run on an unrestricted torch.load
+            return (print, ("code ran",))
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    torch.save({"global_step": 5, "payload": Payload()}, folder / "meta.pt")
+    with pytest.raises(ValueError, match=r"holds pickled Python objects, which lightning-moe refuses to load"):
+        read_metadata(folder)
+    torch.save({"global_step": 5, "loops": {}, "weights": torch.ones(2)}, folder / "meta.pt")
+    assert read_metadata(folder)["global_step"] == 5
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    from lightning_moe.checkpoint.state import PREVIOUS_SUFFIX, STAGING_SUFFIX, resolve_checkpoint_path
+
+    path = tmp_path / "last.ckpt"
+    path.mkdir()
+    # Interrupted while writing the staging folder: the old checkpoint is still in place.
+    (tmp_path / f"last.ckpt{STAGING_SUFFIX}").mkdir()
+    assert resolve_checkpoint_path(path) == path
+    # Interrupted between the two renames: only the previous one is complete.
+    path.rename(tmp_path / f"last.ckpt{PREVIOUS_SUFFIX}")
+    assert resolve_checkpoint_path(path) == tmp_path / f"last.ckpt{PREVIOUS_SUFFIX}"
+
+
+def test_batch_counters_follow_the_new_accumulation():
+    from lightning_moe.checkpoint import rescale_batch_progress
+
+    def loops(processed: int) -> dict:
+        counters = {"ready": processed, "started": processed, "processed": processed, "completed": processed - 1}
+        return {"fit_loop": {"epoch_loop.batch_progress": {"total": dict(counters), "current": dict(counters)}}}
+
+    state = loops(20)  # 5 steps x 4 batches, saved inside the 20th batch
+    rescale_batch_progress(state, old_accumulate=4, new_accumulate=2)
+    assert state["fit_loop"]["epoch_loop.batch_progress"]["current"] == {"ready": 10, "started": 10, "processed": 10, "completed": 9}
+    with pytest.raises(ValueError, match=r"saved after 21 training batches, not at an optimizer step"):
+        rescale_batch_progress(loops(21), old_accumulate=4, new_accumulate=2)

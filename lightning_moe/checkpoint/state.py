@@ -26,6 +26,9 @@ import numpy as np
 import torch
 
 METADATA_FILE = "meta.pt"
+# A save writes <path>.staging, renames the old <path> to <path>.previous, then staging to <path>.
+STAGING_SUFFIX = ".staging"
+PREVIOUS_SUFFIX = ".previous"
 STATE_KEY = "lightning_moe"
 MODEL_PREFIX = "state_dict."
 
@@ -43,6 +46,17 @@ def load_safely(path: str | Path) -> Any:
             f"{path} holds pickled Python objects, which lightning-moe refuses to load (loading them could run"
             f" code from the file; only tensors, numbers, strings and containers are accepted): {err}"
         ) from err
+
+
+def resolve_checkpoint_path(checkpoint: str | Path) -> Path:
+    """The complete checkpoint at ``checkpoint``, whatever moment a save into it was interrupted at.
+
+    Before the first rename ``<path>`` is the old complete checkpoint (a half-written staging
+    folder is ignored); between the two renames only ``<path>.previous`` is complete.
+    """
+    path = Path(checkpoint)
+    previous = path.with_name(path.name + PREVIOUS_SUFFIX)
+    return previous if not path.exists() and previous.exists() else path
 
 
 def read_metadata(checkpoint: str | Path) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -24,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_moe.models.blocks import Attention, FeedForward, TransformerBlock, rotary_cos_sin
 from lightning_moe.moe import MoELayer, update_expert_biases
+from lightning_moe.parallel.init import seeded_generator
 
 __all__ = ["MoEGPT", "is_moe_layer", "warmup_cosine_factor"]
 
@@ -73,7 +75,9 @@ class MoEGPT(pl.LightningModule):
         lr, min_lr_ratio, weight_decay, betas, warmup_steps, max_steps: AdamW with linear warmup
             and cosine decay to `lr * min_lr_ratio` at `max_steps` (None: the trainer's).
         init_std: std of the normal init of every matrix; the residual-output projections
-            (`wo`, `w2`) use `init_std / sqrt(2 * num_layers)` (GPT-2).
+            (`wo`, `w2`) use `init_std / sqrt(2 * num_layers)` (GPT-2). See `initial_value`: the
+            same seed gives the same model on every layout, also when built on the meta device
+            (`trainer.init_module(empty_init=True)`), where no rank ever holds the full model.
 
     Conventions other parts of lightning-moe rely on:
         - attention goes through `F.scaled_dot_product_attention` (context parallel swaps it);
@@ -133,21 +137,36 @@ class MoEGPT(pl.LightningModule):
         self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
         self.output = nn.Linear(hidden_size, vocab_size, bias=False)
         self.head_dim = hidden_size // num_heads
-        self._init_weights(init_std, num_layers)
+        # The seed of the initial weights (torch.manual_seed / seed_everything before construction):
+        # every tensor's initial value derives from it and its name, on any layout (initial_value).
+        self.init_seed = torch.initial_seed()
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters()
 
-    def _init_weights(self, std: float, num_layers: int) -> None:
-        """Normal init of every matrix (expert and router weights included) from the global RNG,
-        so the same `torch.manual_seed` gives the same model; vectors (norm weights) keep their
-        defaults."""
-        residual_std = std / math.sqrt(2 * num_layers)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if param.ndim < 2:
-                    continue
-                parts = name.split(".")
-                leaf = parts[-2] if parts[-1] == "weight" else parts[-1]
-                # Projections that write into the residual stream: smaller so depth adds up to ~std.
-                nn.init.normal_(param, 0.0, residual_std if leaf in ("wo", "w2") else std)
+    def initial_value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The full initial value of parameter or buffer `name` (CPU, the global shape of `tensor`).
+
+        Matrices (linear, embedding, router and expert weights; ndim >= 2) are normal with std
+        `init_std`, the residual-output projections (`wo`, `w2`) `init_std / sqrt(2 * num_layers)`
+        (GPT-2), each drawn from its own generator seeded by `init_seed` and the name, so a rank
+        that holds a shard draws exactly the slice one process draws. Norm weights are ones, other
+        vectors (biases, expert-bias buffers) zeros. A strategy that builds the model on the meta
+        device materialises its shards from this (`lightning_moe.parallel.init.materialize_sharded`).
+        """
+        if tensor.ndim < 2:
+            return torch.ones(tensor.shape) if name.endswith("norm.weight") else torch.zeros(tensor.shape)
+        hp = self.hparams
+        parts = name.split(".")
+        leaf = parts[-2] if parts[-1] == "weight" else parts[-1]
+        # Projections that write into the residual stream: smaller so depth adds up to ~std.
+        std = hp.init_std / math.sqrt(2 * hp.num_layers) if leaf in ("wo", "w2") else hp.init_std
+        return torch.empty(tensor.shape).normal_(0.0, std, generator=seeded_generator(self.init_seed, name))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Set every parameter and buffer to its `initial_value` (a model built on a real device)."""
+        for name, tensor in itertools.chain(self.named_parameters(), self.named_buffers()):
+            tensor.copy_(self.initial_value(name, tensor))
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
