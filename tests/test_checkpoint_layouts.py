@@ -169,3 +169,33 @@ def test_batch_counters_follow_the_new_accumulation():
     assert state["fit_loop"]["epoch_loop.batch_progress"]["current"] == {"ready": 10, "started": 10, "processed": 10, "completed": 9}
     with pytest.raises(ValueError, match=r"saved after 21 training batches, not at an optimizer step"):
         rescale_batch_progress(loops(21), old_accumulate=4, new_accumulate=2)
+
+
+@pytest.mark.slow
+def test_to_hf_writes_mixtral_with_the_same_logits(tmp_path, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from lightning_moe.checkpoint.__main__ import main
+    from lightning_moe.checkpoint.consolidate import consolidate
+    from lightning_moe.checkpoint.state import read_metadata
+    from lightning_moe.models import MoEGPT
+
+    ckpt = checkpoint_after_5_steps(tmp_path_factory, "ep2", *A_LAYOUTS["ep2"])
+    assert main(["to-hf", str(ckpt), str(tmp_path / "hf")]) == 0
+    model = MoEGPT(**read_metadata(ckpt)["hyper_parameters"])
+    model.load_state_dict(consolidate(ckpt))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model.eval()(tokens), rtol=1e-5, atol=1e-6)
+
+
+def test_moegpt_without_a_mixtral_equivalent_is_refused():
+    from lightning_moe.hf.moegpt import moegpt_to_mixtral
+    from lightning_moe.models import MoEGPT
+
+    model = MoEGPT(hidden_size=32, num_layers=2, num_heads=4, moe_layer_freq=2,
+                   moe={"num_experts": 4, "ffn_hidden_size": 32, "shared_expert_hidden_size": 32})
+    with pytest.raises(ValueError, match=r"does not map exactly onto Mixtral: moe_layer_freq=2 leaves dense layers.*a shared expert"):
+        moegpt_to_mixtral(model)

@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = commands.add_parser("to-hf", help="a Hugging Face folder (safetensors + config) from a checkpoint")
     to_hf.add_argument("checkpoint", type=Path)
     to_hf.add_argument("output", type=Path)
+    to_hf.add_argument("--model", choices=("moegpt", "hf"), default=None,
+                       help="which module wrote the checkpoint (default: told by its hyper-parameters)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from lightning_moe.checkpoint.to_hf import checkpoint_to_hf
 
-            checkpoint_to_hf(args.checkpoint, args.output)
+            checkpoint_to_hf(args.checkpoint, args.output, model=args.model)
             print(f"Hugging Face folder: {args.output}")
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
