@@ -34,7 +34,6 @@ UNSUPPORTED_LAYOUTS: dict[str, dict[str, str]] = {
     "gpt_oss": {
         "cp": "its attention sinks and sliding window need an explicit mask, which ring attention cannot take",
         "tp": "its attention sinks are not sharded by the tensor-parallel plan yet",
-        "pp": "its per-layer sliding/full masks are not passed between pipeline stages yet",
     },
     "olmoe": {"tp": "its q/k norms span all heads (a tp shard holds only some heads)"},
 }
