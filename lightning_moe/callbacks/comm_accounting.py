@@ -53,7 +53,8 @@ _GROUP_DIMS: tuple[tuple[tuple[str, ...], str], ...] = (
 
 # Calls from these modules are not counted: lightning_moe.comm records its own calls under the dim
 # it names, and torch's collective modules call one another (a deprecated alias, a wrapper).
-_SKIPPED_CALLERS = frozenset({comm.__name__, funcol.__name__, c10d.__name__})
+# lightning_moe.moe.exchange (the dispatchers' all-to-all) records through lightning_moe.comm as well.
+_SKIPPED_CALLERS = frozenset({comm.__name__, funcol.__name__, c10d.__name__, "lightning_moe.moe.exchange"})
 
 SentBytes = Callable[[Mapping[str, Any], int, int], int]  # (bound arguments, group size, group rank)
 

@@ -30,7 +30,7 @@ __all__ = [
     "unpermute_and_combine",
 ]
 
-DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather")
+DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "hierarchical")
 
 
 @dataclass
@@ -228,10 +228,22 @@ class LocalDispatcher:
         return unpermute_and_combine(expert_output, topk_weights, ctx)
 
 
-def build_dispatcher(kind: str, num_experts: int, ep_group: dist.ProcessGroup | None = None) -> Any:
-    """The dispatcher for ``kind`` (``"alltoall"`` or ``"allgather"``) over ``ep_group``.
+def build_dispatcher(
+    kind: str,
+    num_experts: int,
+    ep_group: dist.ProcessGroup | None = None,
+    *,
+    wire: str | None = None,
+    node_ids: list[int] | None = None,
+    node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+) -> Any:
+    """The dispatcher for ``kind`` (``"alltoall"``, ``"allgather"`` or ``"hierarchical"``) over ``ep_group``.
 
     A :class:`LocalDispatcher` when there is no expert parallelism (group None or of size 1).
+    ``wire``: the dispatch dtype (``None``, ``"bf16"``, ``"fp8"``; all-to-all dispatchers only);
+    ``node_ids``: the node of each ep rank (inter-node bytes are counted);
+    ``node_groups``: ``(ep_node group, ep_local group)`` of ``ParallelDims.ep_node_mesh``, which
+    ``"hierarchical"`` needs.
     """
     if kind not in DISPATCHERS:
         raise ValueError(f"dispatcher={kind!r} is unknown: choose one of {DISPATCHERS}")
@@ -240,5 +252,21 @@ def build_dispatcher(kind: str, num_experts: int, ep_group: dist.ProcessGroup | 
     # Imported here: the expert-parallel dispatchers build on this module.
     from lightning_moe.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher
 
-    cls = AllToAllDispatcher if kind == "alltoall" else AllGatherDispatcher
-    return cls(num_experts, ep_group)
+    if kind == "allgather":
+        if wire is not None:
+            raise ValueError(
+                f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher='alltoall' or"
+                " 'hierarchical', or dispatch_dtype=None"
+            )
+        return AllGatherDispatcher(num_experts, ep_group)
+    if kind == "hierarchical":
+        from lightning_moe.moe.hierarchical import HierarchicalDispatcher
+
+        if node_groups is None or node_ids is None or len(set(node_ids)) < 2:
+            raise ValueError(
+                "dispatcher='hierarchical' needs ep ranks on more than one node; with one node it is the same as"
+                " 'alltoall': use dispatcher='alltoall', or set ranks_per_node (MoE5DStrategy / ParallelDims) smaller"
+                " than the ranks of the ep group to simulate nodes"
+            )
+        return HierarchicalDispatcher(num_experts, *node_groups, wire=wire)
+    return AllToAllDispatcher(num_experts, ep_group, wire=wire, node_ids=node_ids)

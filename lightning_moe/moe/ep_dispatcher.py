@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe import comm
+from lightning_moe.moe.exchange import Exchange, check_wire, exchange_counts, exchange_start, exchange_wait
 from lightning_moe.moe.dispatcher import (
     DispatchContext,
     gather_expert_rows,
@@ -60,8 +61,25 @@ class AllToAllContext(DispatchContext):
     expert_rows: torch.Tensor | None = None  # padded row of each regrouped row (None: unpadded)
 
 
+@dataclass
+class _PendingDispatch:
+    exchange: Exchange
+    recv_counts: torch.Tensor
+    sorted_slots: torch.Tensor
+    num_tokens: int
+    top_k: int
+
+
 class AllToAllDispatcher(_ExpertParallelDispatcher):
     """Exchange counts, then tokens with ``all_to_all_single`` (uneven splits), and back.
+
+    - ``wire``: what the token rows travel as (``MoELayer(dispatch_dtype=...)``, see
+      :mod:`lightning_moe.moe.exchange`): the dispatch forward in that format, the combine forward
+      and both backwards in bf16 when it is set.
+    - ``node_ids``: the node of each ep rank (``ParallelDims.ep_node_ids``); bytes sent to ranks on
+      other nodes are counted as ``comm`` ``"ep_internode"``.
+    - ``dispatch_start``/``dispatch_finish`` and ``combine_start``/``combine_finish`` split each
+      all-to-all into issue and wait, for the chunked overlap of ``MoELayer(dispatch_chunks=n)``.
 
     Example::
 
@@ -70,33 +88,76 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
         y = dispatcher.combine(experts(ctx.expert_input, ctx.tokens_per_local_expert), topk_weights, ctx)
     """
 
+    def __init__(
+        self,
+        num_experts: int,
+        ep_group: dist.ProcessGroup,
+        pad_rows: bool | None = None,
+        wire: str | None = None,
+        node_ids: list[int] | None = None,
+    ) -> None:
+        super().__init__(num_experts, ep_group, pad_rows)
+        check_wire(wire)
+        self.wire = wire
+        self.set_nodes(node_ids)
 
-    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> AllToAllContext:
+    def set_nodes(self, node_ids: list[int] | None) -> None:
+        """Mark which ep peers sit on another node (``node_ids[r]``: the node of ep rank r)."""
+        self.remote = None
+        if node_ids is not None:
+            mine = node_ids[dist.get_rank(self.group)]
+            self.remote = [node != mine for node in node_ids]
+
+    @property
+    def combine_wire(self) -> str | None:
+        return None if self.wire is None else "bf16"
+
+    def dispatch_start(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> _PendingDispatch:
         permuted, sorted_slots, counts = permute_by_expert(hidden, topk_idx, keep_mask, self.num_experts)
         ep, local = self.ep_size, self.num_local_experts
         # recv_counts[s, l]: tokens that source rank s sends to my local expert l.
-        recv_counts = comm.all_to_all_counts(counts, self.group, "ep").view(ep, local)
+        recv_counts = exchange_counts(counts, self.group, self.remote).view(ep, local)
         input_splits = counts.view(ep, local).sum(1).tolist()
         output_splits = recv_counts.sum(1).tolist()
-        received = comm.all_to_all_autograd(permuted, output_splits, input_splits, self.group, "ep")
-        regroup = regroup_by_local_expert(recv_counts)
-        expert_input, gemm_counts, positions = gather_expert_rows(received, regroup, recv_counts.sum(0), self.pad_rows)
+        pending = exchange_start(permuted, output_splits, input_splits, self.group, wire=self.wire, remote=self.remote)
+        return _PendingDispatch(pending, recv_counts, sorted_slots, hidden.shape[0], topk_idx.shape[1])
+
+    def dispatch_finish(self, pending: _PendingDispatch) -> AllToAllContext:
+        received = exchange_wait(pending.exchange)
+        regroup = regroup_by_local_expert(pending.recv_counts)
+        expert_input, gemm_counts, positions = gather_expert_rows(
+            received, regroup, pending.recv_counts.sum(0), self.pad_rows
+        )
         return AllToAllContext(
             expert_input=expert_input,
             tokens_per_local_expert=gemm_counts,
-            sorted_slots=sorted_slots,
-            num_tokens=hidden.shape[0],
-            top_k=topk_idx.shape[1],
-            input_splits=input_splits,
-            output_splits=output_splits,
+            sorted_slots=pending.sorted_slots,
+            num_tokens=pending.num_tokens,
+            top_k=pending.top_k,
+            input_splits=pending.exchange.input_splits,
+            output_splits=pending.exchange.output_splits,
             regroup=regroup,
             expert_rows=positions,
         )
 
-    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
+    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> AllToAllContext:
+        return self.dispatch_finish(self.dispatch_start(hidden, topk_idx, keep_mask))
+
+    def combine_start(
+        self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllToAllContext
+    ) -> tuple[Exchange, torch.Tensor, AllToAllContext]:
         by_source = scatter_expert_rows(expert_output, ctx.regroup, ctx.expert_rows)
-        returned = comm.all_to_all_autograd(by_source, ctx.input_splits, ctx.output_splits, self.group, "ep")
-        return unpermute_and_combine(returned, topk_weights, ctx)
+        pending = exchange_start(
+            by_source, ctx.input_splits, ctx.output_splits, self.group, wire=self.combine_wire, remote=self.remote
+        )
+        return pending, topk_weights, ctx
+
+    def combine_finish(self, pending: tuple[Exchange, torch.Tensor, AllToAllContext]) -> torch.Tensor:
+        handle, topk_weights, ctx = pending
+        return unpermute_and_combine(exchange_wait(handle), topk_weights, ctx)
+
+    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
+        return self.combine_finish(self.combine_start(expert_output, topk_weights, ctx))
 
 
 class AllGatherDispatcher(_ExpertParallelDispatcher):

@@ -11,13 +11,15 @@ from torch import nn
 from lightning_moe import comm
 from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
 from lightning_moe.moe.dispatcher import DISPATCHERS, LocalDispatcher
+from lightning_moe.moe.exchange import check_wire
 from lightning_moe.moe.experts import ACTIVATIONS, GroupedExperts, SharedExpert, compute_dtype
 from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
 from lightning_moe.moe.router import RouterOutput, TopKRouter
 
-__all__ = ["LOAD_BALANCING", "ExpertOutputBias", "MoELayer", "update_expert_biases"]
+__all__ = ["LOAD_BALANCING", "ROUTINGS", "ExpertOutputBias", "MoELayer", "update_expert_biases"]
 
 LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+ROUTINGS: tuple[str, ...] = ("topk", "expert_choice")
 
 
 class MoELayer(nn.Module):
@@ -57,6 +59,28 @@ class MoELayer(nn.Module):
     - ``activation``: ``"swiglu"`` (default) or ``"gpt_oss"``: ``(clamp(up, -L, L) + 1) * g *
       sigmoid(alpha * g)`` with ``g = clamp(gate, max=L)``, ``alpha = swiglu_alpha`` (1.702) and
       ``L = swiglu_limit`` (7.0).
+
+    Topology-aware expert parallelism (shared/DESIGN.md section 11; README "Scaling across nodes"):
+
+    - ``max_nodes_per_token``/``num_nodes``: node-limited routing. The experts live on ``num_nodes``
+      nodes in contiguous blocks (under ep, ``None`` takes the node count of the ep group from
+      ``ParallelDims(ranks_per_node=...)``; state it, e.g. ``ParallelDims(ep=4,
+      ranks_per_node=2).ep_num_nodes``, to route the same way on one device and any layout); each
+      token's top-k experts come from at most ``max_nodes_per_token`` of them (DeepSeek-V3's rule,
+      see :class:`TopKRouter`).
+    - ``dispatcher="hierarchical"``: each token crosses the node boundary once, then fans out inside
+      the node (:mod:`lightning_moe.moe.hierarchical`).
+    - ``dispatch_dtype``: ``None``, ``"bf16"`` or ``"fp8"`` (``float8_e4m3fn`` with one fp32 scale per
+      token): what the dispatched tokens travel as; the combine and both backwards travel in bf16
+      when it is set (:mod:`lightning_moe.moe.exchange`).
+    - ``dispatch_chunks=n``: the tokens go in ``n`` chunks; chunk ``i+1``'s all-to-all is in flight
+      while the experts compute chunk ``i``, the combines are pipelined the same way, and the shared
+      expert runs while the first dispatch is in flight. Same outputs as ``n=1``.
+    - ``routing="expert_choice"``: each expert picks its ``C = floor(capacity_factor * T * k / E)``
+      best-scoring tokens (``T``: the tokens of the whole ep group, whose ``[T, E]`` scores are
+      all-gathered, never the tokens) and weights them by their score; tokens no expert picked pass
+      through as zeros. Needs ``capacity_factor``; the load-balancing losses do not apply (the load
+      is balanced by construction), the z-loss does.
 
     ``sequence_group``/``data_group`` are set by :func:`lightning_moe.parallelize` (None on one
     device): the ranks sharing one micro-batch's tokens, and all ranks of one optimizer step.
@@ -98,6 +122,11 @@ class MoELayer(nn.Module):
         activation: str = "swiglu",
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        max_nodes_per_token: int | None = None,
+        num_nodes: int | None = None,
+        dispatch_dtype: str | None = None,
+        dispatch_chunks: int = 1,
+        routing: str = "topk",
     ) -> None:
         super().__init__()
         if hidden_size < 1 or ffn_hidden_size < 1:
@@ -122,6 +151,27 @@ class MoELayer(nn.Module):
             raise ValueError(f"activation={activation!r} is unknown: choose one of {ACTIVATIONS}")
         if not routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be > 0, got {routed_scaling_factor}")
+        check_wire(dispatch_dtype)
+        if dispatch_dtype is not None and dispatcher == "allgather":
+            raise ValueError(
+                f"dispatch_dtype={dispatch_dtype!r} applies to the all-to-all dispatchers: use dispatcher='alltoall' or"
+                " 'hierarchical', or dispatch_dtype=None"
+            )
+        if not isinstance(dispatch_chunks, int) or dispatch_chunks < 1:
+            raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an integer >= 1 (1: no overlap)")
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r} is unknown: choose one of {ROUTINGS}")
+        if routing == "expert_choice":
+            if capacity_factor is None:
+                raise ValueError(
+                    "routing='expert_choice' needs capacity_factor: each expert picks capacity_factor * T * top_k / E tokens"
+                )
+            clashes = [name for name, on in (
+                ("expert_bias", expert_bias), ("num_groups", num_groups is not None),
+                ("max_nodes_per_token", max_nodes_per_token is not None), ("load_balancing='sinkhorn'", load_balancing == "sinkhorn"),
+            ) if on]  # fmt: skip
+            if clashes:
+                raise ValueError(f"routing='expert_choice' (experts pick tokens) cannot take {clashes}: use routing='topk'")
         self.router = TopKRouter(
             hidden_size,
             num_experts,
@@ -135,6 +185,8 @@ class MoELayer(nn.Module):
             use_sinkhorn=load_balancing == "sinkhorn",
             bias=router_bias,
             routed_scaling_factor=routed_scaling_factor,
+            max_nodes_per_token=max_nodes_per_token,
+            num_nodes=num_nodes,
         )
         self.experts = GroupedExperts(
             num_experts, hidden_size, ffn_hidden_size, activation=activation, bias=expert_linear_bias,
@@ -155,6 +207,14 @@ class MoELayer(nn.Module):
         self.drop_policy = drop_policy
         self.dispatcher_kind = dispatcher
         self.dispatcher = LocalDispatcher(num_experts)
+        self.max_nodes_per_token = max_nodes_per_token
+        self.num_nodes = num_nodes  # as given: None follows the ep topology
+        self.dispatch_dtype = dispatch_dtype
+        self.dispatch_chunks = dispatch_chunks
+        self.routing = routing
+        # Set by lightning_moe.parallelize: the ep group (expert choice ranks its tokens together) and size.
+        self.ep_group: dist.ProcessGroup | None = None
+        self.ep_size = 1
         self.sequence_group: dist.ProcessGroup | None = None
         self.data_group: dist.ProcessGroup | None = None
         self.stats: dict[str, torch.Tensor] = {}
@@ -163,28 +223,106 @@ class MoELayer(nn.Module):
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"MoELayer expects inputs [..., {self.hidden_size}], got {tuple(x.shape)}")
         tokens = x.reshape(-1, self.hidden_size)
+        if self.routing == "expert_choice":
+            self._expert_choice_capacity(tokens.shape[0] * self.ep_size)  # bad settings fail before any work
         routing = self.router(tokens)
         keep = None
-        if self.capacity_factor is not None:
+        if self.routing == "expert_choice":
+            routing, keep = self._expert_choice(routing)
+        elif self.capacity_factor is not None:
             capacity = expert_capacity(tokens.shape[0], self.num_experts, self.top_k, self.capacity_factor)
             keep = capacity_keep_mask(
                 routing.topk_idx, routing.topk_weights.detach(), self.num_experts, capacity, self.drop_policy
             )
         # Cast before dispatch so that the permutation (and any all-to-all) moves bf16 under autocast.
-        ctx = self.dispatcher.dispatch(tokens.to(compute_dtype(tokens)), routing.topk_idx, keep)
-        expert_output = self.experts(ctx.expert_input, ctx.tokens_per_local_expert)
-        out = self.dispatcher.combine(expert_output, routing.topk_weights, ctx)
+        out, shared = self._dispatch_experts_combine(tokens.to(compute_dtype(tokens)), routing, keep, tokens)
         if self.expert_output_bias is not None:
             out = out + self.expert_output_bias(routing.topk_idx, routing.topk_weights, keep).to(out.dtype)
-        if self.shared_expert is not None:
-            shared = self.shared_expert(tokens)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+        if shared is not None:
             out = out + shared
         loss = self._losses_and_stats(routing, keep, x.shape)
         if loss is not None and loss.requires_grad:
             out = MoEAuxLossAutoScaler.apply(out, loss)
         return out.view(x.shape)
+
+    def _shared_output(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_expert is None:
+            return None
+        shared = self.shared_expert(tokens)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+        return shared
+
+    def _dispatch_experts_combine(
+        self, hidden: torch.Tensor, routing: RouterOutput, keep: torch.Tensor | None, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Dispatch, expert GEMMs and combine, in ``dispatch_chunks`` chunks; returns ``(routed, shared)``.
+
+        Dispatchers with ``dispatch_start``/``dispatch_finish`` (the all-to-all ones) overlap: chunk
+        ``i+1``'s all-to-all is issued before the experts compute chunk ``i``, each combine is issued
+        before the next chunk's experts, and the shared expert runs while chunk 0 is in flight.
+        """
+        dispatcher = self.dispatcher
+        overlap = hasattr(dispatcher, "dispatch_start")
+        num_tokens = hidden.shape[0]
+        chunks = max(1, min(self.dispatch_chunks, num_tokens))
+        bounds = [num_tokens * i // chunks for i in range(chunks + 1)]
+        pieces = [slice(bounds[i], bounds[i + 1]) for i in range(chunks)]
+
+        def start(piece: slice):  # noqa: ANN202
+            args = (hidden[piece], routing.topk_idx[piece], None if keep is None else keep[piece])
+            return dispatcher.dispatch_start(*args) if overlap else dispatcher.dispatch(*args)
+
+        pending = start(pieces[0])
+        shared = self._shared_output(tokens)  # while the first dispatch is in flight
+        combines = []
+        for i, piece in enumerate(pieces):
+            following = start(pieces[i + 1]) if i + 1 < chunks else None
+            ctx = dispatcher.dispatch_finish(pending) if overlap else pending
+            expert_output = self.experts(ctx.expert_input, ctx.tokens_per_local_expert)
+            weights = routing.topk_weights[piece]
+            if overlap:
+                combines.append(dispatcher.combine_start(expert_output, weights, ctx))
+            else:
+                combines.append(dispatcher.combine(expert_output, weights, ctx))
+            pending = following
+        outputs = [dispatcher.combine_finish(c) for c in combines] if overlap else combines
+        return (outputs[0] if chunks == 1 else torch.cat(outputs)), shared
+
+    def _expert_choice_capacity(self, total: int) -> int:
+        """``C = floor(capacity_factor * total * top_k / E)``; ``ValueError`` when it is below 1."""
+        capacity = int(self.capacity_factor * total * self.top_k / self.num_experts)  # type: ignore[operator]
+        if capacity < 1:
+            raise ValueError(
+                f"routing='expert_choice' with capacity_factor={self.capacity_factor}, top_k={self.top_k} and"
+                f" {self.num_experts} experts gives C = floor({self.capacity_factor} * {total} tokens * {self.top_k} /"
+                f" {self.num_experts}) = {capacity} < 1 token per expert: raise capacity_factor or top_k, or route more tokens"
+            )
+        return capacity
+
+    def _expert_choice(self, routing: RouterOutput) -> tuple[RouterOutput, torch.Tensor]:
+        """Each expert picks its ``C`` best-scoring tokens of the ep group: ``(routing over all E, keep [T, E])``.
+
+        The ``[T, E]`` scores of the ep group are all-gathered (no gradient); every rank takes the same
+        choice and keeps its own rows. Gate weights are the (differentiable) scores of the picks.
+        """
+        scores = routing.scores
+        num_tokens, num_experts = scores.shape
+        with torch.no_grad():
+            group = self.ep_group if self.ep_size > 1 else None
+            all_scores = scores.detach() if group is None else comm.all_gather_autograd(scores.detach(), group, "ep")
+            total = all_scores.shape[0]
+            capacity = min(self._expert_choice_capacity(total), total)
+            picks = all_scores.topk(capacity, dim=0).indices  # [C, E]
+            chosen = torch.zeros(total, num_experts, dtype=torch.bool, device=scores.device)
+            chosen.scatter_(0, picks, True)
+            offset = dist.get_rank(group) * num_tokens if group is not None else 0
+            keep = chosen[offset : offset + num_tokens]
+            experts = torch.arange(num_experts, device=scores.device).expand(num_tokens, num_experts)
+        routed = RouterOutput(
+            routing.logits, scores, routing.probs, experts, scores, keep.sum(0)
+        )
+        return routed, keep
 
     def update_expert_bias(self) -> None:
         """Apply the expert-bias rule to the loads accumulated since the last call (no-op without bias).
@@ -203,13 +341,22 @@ class MoELayer(nn.Module):
         num_experts, top_k = self.num_experts, self.top_k
         num_tokens = routing.logits.shape[0]
         probs = routing.probs
-        use_aux = self.aux_loss_coeff > 0 and self.load_balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss")
+        use_aux = (
+            self.aux_loss_coeff > 0
+            and self.load_balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss")
+            and self.routing == "topk"
+        )
         use_z = self.z_loss_coeff > 0
         prob_sum = probs.sum(0)
         lse_sq_sum = torch.logsumexp(routing.logits, dim=-1).square().sum() if use_z else None
 
         with torch.no_grad():
-            kept = keep.sum() if keep is not None else num_tokens * top_k
+            if self.routing == "expert_choice":
+                assert keep is not None
+                # Dropped: the tokens no expert picked.
+                kept = keep.any(1).sum() * top_k
+            else:
+                kept = keep.sum() if keep is not None else num_tokens * top_k
             entropy = torch.special.entr(probs).sum()
             zero = probs.new_zeros(())
             # One all-reduce for everything that sums over the micro-batch.

@@ -47,6 +47,11 @@ class TopKRouter(nn.Module):
     - ``bias``: a learned logit bias ``bias [E]`` (``logits = x @ weight.T + bias``, GPT-OSS).
     - ``routed_scaling_factor``: the gate weights are multiplied by it after the top-k
       normalisation (DeepSeek-V3's 2.5); selection and the balancing losses do not see it.
+    - ``max_nodes_per_token``/``num_nodes``: node-limited routing (DeepSeek-V3). The experts live on
+      ``num_nodes`` nodes in contiguous blocks of ``E / num_nodes`` (the expert-parallel placement);
+      each token first keeps the ``max_nodes_per_token`` nodes with the highest sum of their
+      ``ceil(top_k / max_nodes_per_token)`` best (biased) scores, then picks its top-k experts
+      inside them (after any group limit).
     - ``use_sinkhorn``: in training, experts are chosen on the Sinkhorn-normalised logits
       (balanced assignment, Megatron's ``"sinkhorn"``); gate weights still come from the scores.
       In eval the scores choose.
@@ -74,9 +79,14 @@ class TopKRouter(nn.Module):
         use_sinkhorn: bool = False,
         bias: bool = False,
         routed_scaling_factor: float = 1.0,
+        max_nodes_per_token: int | None = None,
+        num_nodes: int | None = None,
     ) -> None:
         super().__init__()
         _validate_routing(num_experts, top_k, score_func, num_groups, group_topk, bias_update_rate)
+        self.num_nodes: int | None = None
+        self.max_nodes_per_token = max_nodes_per_token
+        self.set_nodes(num_nodes, num_experts, top_k)
         if not routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be > 0, got {routed_scaling_factor}")
         self.num_experts = num_experts
@@ -114,6 +124,12 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """Route ``x [T, H]``; fp32 (fp64 for fp64 inputs) whatever an enclosing autocast says."""
+        if self.max_nodes_per_token is not None and self.max_nodes_per_token > 1 and self.num_nodes is None:
+            raise ValueError(
+                f"max_nodes_per_token={self.max_nodes_per_token} exceeds the 1 node the experts live on: set num_nodes"
+                " (the nodes of the ep layout to route like, e.g. ParallelDims(ep=4, ranks_per_node=2).ep_num_nodes)"
+                " or run under ep with ranks_per_node"
+            )
         router_dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             bias = self.bias.to(router_dtype) if self.bias is not None else None
@@ -134,6 +150,8 @@ class TopKRouter(nn.Module):
                 choice = choice + self.expert_bias
             if self.num_groups is not None:
                 choice = self._keep_best_groups(choice)
+            if self.max_nodes_per_token is not None and self.num_nodes is not None and self.max_nodes_per_token < self.num_nodes:
+                choice = self._keep_best_nodes(choice)
             topk_idx = choice.topk(self.top_k, dim=-1).indices
             tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
             if accumulate_load:
@@ -159,6 +177,50 @@ class TopKRouter(nn.Module):
         best = group_scores.topk(self.group_topk, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
+
+    def set_nodes(self, num_nodes: int | None, num_experts: int | None = None, top_k: int | None = None) -> None:
+        """Set how many nodes the experts are spread over and check node-limited routing.
+
+        ``None``: not known yet (``lightning_moe.parallelize`` sets it from the ep topology; on one
+        device a ``max_nodes_per_token`` above 1 is then an error at the first forward).
+        """
+        num_experts = self.num_experts if num_experts is None else num_experts
+        top_k = self.top_k if top_k is None else top_k
+        limit = self.max_nodes_per_token
+        nodes = 1 if num_nodes is None else num_nodes
+        if not isinstance(nodes, int) or nodes < 1 or num_experts % nodes:
+            raise ValueError(
+                f"num_nodes={num_nodes!r} must be a positive divisor of num_experts={num_experts} (experts per node are"
+                " contiguous blocks)"
+            )
+        if limit is not None:
+            if not isinstance(limit, int) or limit < 1:
+                raise ValueError(f"max_nodes_per_token={limit!r} must be an integer >= 1 (or None: no node limit)")
+            if num_nodes is not None and limit > nodes:
+                raise ValueError(
+                    f"max_nodes_per_token={limit} exceeds the {nodes} node(s) the experts live on: lower it, or set"
+                    " num_nodes (on one device) / ranks_per_node (under ep) so that the experts span more nodes"
+                )
+            if limit * (num_experts // nodes) < top_k:
+                raise ValueError(
+                    f"max_nodes_per_token={limit} nodes of {num_experts // nodes} experts hold fewer than top_k={top_k}"
+                    " experts: raise max_nodes_per_token or lower top_k"
+                )
+        self.num_nodes = num_nodes
+
+    def _keep_best_nodes(self, choice: torch.Tensor) -> torch.Tensor:
+        """Set the scores outside each token's ``max_nodes_per_token`` best nodes to -inf.
+
+        A node's score is the sum of its ``ceil(top_k / M)`` best scores (DeepSeek-V3's rule).
+        """
+        assert self.num_nodes is not None and self.max_nodes_per_token is not None
+        num_tokens = choice.shape[0]
+        per_node = choice.view(num_tokens, self.num_nodes, -1)
+        best_per_node = min(math.ceil(self.top_k / self.max_nodes_per_token), per_node.shape[-1])
+        node_scores = per_node.topk(best_per_node, dim=-1).values.sum(-1)
+        best = node_scores.topk(self.max_nodes_per_token, dim=-1).indices
+        keep = torch.zeros_like(node_scores, dtype=torch.bool).scatter_(1, best, True)
+        return per_node.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, -1)
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:

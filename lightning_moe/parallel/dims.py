@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -32,6 +34,15 @@ class ParallelDims:
         dims.validate(world_size=4)          # dp becomes 2
         mesh = dims.build_mesh("cpu")        # after torch.distributed.init_process_group
         dims.dp_ep_mesh.size()               # 4: ranks that load different samples
+
+    Nodes (``ranks_per_node``, default: ``$LOCAL_WORLD_SIZE`` when a launcher sets it, else every
+    rank on one node): global ranks ``[n * ranks_per_node, (n + 1) * ranks_per_node)`` share node
+    ``n``. Setting it smaller simulates several nodes on one machine: ``ParallelDims(ep=4,
+    ranks_per_node=2)`` puts ep ranks 0-1 on one node and 2-3 on another. Because tp and then cp
+    vary fastest, they stay inside a node where they fit (a warning says when tp crosses one).
+    ``ep_node_ids`` (no process group needed) gives each ep rank's node, ``ep_num_nodes`` their
+    number and ``ep_ranks_per_node`` the ep ranks sharing one; ``ep_node_mesh`` splits ``ep`` into
+    ``("ep_node", "ep_local")`` for two-stage dispatch.
     """
 
     tp: int = 1
@@ -40,6 +51,7 @@ class ParallelDims:
     dp: int = -1
     pp: int = 1
     etp: int | None = None
+    ranks_per_node: int | None = None
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +65,8 @@ class ParallelDims:
             self.etp = self.tp
         if self.etp not in (1, self.tp):
             raise ValueError(f"etp={self.etp} must be 1 or equal to tp={self.tp} (expert tensor parallel size)")
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be an integer >= 1 (or None: devices per node)")
 
     @property
     def non_dp_size(self) -> int:
@@ -73,6 +87,7 @@ class ParallelDims:
                 f"world_size {world_size} != tp*cp*ep*dp*pp = {self.tp}*{self.cp}*{self.ep}*{self.dp}*{self.pp}"
                 f" = {product}: set devices*num_nodes to {product} or change the parallel sizes"
             )
+        self._check_nodes()
 
     @property
     def world_size(self) -> int:
@@ -81,6 +96,75 @@ class ParallelDims:
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.pp, self.dp, self.ep, self.cp, self.tp)
+
+    # -- nodes ------------------------------------------------------------------------------------
+    @property
+    def node_size(self) -> int:
+        """Ranks per node: ``ranks_per_node``, else ``$LOCAL_WORLD_SIZE``, else the whole world (one node)."""
+        if self.ranks_per_node is not None:
+            return self.ranks_per_node
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local and local.isdigit() and int(local) > 0 and self.dp != -1 and self.world_size % int(local) == 0:
+            return int(local)
+        return self.world_size if self.dp != -1 else self.non_dp_size
+
+    def _ep_group_ranks(self) -> torch.Tensor:
+        """``[groups, ep]``: the global ranks of every ep group, one row per (pp, dp, cp, tp) coordinate."""
+        ranks = torch.arange(self.world_size).view(self.shape)  # (pp, dp, ep, cp, tp)
+        return ranks.permute(0, 1, 3, 4, 2).reshape(-1, self.ep)
+
+    def _check_nodes(self) -> None:
+        """``ranks_per_node`` divides the world size, every ep group splits into equal node blocks, and
+        a warning when tp crosses a node boundary (its collectives then leave the fast links)."""
+        if self.ranks_per_node is None:
+            return
+        size = self.ranks_per_node
+        if self.world_size % size:
+            raise ValueError(
+                f"ranks_per_node={size} does not divide the world size {self.world_size}: choose a divisor of it "
+                "(the devices per node of a real cluster)"
+            )
+        if self.tp > 1 and (self.tp > size or size % self.tp):
+            warnings.warn(
+                f"tp={self.tp} crosses a node boundary (ranks_per_node={size}): tensor-parallel collectives leave the"
+                " node; choose tp dividing ranks_per_node",
+                stacklevel=3,
+            )
+        self.ep_node_ids  # noqa: B018 - raises on an uneven split
+
+    @property
+    def ep_node_ids(self) -> list[int]:
+        """Node of each ep rank (0, 1, ... in ep order), the same for every ep group. No process group needed.
+
+        Raises ``ValueError`` when the ep ranks do not split into equal contiguous blocks per node.
+        """
+        if self.dp == -1:
+            raise RuntimeError("ParallelDims.validate(world_size) must run before the node layout is known")
+        size = self.node_size
+        patterns = set()
+        for row in self._ep_group_ranks():
+            nodes = (row // size).tolist()
+            relabel = {node: i for i, node in enumerate(dict.fromkeys(nodes))}
+            patterns.add(tuple(relabel[n] for n in nodes))
+        ids = patterns.pop()
+        num = max(ids) + 1
+        per = self.ep // num
+        if patterns or self.ep % num or list(ids) != [i // per for i in range(self.ep)]:
+            raise ValueError(
+                f"ep={self.ep} ranks do not split evenly over nodes of {size} ranks (tp*cp={self.tp * self.cp}): "
+                "choose ranks_per_node as a multiple of tp*cp that divides tp*cp*ep, or a divisor of tp*cp"
+            )
+        return list(ids)
+
+    @property
+    def ep_num_nodes(self) -> int:
+        """Nodes one ep group spans (1: every ep rank shares a node)."""
+        return max(self.ep_node_ids) + 1
+
+    @property
+    def ep_ranks_per_node(self) -> int:
+        """Ep ranks of one group on each node."""
+        return self.ep // self.ep_num_nodes
 
     # -- mesh -------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -101,7 +185,7 @@ class ParallelDims:
                 f"ParallelDims {MESH_DIM_NAMES} = {self.shape}"
             )
         self._mesh = mesh
-        for name in ("dp_ep_mesh", "dense_grad_mesh", "token_mesh", "sequence_mesh", "expert_root_mesh"):
+        for name in ("dp_ep_mesh", "dense_grad_mesh", "token_mesh", "sequence_mesh", "expert_root_mesh", "ep_node_mesh"):
             self.__dict__.pop(name, None)
         # Remembered on the mesh, so that every parallelize() over it reuses the same sub-meshes
         # and process groups instead of creating new ones (process groups are never freed).
@@ -114,10 +198,13 @@ class ParallelDims:
         missing = [n for n in MESH_DIM_NAMES if n not in sizes]
         if missing:
             raise ValueError(f"mesh needs the dims {MESH_DIM_NAMES}, it lacks {missing}: build it with ParallelDims.build_mesh")
-        known = mesh.__dict__.get(_DIMS_ATTR, {}).get(sizes["tp"] if etp is None else etp)
+        attached = mesh.__dict__.get(_DIMS_ATTR, {})
+        known = attached.get(sizes["tp"] if etp is None else etp)
         if known is not None:
             return known
-        dims = cls(**{n: sizes[n] for n in MESH_DIM_NAMES}, etp=etp)
+        # The node layout belongs to the ranks, not to etp: keep the one the mesh was built with.
+        ranks_per_node = next(iter(attached.values())).ranks_per_node if attached else None
+        dims = cls(**{n: sizes[n] for n in MESH_DIM_NAMES}, etp=etp, ranks_per_node=ranks_per_node)
         dims.attach(mesh)
         return dims
 
@@ -202,6 +289,21 @@ class ParallelDims:
     def edp_mesh(self) -> DeviceMesh:
         """Expert data parallel: dp x cp, and tp too when experts are not tensor-parallel (etp=1)."""
         return self.expert_root_mesh["edp"]
+
+    @cached_property
+    def ep_node_mesh(self) -> DeviceMesh:
+        """``(pp, dp, ep_node, ep_local, cp, tp)`` over the same ranks (collective: every rank builds it).
+
+        ``ep_node``: the ep ranks with the same position inside their node, one per node (stage 1 of
+        the hierarchical dispatch); ``ep_local``: the ep ranks of this rank's node (stage 2).
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+
+        nodes, local = self.ep_num_nodes, self.ep_ranks_per_node
+        ranks = torch.arange(self.world_size).view(self.pp, self.dp, nodes, local, self.cp, self.tp)
+        return DeviceMesh(
+            self.mesh.device_type, ranks, mesh_dim_names=("pp", "dp", "ep_node", "ep_local", "cp", "tp")
+        )
 
     # Process groups -------------------------------------------------------------------------------
     @property

@@ -39,17 +39,52 @@ def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
                 placements[1] = Shard(_FFN_DIM[name])
             sharded = DTensor.from_local(local.clone(), mesh, placements, run_check=False)
             setattr(layer.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.dispatcher = build_dispatcher(layer.dispatcher_kind, layer.num_experts, dims.ep_group)
+        layer.dispatcher = _build_dispatcher(layer, dims)
+        layer.ep_group, layer.ep_size = dims.ep_group, dims.ep
+        if layer.num_nodes is None and dims.ep > 1:
+            # Node-limited routing follows where the experts live (a stated num_nodes is kept).
+            layer.router.set_nodes(dims.ep_num_nodes)
         if expert_tp:
             layer.dispatcher = ExpertTensorParallelDispatcher(layer.dispatcher, dims.tp_group)
         layer.sequence_group = _group_if_shared(dims.sequence_group)
         layer.data_group = _group_if_shared(dims.token_group)
 
 
+def _build_dispatcher(layer: MoELayer, dims: ParallelDims) -> object:
+    kind = layer.dispatcher_kind
+    multi_node = dims.ep > 1 and dims.ep_num_nodes > 1
+    node_ids = dims.ep_node_ids if multi_node else None
+    node_groups = None
+    if kind == "hierarchical" and multi_node:
+        mesh = dims.ep_node_mesh
+        node_groups = (mesh.get_group("ep_node"), mesh.get_group("ep_local"))
+    return build_dispatcher(
+        kind, layer.num_experts, dims.ep_group, wire=layer.dispatch_dtype, node_ids=node_ids, node_groups=node_groups
+    )
+
+
 def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
-    """Every MoELayer's experts split over ``ep`` and, under expert TP, its FFN dim over ``tp``."""
+    """Every MoELayer's experts split over ``ep`` and, under expert TP, its FFN dim over ``tp``; the
+    topology options fit the nodes (``ValueError`` naming the fix, before any work)."""
     expert_tp = dims.etp == dims.tp and dims.tp > 1
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
+        if dims.ep > 1:
+            nodes = dims.ep_num_nodes
+            if layer.dispatcher_kind == "hierarchical" and nodes < 2:
+                raise ValueError(
+                    f"dispatcher='hierarchical' with all {dims.ep} ep ranks on one node is the same as 'alltoall': use"
+                    f" dispatcher='alltoall', or set ranks_per_node below {dims.ep * dims.cp * dims.tp} to simulate nodes"
+                )
+            if layer.num_nodes is None and layer.max_nodes_per_token is not None and layer.max_nodes_per_token > nodes:
+                raise ValueError(
+                    f"max_nodes_per_token={layer.max_nodes_per_token} exceeds the {nodes} node(s) of the ep group"
+                    f" (ep={dims.ep}, ranks_per_node={dims.node_size}): lower it or spread ep over more nodes"
+                )
+            if layer.routing == "expert_choice" and dims.tp * dims.cp > 1:
+                raise ValueError(
+                    "routing='expert_choice' ranks the tokens of the ep group only; under tp or cp > 1 each tp/cp rank"
+                    " would choose among its own share: use routing='topk' with tp/cp, or tp=cp=1"
+                )
         if layer.num_experts % dims.ep:
             raise ValueError(
                 f"num_experts {layer.num_experts} is not divisible by ep {dims.ep}: choose ep dividing num_experts"

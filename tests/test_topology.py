@@ -1,0 +1,306 @@
+"""Topology-aware expert parallelism at the layer level, on 2 simulated nodes (gloo pool of 4 ranks).
+
+Layouts: ep4 with ``ranks_per_node=2`` (2 nodes of 2 ep ranks) and ep2 with ``ranks_per_node=1``
+(dp2 x ep2: each ep group spans 2 one-rank nodes). Each feature is compared with its reference:
+
+- node-limited routing, the hierarchical dispatcher and ``dispatch_chunks``: the single-process layer
+  of the same seed, every micro-batch a separate forward (outputs, input, expert and router
+  gradients, fp32, atol 1e-5), as in tests/test_expert_parallel.py;
+- ``routing="expert_choice"``: the single-process layer on the concatenated micro-batches of the
+  ep group (the choice is over the ep group's tokens);
+- ``dispatch_dtype``: the fp32 dispatch of the same layout, within stated tolerances, and 20 training
+  steps.
+
+Inter-node bytes are checked against the exact count the routing implies.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.conftest import get_pool
+from tests.dist_pool import layout
+
+WORLD = 4
+H, F, E, K = 16, 24, 8, 2
+ATOL = 1e-5
+# (ep, ranks_per_node): both give 2 nodes per ep group.
+TWO_NODES = [(2, 1), (4, 2)]
+
+
+def _micro_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + rank)
+    return torch.randn(2, 6, H, generator=gen), torch.randn(2, 6, H, generator=gen)
+
+
+def _layer(**options):  # noqa: ANN202
+    from lightning_moe.moe import MoELayer
+
+    torch.manual_seed(0)
+    return MoELayer(H, F, E, top_k=K, **{"aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3, **options})
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def _expert_grads(layer, ep_rank: int, ep: int, reference=None) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    local = E // ep
+    mine = slice(ep_rank * local, (ep_rank + 1) * local)
+    grads = {}
+    for name in ("w1", "w2", "w3"):
+        grad = getattr(layer.experts, name).grad
+        grads[name] = grad.to_local() if reference is None else grad[mine]
+    return grads
+
+
+def reference_case(ep: int, ranks_per_node: int, options: dict, reference_options: dict, expert_choice: bool = False) -> dict:
+    """Parallel layer with ``options`` vs the single-process layer with ``reference_options``."""
+    from lightning_moe import comm, parallelize
+
+    dims = layout(ep=ep, ranks_per_node=ranks_per_node)
+    assert dims.ep_num_nodes == 2
+    layer = _layer(**options)
+    reference = _layer(**reference_options)
+    parallelize(layer, dims.mesh, data_parallel="none")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ep_peers = dist.get_process_group_ranks(dims.ep_group)
+    x, probe = _micro_batch(rank)
+    x.requires_grad_(True)
+    comm.reset()
+    y = layer(x)
+    (y * probe).sum().backward()
+    counters = comm.snapshot()
+    report: dict = {"internode": counters.get("ep_internode", {}).get("bytes", 0), "counts": layer.stats["tokens_per_expert"]}
+
+    router_grad = layer.router.weight.grad.clone()
+    if expert_choice:
+        # One forward over the ep group's micro-batches: the experts chose among all of them.
+        xs = torch.cat([_micro_batch(r)[0] for r in ep_peers]).requires_grad_(True)
+        ps = torch.cat([_micro_batch(r)[1] for r in ep_peers])
+        ys = reference(xs)
+        (ys * ps).sum().backward()
+        me = ep_peers.index(rank)
+        ref_out, ref_grad_x = ys[2 * me : 2 * me + 2].detach(), xs.grad[2 * me : 2 * me + 2]
+        dist.all_reduce(router_grad, group=dims.ep_group)
+    else:
+        expert_reference = copy.deepcopy(reference)
+        for source in ep_peers:
+            xs, ps = _micro_batch(source)
+            (expert_reference(xs) * ps).sum().backward()
+        for source in range(world):
+            xs, ps = _micro_batch(source)
+            xs.requires_grad_(True)
+            ys = reference(xs)
+            (ys * ps).sum().backward()
+            if source == rank:
+                ref_out, ref_grad_x = ys.detach(), xs.grad
+        reference_experts = expert_reference
+        dist.all_reduce(router_grad)
+    report["out"] = _max_diff(y.detach(), ref_out)
+    report["grad_x"] = _max_diff(x.grad, ref_grad_x)
+    report["router"] = _max_diff(router_grad, reference.router.weight.grad)
+    ep_rank = dims.ep_mesh.get_local_rank()
+    got = _expert_grads(layer, ep_rank, ep)
+    want = _expert_grads(reference if expert_choice else reference_experts, ep_rank, ep, reference=True)
+    for name in got:
+        report[name] = _max_diff(got[name], want[name])
+    if layer.shared_expert is not None:
+        shared = layer.shared_expert.w1.weight.grad.clone()
+        dist.all_reduce(shared, group=dims.ep_group if expert_choice else None)
+        report["shared"] = _max_diff(shared, reference.shared_expert.w1.weight.grad)
+    return report
+
+
+def _assert_close(reports: list[dict]) -> None:
+    for rank, report in enumerate(reports):
+        for key in ("out", "grad_x", "router", "w1", "w2", "w3", "shared"):
+            if key in report:
+                assert report[key] < ATOL, f"rank {rank} {key} differs by {report[key]:.2e}"
+
+
+CASES = [
+    # name, options of the parallel layer, options of the single-process reference
+    ("hierarchical", {"dispatcher": "hierarchical"}, {}),
+    ("hierarchical_capacity", {"dispatcher": "hierarchical", "capacity_factor": 1.0}, {"capacity_factor": 1.0}),
+    ("node_limited_flat", {"max_nodes_per_token": 1}, {"max_nodes_per_token": 1, "num_nodes": 2}),
+    ("node_limited_hierarchical", {"max_nodes_per_token": 1, "dispatcher": "hierarchical"},
+     {"max_nodes_per_token": 1, "num_nodes": 2}),
+    ("chunks3_shared", {"dispatch_chunks": 3, "shared_expert_hidden_size": 8}, {"shared_expert_hidden_size": 8}),
+    ("chunks2_hierarchical_sigmoid_bias", {"dispatch_chunks": 2, "dispatcher": "hierarchical", "score_func": "sigmoid",
+                                           "expert_bias": True}, {"score_func": "sigmoid", "expert_bias": True}),
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep,ranks_per_node", TWO_NODES, ids=["ep2_2nodes", "ep4_2nodes"])
+@pytest.mark.parametrize("name,options,reference_options", CASES, ids=[case[0] for case in CASES])
+def test_topology_feature_matches_reference(ep, ranks_per_node, name, options, reference_options):
+    reports = get_pool(WORLD).run(
+        reference_case, ep=ep, ranks_per_node=ranks_per_node, options=options, reference_options=reference_options
+    )
+    _assert_close(reports)
+    if "max_nodes_per_token" in options:
+        # Every token's experts sit on one node: the routed counts of each half come from whole tokens.
+        assert all(report["counts"].sum().item() % K == 0 for report in reports)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep,ranks_per_node", TWO_NODES, ids=["ep2_2nodes", "ep4_2nodes"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "hierarchical"])
+def test_expert_choice_matches_one_device_on_the_ep_group_batch(ep, ranks_per_node, dispatcher):
+    # No z-loss: it is a mean over each forward's tokens, and the reference runs one forward for two.
+    options = {"routing": "expert_choice", "capacity_factor": 1.0, "shared_expert_hidden_size": 8, "z_loss_coeff": 0.0}
+    reports = get_pool(WORLD).run(
+        reference_case, ep=ep, ranks_per_node=ranks_per_node, options={**options, "dispatcher": dispatcher},
+        reference_options=options, expert_choice=True,
+    )
+    _assert_close(reports)
+
+
+def internode_case(ep: int, ranks_per_node: int, dispatcher: str, max_nodes: int | None) -> dict:
+    """Measured inter-node bytes of one forward+backward and the count the routing implies."""
+    from lightning_moe import comm, parallelize
+
+    dims = layout(ep=ep, ranks_per_node=ranks_per_node)
+    layer = _layer(dispatcher=dispatcher, max_nodes_per_token=max_nodes)
+    parallelize(layer, dims.mesh, data_parallel="none")
+    x, probe = _micro_batch(dist.get_rank())
+    x.requires_grad_(True)
+    comm.reset()
+    (layer(x) * probe).sum().backward()
+    measured = comm.snapshot().get("ep_internode", {}).get("bytes", 0)
+    topk = layer.router(x.detach().reshape(-1, H)).topk_idx
+    nodes, ep_rank = dims.ep_num_nodes, dims.ep_mesh.get_local_rank()
+    my_node = dims.ep_node_ids[ep_rank]
+    slot_nodes = topk // (E // nodes)
+    remote_slots = int((slot_nodes != my_node).sum())
+    remote_rows = sum(len(set(row) - {my_node}) for row in slot_nodes.tolist())
+    return {"measured": measured, "remote_slots": remote_slots, "remote_rows": remote_rows,
+            "remote_peers": sum(n != my_node for n in dims.ep_node_ids), "nodes": nodes}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep,ranks_per_node", TWO_NODES, ids=["ep2_2nodes", "ep4_2nodes"])
+def test_internode_bytes_equal_what_the_routing_implies(ep, ranks_per_node):
+    pool = get_pool(WORLD)
+    row = H * 4
+    totals = {}
+    for dispatcher, max_nodes in (("alltoall", None), ("hierarchical", None), ("hierarchical", 1)):
+        reports = pool.run(internode_case, ep=ep, ranks_per_node=ranks_per_node, dispatcher=dispatcher, max_nodes=max_nodes)
+        measured = sum(r["measured"] for r in reports)
+        if dispatcher == "alltoall":
+            # Each remote slot: dispatch, combine and both gradients; counts: E/ep int64 per remote peer.
+            expected = sum(4 * r["remote_slots"] * row + r["remote_peers"] * (E // ep) * 8 for r in reports)
+        else:
+            # Each (token, remote node) row: its 4 hidden transfers, slot ids (int32) and gate weights
+            # (fp32) forward and back; counts: one int64 per remote node.
+            expected = sum(r["remote_rows"] * (4 * row + 3 * K * 4) + (r["nodes"] - 1) * 8 for r in reports)
+        assert measured == expected, (dispatcher, max_nodes, measured, expected)
+        totals[(dispatcher, max_nodes)] = measured
+    assert totals[("hierarchical", None)] < totals[("alltoall", None)]
+    assert totals[("hierarchical", 1)] < totals[("hierarchical", None)]
+
+
+def low_precision_case(ep: int, ranks_per_node: int, dispatcher: str, wire: str, steps: int) -> dict:
+    """The same layer with an fp32 and a ``wire`` dispatch: step-0 outputs and gradients, then ``steps``
+    Adam steps on a regression target (non-expert gradients summed over the ranks)."""
+    from lightning_moe import comm, parallelize
+
+    dims = layout(ep=ep, ranks_per_node=ranks_per_node)
+    results = {}
+    for dtype in (None, wire):
+        layer = _layer(dispatcher=dispatcher, dispatch_dtype=dtype)
+        parallelize(layer, dims.mesh, data_parallel="none")
+        optimizer = torch.optim.Adam(layer.parameters(), lr=3e-3)
+        x, target = _micro_batch(dist.get_rank())
+        x.requires_grad_(True)
+        losses = []
+        comm.reset()
+        for step in range(steps + 1):
+            y = layer(x)
+            loss = (y - target).square().mean()
+            loss.backward()
+            for param in layer.parameters():
+                if not hasattr(param, "to_local") and param.grad is not None:
+                    dist.all_reduce(param.grad)
+            if step == 0:
+                first = {
+                    "out": y.detach(),
+                    "grad_x": x.grad.clone(),
+                    "router": layer.router.weight.grad.clone(),  # summed over the ranks, as the optimizer sees it
+                    "w1": layer.experts.w1.grad.to_local().clone(),
+                    "w2": layer.experts.w2.grad.to_local().clone(),
+                    "ep_bytes": comm.snapshot()["ep"]["bytes"],
+                }
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            losses.append(mean_loss.item() / dist.get_world_size())
+            optimizer.step()
+            optimizer.zero_grad()
+            x.grad = None
+        results[dtype] = {**first, "losses": losses}
+    base, low = results[None], results[wire]
+    report = {key: _max_diff(low[key], base[key]) / base[key].abs().max().item() for key in ("out", "grad_x", "router", "w1", "w2")}
+    report["losses"] = max(abs(a - b) / b for a, b in zip(low["losses"], base["losses"]))
+    report["bytes_ratio"] = low["ep_bytes"] / base["ep_bytes"]
+    return report
+
+
+# Relative to the largest value of the fp32 dispatch: fp8 has a 3-bit mantissa (2^-4 relative step).
+# The router gradient (through the gate weights: a difference of nearby products) is the most sensitive.
+LOW_PRECISION_TOL = {
+    "bf16": {"out": 1e-2, "grads": 2e-2, "router": 4e-2, "losses": 1e-2},
+    "fp8": {"out": 5e-2, "grads": 8e-2, "router": 0.15, "losses": 2e-2},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "ep,ranks_per_node,dispatcher,wire",
+    [(4, 2, "alltoall", "fp8"), (4, 2, "hierarchical", "bf16"), (2, 1, "hierarchical", "fp8")],
+)
+def test_low_precision_dispatch_within_tolerance(ep, ranks_per_node, dispatcher, wire):
+    from lightning_moe.moe.exchange import check_wire
+
+    check_wire(wire)
+    reports = get_pool(WORLD).run(low_precision_case, ep=ep, ranks_per_node=ranks_per_node, dispatcher=dispatcher, wire=wire, steps=20)
+    tol = LOW_PRECISION_TOL[wire]
+    for rank, report in enumerate(reports):
+        assert 0 < report["out"] <= tol["out"], (rank, report)  # 0 would mean the wire format was not used
+        for key in ("grad_x", "w1", "w2"):
+            assert report[key] <= tol["grads"], (rank, key, report)
+        assert report["router"] <= tol["router"], (rank, report)
+        assert report["losses"] <= tol["losses"], (rank, report)
+        # Fewer bytes than fp32 (the count exchange and the fp32 gate weights of hierarchical stay).
+        assert report["bytes_ratio"] < 0.6, (rank, report)
+
+
+def errors_case() -> list[str]:
+    from lightning_moe import parallelize
+
+    messages = []
+    for sizes, options in (
+        ({"ep": 4}, {"dispatcher": "hierarchical"}),  # one node
+        ({"ep": 4, "ranks_per_node": 2}, {"max_nodes_per_token": 3}),  # 2 nodes
+        ({"ep": 4, "ranks_per_node": 2}, {"dispatcher": "allgather", "dispatch_dtype": "bf16"}),
+    ):
+        dims = layout(**sizes)
+        try:
+            parallelize(_layer(**options), dims.mesh, data_parallel="none")
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
+
+
+@pytest.mark.slow
+def test_bad_topology_options_fail_before_any_work():
+    messages = get_pool(WORLD).run(errors_case)[0]
+    assert "same as 'alltoall'" in messages[0] and "ranks_per_node" in messages[0]
+    assert "max_nodes_per_token=3 exceeds the 2 node(s)" in messages[1]
+    assert "dispatch_dtype='bf16' applies to the all-to-all dispatchers" in messages[2]
