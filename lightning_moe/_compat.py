@@ -26,6 +26,7 @@ __all__ = [
     "distributed_checkpoint_load",
     "flatten_mesh",
     "force_sum_reduction",
+    "fsdp_mixed_precision",
     "funcol",
     "grouped_mm",
     "hydra_args_parser",
@@ -36,6 +37,7 @@ __all__ = [
     "require_pipeline_stage_internals",
     "resolve_process_group",
     "run_schedule_forward_only",
+    "set_fsdp_mixed_precision",
 ]
 
 PIPELINE_MIN_TORCH = (2, 13)
@@ -70,6 +72,23 @@ def force_sum_reduction(unit: Any, enabled: bool) -> None:
     """``FSDPModule.set_force_sum_reduction_for_comms``: sum in the collective, divide after (gloo has
     no PREMUL_SUM). Present in torch 2.9-2.13."""
     unit.set_force_sum_reduction_for_comms(enabled)
+
+
+def set_fsdp_mixed_precision(unit: Any, policy: Any) -> None:
+    """Replace an FSDP2 unit's ``MixedPrecisionPolicy`` after ``fully_shard`` (before its lazy init):
+    ``FSDPState._mp_policy`` and ``FSDPParamGroup.mp_policy``, which ``lazy_init`` turns into the
+    parameters' all-gather and reduce dtypes. Present in torch 2.9-2.13, run on 2.13."""
+    state = unit._get_fsdp_state()
+    if state._is_root is not None:  # lazy init done: the dtypes are fixed
+        raise RuntimeError("set the FSDP mixed-precision policy before the module's first forward")
+    state._mp_policy = policy
+    if state._fsdp_param_group is not None:
+        state._fsdp_param_group.mp_policy = policy
+
+
+def fsdp_mixed_precision(unit: Any) -> Any:
+    """An FSDP2 unit's ``MixedPrecisionPolicy`` (``FSDPState._mp_policy``). Present in torch 2.9-2.13."""
+    return unit._get_fsdp_state()._mp_policy
 
 
 def resolve_process_group(group: Any) -> dist.ProcessGroup:

@@ -45,6 +45,7 @@ from lightning_moe.parallel.pipeline import (
     pipeline_stage_modules,
     unpack_target_loss,
 )
+from lightning_moe.parallel.precision import apply_mixed_precision, check_precision, mixed_precision_policy
 
 
 
@@ -196,7 +197,15 @@ class MoE5DStrategy(ModelParallelStrategy):
                 f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})"
             ) from err
         check_unreduced_replicas(self.parallel_dims, self.data_parallel)
+        try:
+            check_precision(self._precision_flag())
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
         super()._configure_launcher()
+
+    def _precision_flag(self) -> str:
+        """Lightning's precision flag (``"32-true"``, ``"bf16-mixed"``, ...) of the precision plugin."""
+        return str(getattr(self.precision_plugin, "precision", "32-true"))
 
     @override
     def setup_environment(self) -> None:
@@ -239,6 +248,9 @@ class MoE5DStrategy(ModelParallelStrategy):
                 etp=self.parallel_dims.etp,
                 pp_stages_per_rank=self.pp_stages_per_rank,
             )
+        # FSDP2 all-gathers (and computes) in the trainer's precision, reducing gradients in fp32:
+        # set on every unit, the strategy's or the user's own, before the first forward.
+        apply_mixed_precision(self.model, mixed_precision_policy(self._precision_flag()))
         self._materialize()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
