@@ -351,7 +351,8 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
             "num_layers": cfg.dry_run_layers,
             "ranks": [
                 {"rank": v.rank, "parameters": v.parameters, "parameter_bytes": v.parameter_bytes, "model_bytes": v.model_bytes,
-                 "model_padded_bytes": v.model_padded_bytes, "matches": v.matches, "mismatches": v.mismatches}
+                 "model_padded_bytes": v.model_padded_bytes, "matches": v.matches, "mismatches": v.mismatches,
+                 "shapes": {name: list(shape) for name, shape in v.shapes.items()}}
                 for v in views
             ],
         }  # fmt: skip

@@ -333,3 +333,10 @@ def test_auto_layout_preset_hands_the_run_config_to_the_planner():
         from lightning_moe import MoE5DStrategy
 
         MoE5DStrategy(layout="auto")._apply_auto_layout(2)
+
+
+def test_spearman_of_the_plan_check_bench_shares_ranks_of_ties():
+    from experiments.bench.plan_check import spearman
+
+    assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)

@@ -12,6 +12,7 @@ fastest run: on a shared machine other jobs' load changes a run's time by up to 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,13 +39,22 @@ LAYOUTS = {  # name: (CLI overrides, planner layout)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
-    """Spearman's rho (no ties expected): Pearson correlation of the ranks."""
+    """Spearman's rho: Pearson correlation of the ranks, tied values sharing their mean rank.
+
+    Example: ``spearman([1, 2, 3], [1, 3, 2]) == 0.5``.
+    """
 
     def ranks(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=values.__getitem__)
         out = [0.0] * len(values)
-        for rank, i in enumerate(order):
-            out[i] = float(rank)
+        start = 0
+        while start < len(order):
+            end = start
+            while end + 1 < len(order) and math.isclose(values[order[end + 1]], values[order[start]], rel_tol=1e-9):
+                end += 1
+            for k in range(start, end + 1):
+                out[order[k]] = (start + end) / 2
+            start = end + 1
         return out
 
     rx, ry = ranks(xs), ranks(ys)
