@@ -221,8 +221,6 @@ def dry_run(
     if num_layers is not None:
         cfg.num_layers = int(num_layers)
     shape = model_shape(cfg)
-    problems = layout_problems(shape, layout, seq_len=2 * layout.cp * layout.tp, global_batch_size=layout.dp * layout.ep * layout.micro_batch_size)
-    problems = [p for p in problems if "global_batch_size" not in p and "seq_len" not in p and "micro-batches" not in p]
     world = layout.world_size
     ranks = _sample_ranks(world) if ranks is None else list(ranks)
     views = []
@@ -260,7 +258,6 @@ def dry_run(
                 mismatches=mismatches,
             )
         )
-    del problems
     return views
 
 
