@@ -41,6 +41,10 @@ from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 OTHER = "other"  # collectives on a process group that is none of the dims' (e.g. a user's own group)
 _ROWS: tuple[str, ...] = (*DIMS, OTHER)  # rows of the per-step counters
+# Bytes the ep dispatchers sent to ranks on other nodes (a part of "ep", recorded by
+# lightning_moe.moe.exchange): logged as comm/ep_internode_bytes, not added to the total.
+INTERNODE = "ep_internode"
+_ALL_ROWS: tuple[str, ...] = (*_ROWS, INTERNODE)
 
 # Mesh dims a group spans -> the dimension its traffic counts for. Data-parallel gradient groups
 # come first: a group that is also another dim's (ep alone makes dp x ep the ep ranks) carries
@@ -310,7 +314,10 @@ class CommAccountingCallback(OptimizerStepCallback):
       ``tp, cp, ep, dp, pp`` (``dp`` covers FSDP/DDP gradient and parameter traffic, measured);
     - ``comm/<dim>_calls``: collective calls per rank in the step;
     - ``comm/total_bytes``: the sum over dims; ``comm/other_*`` only when some collective ran on a
-      group that is none of the dims'.
+      group that is none of the dims';
+    - ``comm/ep_internode_bytes``: the part of ``comm/ep_bytes`` sent to ranks on other nodes
+      (``MoE5DStrategy(ranks_per_node=...)``), counted from the dispatchers' actual sends; 0 when
+      the ep group sits on one node.
 
     ``summary.json`` gets ``comm``: ``{dim: {"bytes": ..., "calls": ...}}``, per step averaged over
     the run (see :class:`~lightning_moe.callbacks.SummaryCallback`).
@@ -329,7 +336,7 @@ class CommAccountingCallback(OptimizerStepCallback):
     def __init__(self) -> None:
         self._groups = GroupDims()
         self._counting = ExitStack()
-        self._totals = torch.zeros(len(_ROWS), 2, dtype=torch.float64)  # (bytes, calls) per row
+        self._totals = torch.zeros(len(_ALL_ROWS), 2, dtype=torch.float64)  # (bytes, calls) per row
         self._steps = 0
         self.metrics: dict[str, float] = {}
 
@@ -347,7 +354,7 @@ class CommAccountingCallback(OptimizerStepCallback):
         self._counting.close()
         snapshot = comm.snapshot()
         local = torch.tensor(
-            [[snapshot.get(d, {}).get("bytes", 0), snapshot.get(d, {}).get("calls", 0)] for d in _ROWS],
+            [[snapshot.get(d, {}).get("bytes", 0), snapshot.get(d, {}).get("calls", 0)] for d in _ALL_ROWS],
             dtype=torch.float64,
         )
         # Every rank takes part, whatever it holds: a fixed-size tensor, one collective.
@@ -359,7 +366,8 @@ class CommAccountingCallback(OptimizerStepCallback):
             if name in DIMS or calls:
                 metrics[f"comm/{name}_bytes"] = nbytes
                 metrics[f"comm/{name}_calls"] = calls
-        metrics["comm/total_bytes"] = float(per_rank[:, 0].sum())
+        metrics["comm/total_bytes"] = float(per_rank[: len(_ROWS), 0].sum())
+        metrics[f"comm/{INTERNODE}_bytes"] = float(per_rank[len(_ROWS), 0])
         self.metrics = metrics
         log_to_loggers(trainer, metrics)
 
@@ -370,14 +378,18 @@ class CommAccountingCallback(OptimizerStepCallback):
         self._counting.close()
 
     def summary_fields(self) -> dict[str, Any]:
-        """``comm``: bytes and calls per optimizer step and rank, for each dim, averaged over the run."""
+        """``comm``: bytes and calls per optimizer step and rank, for each dim, averaged over the run;
+        ``ep_internode_bytes`` (when the ep group spans nodes): the part of ``comm.ep`` sent across nodes."""
         if not self._steps:
             return {}
         mean = (self._totals / self._steps).tolist()
-        return {
+        fields: dict[str, Any] = {
             "comm": {
                 name: {"bytes": nbytes, "calls": calls}
                 for name, (nbytes, calls) in zip(_ROWS, mean)
                 if name in DIMS or calls
             }
         }
+        if mean[len(_ROWS)][1]:
+            fields["ep_internode_bytes"] = mean[len(_ROWS)][0]
+        return fields

@@ -21,6 +21,8 @@ STAT_SCALARS: tuple[str, ...] = ("aux_loss", "z_loss", "dropped_fraction", "rout
 BIAS_NORM = "expert_bias_norm"
 # ...and derived from the tokens per expert of the global batch:
 LOAD_METRICS: tuple[str, ...] = ("load_imbalance", "load_cv", "no_token_fraction")
+# ...and from the same counts summed per expert-parallel rank (the tokens each ep rank receives):
+EP_RANK_IMBALANCE = "ep_rank_imbalance"
 
 
 def data_parallel_sum(trainer: pl.Trainer, tensor: torch.Tensor) -> torch.Tensor:
@@ -58,6 +60,18 @@ def load_metrics(counts: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def ep_rank_imbalance(counts: torch.Tensor, ep: int) -> torch.Tensor:
+    """Max/mean of the tokens each of ``ep`` expert-parallel ranks receives (rank r holds the r-th
+    contiguous block of ``E / ep`` experts of ``counts [E]``); 1.0 is perfect, and 1.0 for ep = 1.
+
+    Example::
+
+        ep_rank_imbalance(torch.tensor([4.0, 0.0, 2.0, 2.0]), ep=2)  # 1.0: each rank receives 4
+    """
+    per_rank = counts.reshape(ep, -1).sum(1)
+    return per_rank.max() / per_rank.mean().clamp_min(1e-12)
+
+
 @dataclass(frozen=True)
 class MoELayerInfo:
     """One MoE layer of the whole model (all pipeline stages): module name and shape."""
@@ -65,6 +79,7 @@ class MoELayerInfo:
     name: str
     num_experts: int
     has_expert_bias: bool
+    ep_size: int = 1  # ranks its experts are split over
 
 
 class MoEStatsMetric(Metric):
@@ -152,7 +167,10 @@ class MoEMetricsCallback(OptimizerStepCallback):
       (only when some layer has an expert bias);
     - ``moe/layer{i}/load_imbalance`` (max/mean tokens per expert over the global batch: 1.0 is
       perfect balance, ``num_experts / top_k`` the worst), ``load_cv`` (std/mean) and
-      ``no_token_fraction`` (experts that received no token).
+      ``no_token_fraction`` (experts that received no token);
+    - ``moe/layer{i}/ep_rank_imbalance``: max/mean of the tokens received per expert-parallel rank
+      (the same counts summed over each rank's block of experts; with dp > 1 each ep position's load
+      is summed over its dp replicas). 1.0 without expert parallelism.
 
     Summaries over layers: ``moe/<name>`` (mean), ``moe/<name>_p50``, ``moe/<name>_p90`` (or the
     ``percentiles`` given) and ``moe/<name>_max``. Per-layer keys can be switched off with
@@ -203,7 +221,7 @@ class MoEMetricsCallback(OptimizerStepCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Layers exist only after configure_model() and parallelization, both done by now.
         named = [(name, m) for name, m in pl_module.named_modules() if isinstance(m, MoELayer)]
-        local_infos = [MoELayerInfo(name, m.num_experts, m.router.use_expert_bias) for name, m in named]
+        local_infos = [MoELayerInfo(name, m.num_experts, m.router.use_expert_bias, m.ep_size) for name, m in named]
         self.layers = _gather_layer_infos(local_infos)
         position = {info.name: i for i, info in enumerate(self.layers)}
         self._local = [m for _, m in named]
@@ -245,6 +263,9 @@ class MoEMetricsCallback(OptimizerStepCallback):
         loads = [load_metrics(c) for c in counts]
         for name in LOAD_METRICS:
             per_layer[name] = torch.stack([load[name] for load in loads])
+        per_layer[EP_RANK_IMBALANCE] = torch.stack(
+            [ep_rank_imbalance(c, info.ep_size) for c, info in zip(counts, self.layers)]
+        )
         # One device sync for everything.
         table = torch.stack(list(per_layer.values()))
         summaries = self._summaries(table)
