@@ -170,7 +170,8 @@ def _log_tail(run_dir: Path, chars: int = 3000) -> str:
 def _single(job: Job, steps: int, record: bool) -> RunData:
     """The single-process run, from the cache when an identical one is there."""
     if job.cache_dir is None:
-        run_dir = job.out_dir / ("single" if not record or steps == job.steps else "single_step1")
+        main_run = steps == job.steps and record == (job.localize == "always")
+        run_dir = job.out_dir / ("single" if main_run else "single_step1")
         return _checked(_launch(job, job.single_body, 1, run_dir, steps, record), "single-process")
     key = hashlib.sha256(
         pickle.dumps((job.fingerprint, job.seed, steps, record, job.main_file)) + pickle.dumps(job.single_body)
