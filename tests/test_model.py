@@ -248,7 +248,12 @@ def test_tensor_parallel_plan_names_real_modules():
     assert {"tok_embeddings", "norm", "output", "layers.0.attention.wq", "layers.3.attention.wo"} <= set(plan)
     # Dense SwiGLU layers are in the plan; MoE layers are left to lightning_moe.parallelize.
     assert "layers.0.feed_forward.w1" in plan and "layers.2.feed_forward.w2" in plan
-    assert not any(k.startswith(("layers.1.feed_forward", "layers.3.feed_forward")) for k in plan)
+    # MoE layers get no sharding style, only a mark that their tokens arrive as sequence shards.
+    moe_keys = {k for k in plan if k.startswith(("layers.1.feed_forward", "layers.3.feed_forward"))}
+    assert moe_keys == {"layers.1.feed_forward", "layers.3.feed_forward"}
+    assert all(type(plan[k]).__name__ == "PrepareModuleInputOutput" for k in moe_keys)
+    no_sp = model.tensor_parallel_plan(sequence_parallel=False)
+    assert not any(k.startswith(("layers.1.feed_forward", "layers.3.feed_forward")) for k in no_sp)
     no_sp = model.tensor_parallel_plan(sequence_parallel=False)
     assert not any(isinstance(style, SequenceParallel) for style in no_sp.values())
     # A pipeline stage (layers deleted, no head) only lists what it holds.
