@@ -41,7 +41,7 @@ def _layer(**options):  # noqa: ANN202
     from lightning_moe.moe import MoELayer
 
     torch.manual_seed(0)
-    return MoELayer(H, F, E, top_k=K, **{"aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3, **options})
+    return MoELayer(H, F, E, **{"top_k": K, "aux_loss_coeff": 1e-2, "z_loss_coeff": 1e-3, **options})
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -304,3 +304,109 @@ def test_bad_topology_options_fail_before_any_work():
     assert "same as 'alltoall'" in messages[0] and "ranks_per_node" in messages[0]
     assert "max_nodes_per_token=3 exceeds the 2 node(s)" in messages[1]
     assert "dispatch_dtype='bf16' applies to the all-to-all dispatchers" in messages[2]
+
+
+# -- one process: the node layout, the routing rules against per-token references, bad input ----------
+
+
+def test_ranks_per_node_gives_the_ep_node_layout_and_rejects_bad_sizes():
+    from lightning_moe import ParallelDims
+
+    def validated(**sizes):  # noqa: ANN202
+        dims = ParallelDims(**sizes)
+        dims.validate(sizes.pop("world", 8))
+        return dims
+
+    assert validated(ep=4, dp=2, ranks_per_node=2).ep_node_ids == [0, 0, 1, 1]
+    assert validated(ep=8, ranks_per_node=4).ep_num_nodes == 2
+    assert validated(ep=4, tp=2, ranks_per_node=4).ep_node_ids == [0, 0, 1, 1]  # tp stays inside a node
+    assert validated(ep=2, dp=4, ranks_per_node=8).ep_num_nodes == 1
+    assert ParallelDims(ep=4, ranks_per_node=2).validate(4) is None
+    with pytest.raises(ValueError, match="ranks_per_node=3 does not divide the world size 8"):
+        validated(ep=8, ranks_per_node=3)
+    with pytest.raises(ValueError, match="ranks_per_node=0 must be an integer >= 1"):
+        ParallelDims(ep=2, ranks_per_node=0)
+    with pytest.warns(UserWarning, match="tp=4 crosses a node boundary"):
+        validated(tp=4, ep=2, ranks_per_node=2)
+
+
+def _expert_outputs(layer, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """``[T, E, H]``: every expert applied to every token, one expert at a time (no dispatcher)."""
+    w1, w3, w2 = layer.experts.w1, layer.experts.w3, layer.experts.w2
+    return torch.stack(
+        [(torch.nn.functional.silu(x @ w1[e]) * (x @ w3[e])) @ w2[e] for e in range(w1.shape[0])], dim=1
+    )
+
+
+def test_node_limited_routing_follows_deepseek_v3_rule_per_token():
+    layer = _layer(max_nodes_per_token=2, num_nodes=4, top_k=3, aux_loss_coeff=0.0, z_loss_coeff=0.0)
+    x = torch.randn(40, H, generator=torch.Generator().manual_seed(1))
+    routing = layer.router(x)
+    scores = torch.softmax(x @ layer.router.weight.T, dim=-1)
+    for t in range(x.shape[0]):
+        per_node = scores[t].view(4, 2)
+        # A node's score: the sum of its ceil(3 / 2) = 2 best scores; keep the 2 best nodes, then top-3 inside.
+        nodes = per_node.sum(1).topk(2).indices.tolist()
+        allowed = [e for e in range(E) if e // 2 in nodes]
+        want = sorted(allowed, key=lambda e: -scores[t, e].item())[:3]
+        assert sorted(routing.topk_idx[t].tolist()) == sorted(want)
+    assert {len(set((row // 2).tolist())) for row in routing.topk_idx} <= {1, 2}
+    y = layer(x)
+    reference = (routing.topk_weights.unsqueeze(-1) * _expert_outputs(layer, x).gather(
+        1, routing.topk_idx.unsqueeze(-1).expand(-1, -1, H))).sum(1)
+    torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_choice_on_one_device_equals_per_expert_top_tokens():
+    layer = _layer(routing="expert_choice", capacity_factor=1.5, shared_expert_hidden_size=8)
+    x = torch.randn(3, 4, H, generator=torch.Generator().manual_seed(2))
+    y = layer(x)
+    tokens = x.reshape(-1, H)
+    scores = torch.softmax(tokens @ layer.router.weight.T, dim=-1)
+    capacity = int(1.5 * 12 * K / E)  # 4 tokens per expert
+    outputs = _expert_outputs(layer, tokens)
+    reference = layer.shared_expert(tokens)
+    for e in range(E):
+        for t in scores[:, e].topk(capacity).indices.tolist():
+            reference[t] += scores[t, e] * outputs[t, e]
+    torch.testing.assert_close(y.reshape(-1, H), reference, atol=1e-5, rtol=1e-5)
+    assert layer.stats["tokens_per_expert"].tolist() == [capacity] * E
+    picked = torch.zeros(12, dtype=torch.bool)
+    for e in range(E):
+        picked[scores[:, e].topk(capacity).indices] = True
+    assert layer.stats["dropped_fraction"].item() == pytest.approx(1 - picked.float().mean().item())
+
+
+def test_dispatch_chunks_on_one_device_change_nothing():
+    x = torch.randn(2, 7, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    results = []
+    for chunks in (1, 3):
+        layer = _layer(dispatch_chunks=chunks, capacity_factor=1.0)
+        x.grad = None
+        y = layer(x)
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad.clone(), layer.router.weight.grad, layer.experts.w2.grad))
+    for one, chunked in zip(*results):
+        torch.testing.assert_close(chunked, one, atol=1e-6, rtol=1e-6)
+
+
+def test_topology_options_refuse_bad_input(monkeypatch):
+    with pytest.raises(ValueError, match="max_nodes_per_token=3 exceeds the 2 node"):
+        _layer(max_nodes_per_token=3, num_nodes=2)
+    with pytest.raises(ValueError, match="max_nodes_per_token=2 exceeds the 1 node .* set num_nodes"):
+        _layer(max_nodes_per_token=2)(torch.randn(4, H))
+    with pytest.raises(ValueError, match="num_nodes=3 must be a positive divisor of num_experts=8"):
+        _layer(num_nodes=3)
+    with pytest.raises(ValueError, match="routing='expert_choice' needs capacity_factor"):
+        _layer(routing="expert_choice")
+    with pytest.raises(ValueError, match=r"gives C = floor\(0.1 \* 4 tokens \* 2 / 8\) = 0 < 1"):
+        _layer(routing="expert_choice", capacity_factor=0.1)(torch.randn(4, H))
+    with pytest.raises(ValueError, match="cannot take \\['expert_bias'\\]"):
+        _layer(routing="expert_choice", capacity_factor=1.0, expert_bias=True)
+    with pytest.raises(ValueError, match="dispatch_chunks=0 must be an integer >= 1"):
+        _layer(dispatch_chunks=0)
+    with pytest.raises(ValueError, match="dispatch_dtype='fp16' is unknown"):
+        _layer(dispatch_dtype="fp16")
+    monkeypatch.delattr(torch, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="dispatch_dtype='fp8' needs torch.float8_e4m3fn, which torch .* lacks"):
+        _layer(dispatch_dtype="fp8")
