@@ -45,11 +45,15 @@ def run_verify(run_dir: Path, cache: Path, *overrides: str, timeout: int = 600) 
 
 
 def _moegpt_parameter_names() -> set[str]:
-    from lightning_moe.models import MoEGPT
+    """The parameters of the model the verify CLI builds from the same overrides (composed here)."""
+    import hydra
+    from hydra import compose, initialize_config_dir
 
-    model = MoEGPT(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32,
-                   moe={"num_experts": 4, "ffn_hidden_size": 32})
-    return {name for name, _ in model.named_parameters()}
+    from lightning_moe.train import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("verify", overrides=[*DATA, *MOEGPT])
+    return {name for name, _ in hydra.utils.instantiate(cfg.model).named_parameters()}
 
 
 # -- PASS ------------------------------------------------------------------------------------------
