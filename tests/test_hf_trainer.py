@@ -22,16 +22,17 @@ from tests.conftest import close_pools  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "hf_train.py"
-FAMILIES = ("qwen3_moe", "deepseek_v3")
+ALL = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
+ISSUE = ("qwen3_moe", "deepseek_v3")  # the issue's pair: every layout
 REL = 1e-5
 
 
-def _run(layout: dict, out: Path, save_hf: bool) -> None:
+def _run(layout: dict, out: Path, save_hf: bool, families: tuple[str, ...]) -> None:
     close_pools()  # the run's processes get the cores to themselves
     world = 1
     for size in layout.values():
         world *= size
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_FAMILIES=",".join(families))
     launcher = [sys.executable]
     if world > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
@@ -44,7 +45,7 @@ def _run(layout: dict, out: Path, save_hf: bool) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hf_single")
-    _run({}, out, save_hf=True)
+    _run({}, out, save_hf=True, families=ALL)
     return out
 
 
@@ -52,21 +53,27 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+# layout, save_hf round trip, families (the cheap layouts take every family that supports them;
+# gpt_oss refuses tp and cp, olmoe refuses tp; Qwen2-MoE's shared-expert gate under tp waits for
+# the data-parallel wrapping to reduce it over tp, see README).
 LAYOUTS = {
-    "ep2": ({"ep": 2}, True),
-    "tp2_sp": ({"tp": 2}, True),
-    "cp2": ({"cp": 2}, False),
-    "pp2": ({"pp": 2}, False),
-    "pp2_tp2_ep2": ({"pp": 2, "tp": 2, "ep": 2}, True),
+    "ep2": ({"ep": 2}, True, ALL),
+    "tp2_sp": ({"tp": 2}, True, ("qwen3_moe", "deepseek_v3", "mixtral")),
+    "cp2": ({"cp": 2}, False, ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe")),
+    # DeepSeek-V3 last: its first pipeline stage holds no MoE layer, and the process groups created
+    # lazily for MoE layers then differ between the stages, so a later fit in the same processes
+    # would hang in Lightning's next new_group (a strategy issue, reported; one fit per process is fine).
+    "pp2": ({"pp": 2}, False, ("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss", "deepseek_v3")),
+    "pp2_tp2_ep2": ({"pp": 2, "tp": 2, "ep": 2}, True, ISSUE),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_hf_module_layout_matches_single_process(name, reference, tmp_path):
-    layout, save_hf = LAYOUTS[name]
-    _run(layout, tmp_path, save_hf)
-    for family in FAMILIES:
+    layout, save_hf, families = LAYOUTS[name]
+    _run(layout, tmp_path, save_hf, families)
+    for family in families:
         want = json.loads((reference / f"{family}.json").read_text())
         got = json.loads((tmp_path / f"{family}.json").read_text())
         assert len(got) == len(want) == 6

@@ -4,6 +4,7 @@ Run with torchrun for several processes (one launch trains every family in turn)
 the single-process reference:
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/scripts/hf_train.py '{"ep": 2}' OUT [--save-hf]
     python tests/scripts/hf_train.py '{}' OUT
+HF_FAMILIES (comma-separated model types, default qwen3_moe,deepseek_v3) picks the families.
 
 Rank 0 writes OUT/<family>.json: the loss of every optimizer step (mean over the global batch). With
 --save-hf every rank calls ``save_hf(OUT/<family>_hf)`` after training, and rank 0 also writes
@@ -13,6 +14,7 @@ under pp, where no rank holds the whole model).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -47,34 +49,39 @@ class LossRecorder(L.Callback):
 
 
 def main(layout: dict, out: Path, save_hf: bool) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     out.mkdir(parents=True, exist_ok=True)
     for family in FAMILIES:
-        L.seed_everything(0)
-        config = dict(TINY_CONFIGS[family], max_position_embeddings=SEQ)
-        module = HFMoEModule({"model_type": family, **config}, learning_rate=3e-3, warmup_steps=2, max_steps=STEPS)
-        data = ByteTextDataModule(seq_len=SEQ, global_batch_size=4, micro_batch_size=1, max_corpus_bytes=100_000, val_fraction=0.0,
-                                  cache_dir=out / "cache")
-        recorder = LossRecorder()
-        trainer = L.Trainer(
-            accelerator="cpu", devices=world, strategy=MoE5DStrategy(**layout), max_steps=STEPS, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.05,
-        )
-        trainer.fit(module, datamodule=data)
+        train_one(family, layout, out, save_hf)
+        gc.collect()  # the previous family's module and trainer are gone before the next fit
+
+
+def train_one(family: str, layout: dict, out: Path, save_hf: bool) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    L.seed_everything(0)
+    config = dict(TINY_CONFIGS[family], max_position_embeddings=SEQ)
+    module = HFMoEModule({"model_type": family, **config}, learning_rate=3e-3, warmup_steps=2, max_steps=STEPS)
+    data = ByteTextDataModule(seq_len=SEQ, global_batch_size=4, micro_batch_size=1, max_corpus_bytes=100_000, val_fraction=0.0,
+                              cache_dir=out / "cache")
+    recorder = LossRecorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=MoE5DStrategy(**layout), max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.05,
+    )
+    trainer.fit(module, datamodule=data)
+    if trainer.is_global_zero:
+        (out / f"{family}.json").write_text(json.dumps(recorder.losses))
+    if save_hf:
+        module.save_hf(out / f"{family}_hf")
+        if layout.get("pp", 1) > 1:
+            return  # a pipeline stage cannot run the whole model: compare the saved folder instead
+        ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(5))
+        module.eval()
+        with torch.no_grad():
+            logits = module(ids)
         if trainer.is_global_zero:
-            (out / f"{family}.json").write_text(json.dumps(recorder.losses))
-        if save_hf:
-            module.save_hf(out / f"{family}_hf")
-            if layout.get("pp", 1) > 1:
-                continue  # a pipeline stage cannot run the whole model: compare the saved folder instead
-            ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(5))
-            module.eval()
-            with torch.no_grad():
-                logits = module(ids)
-            if trainer.is_global_zero:
-                torch.save({"ids": ids, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits},
-                           out / f"{family}_logits.pt")
+            torch.save({"ids": ids, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits},
+                       out / f"{family}_logits.pt")
 
 
 if __name__ == "__main__":
