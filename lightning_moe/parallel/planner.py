@@ -48,8 +48,7 @@ PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed")
 
 # -- constants (each with its source) ---------------------------------------------------------------
 # Bytes per element. fp32 master weights, fp32 gradients and two fp32 Adam moments: what the code
-# keeps (torch.optim.AdamW on FSDP2's fp32 sharded parameters; no MixedPrecisionPolicy is set by
-# lightning_moe.parallel.data_parallel, so FSDP also all-gathers and reduce-scatters in fp32).
+# keeps (torch.optim.AdamW on FSDP2's fp32 sharded parameters).
 FP32_BYTES = 4  # IEEE 754 single
 BF16_BYTES = 2  # bfloat16
 INT64_BYTES = 8  # token counts exchanged by the dispatchers (torch.bincount gives int64)
@@ -58,6 +57,11 @@ ADAM_STATE_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq (torch.optim.AdamW)
 # "bf16-mixed" is torch.autocast: GEMM outputs are bf16; ring attention's dK/dV accumulators and the
 # router's logits stay fp32 (lightning_moe.cp.ring_attention, lightning_moe.moe.router).
 ACTIVATION_BYTES = {"32-true": FP32_BYTES, "bf16-mixed": BF16_BYTES}
+# FSDP2 all-gathers parameters in the MixedPrecisionPolicy's param_dtype (bf16 under "bf16-mixed",
+# none under "32-true") and reduce-scatters gradients in its reduce_dtype, fp32 under both
+# (lightning_moe.parallel.precision.mixed_precision_policy).
+FSDP_GATHER_BYTES = {"32-true": FP32_BYTES, "bf16-mixed": BF16_BYTES}
+FSDP_REDUCE_BYTES = FP32_BYTES
 # Lightning broadcasts an int64 "sigterm" flag from rank 0 at every training batch but the first of
 # an optimizer step (lightning.pytorch.loops.training_epoch_loop._broadcast_sigterm_tensor).
 SIGTERM_FLAG_BYTES = INT64_BYTES
@@ -483,7 +487,7 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
     Everything else is deterministic. Sequence parallelism is on (the strategy's default).
     """
     a = ACTIVATION_BYTES[precision]
-    w = FP32_BYTES
+    w = FSDP_GATHER_BYTES[precision]  # unsharded parameters (and their gradients) in FSDP's param dtype
     h, s, b = model.hidden_size, seq_len, layout.micro_batch_size
     tp, cp, ep, pp = layout.tp, layout.cp, layout.ep, layout.pp
     m = layout.microbatches
@@ -569,14 +573,14 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
         n = group_size(layout, unit.group)
         if n == 1:
             continue
-        shard = unit.padded_shard_numel * w * (n - 1)
+        shard = unit.padded_shard_numel * (n - 1)
         gathers = (1 if unit.root else 2) * m
         # pp = 1: gradients reduce-scatter after every micro-batch's backward; pp > 1: only in the
         # last backward of the step (lightning_moe.parallel.pipeline's backward_maybe_with_nosync)
         scatters = m if layout.pp == 1 else layout.pipeline_steps
         frac = unit.ranks_fraction * unit.count
-        add(f"FSDP {unit.name}", "dp", unit.group, (gathers + scatters) * shard * frac, (gathers + scatters) * frac,
-            overlapped=True)
+        nbytes = (gathers * FSDP_GATHER_BYTES[precision] + scatters * FSDP_REDUCE_BYTES) * shard
+        add(f"FSDP {unit.name}", "dp", unit.group, nbytes * frac, (gathers + scatters) * frac, overlapped=True)
     if moe_per_rank and group_size(layout, "token") > 1:
         if model.load_balancing == "global_aux_loss":
             n = group_size(layout, "token")
@@ -883,10 +887,10 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
             if not n:
                 continue
             params += n * math.prod(local_shape(spec, layout, rank, padded=True))
-            # FSDP2 unshards one unit and prefetches the next: two of the largest units in fp32.
+            # FSDP2 unshards one unit and prefetches the next: two of the largest units, in the all-gather dtype.
             if group_size(layout, spec.group) > 1:
                 unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + math.prod(local_shape(spec, layout, rank, fsdp=False))
-        buffers = 2 * max(unit_sizes.values(), default=0) * FP32_BYTES
+        buffers = 2 * max(unit_sizes.values(), default=0) * FSDP_GATHER_BYTES[precision]
         layers = [i for st in _rank_stages(layout, pp_rank) for i in stages[st]]
         # micro-batches in flight on this rank: GPipe all of them, 1F1B up to pp - pp_rank,
         # interleaved the 1F1B figure times (1 + (p-1)/(p v)) (Korthikanti et al. 2022, §4.2.3)
