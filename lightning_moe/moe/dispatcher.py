@@ -17,9 +17,12 @@ import torch.distributed as dist
 
 __all__ = [
     "DISPATCHERS",
+    "CUDA_GROUP_ALIGN",
     "DispatchContext",
     "LocalDispatcher",
+    "aligned_total_rows",
     "build_dispatcher",
+    "expert_row_alignment",
     "gather_expert_rows",
     "padded_group_rows",
     "pads_expert_rows",
@@ -91,46 +94,98 @@ def permute_by_expert(
     return _GatherRows.apply(hidden, sorted_slots // topk_idx.shape[1]), sorted_slots, counts
 
 
-def padded_group_rows(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(padded_counts [E], positions [N])``: each group's rows rounded up to a coarse size.
+# Rows per expert group on CUDA: ``torch._grouped_mm``'s CUTLASS kernels want each group's rows
+# aligned (torchtitan pads to 8 rows for bf16, 16 for fp8); 16 covers both, at most 15 rows per group.
+CUDA_GROUP_ALIGN = 16
 
-    A group of ``c >= 1`` rows grows to the next multiple of ``max(16, 2**(floor(log2 c) - 4))``: it
-    gains fewer than ``max(16, c/16)`` rows, and the sizes the expert GEMMs see take about 16
-    values per power of two. ``positions[n]`` is the padded row of the n-th real row.
+
+def padded_group_rows(
+    counts: torch.Tensor, align: int | None = None, total_rows: int | None = None, num_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(padded_counts [E], positions [N])``: each group's rows rounded up.
+
+    - ``align=None`` (CPU low precision): a group of ``c >= 1`` rows grows to the next multiple of
+      ``max(16, 2**(floor(log2 c) - 4))``: it gains fewer than ``max(16, c/16)`` rows, and the sizes
+      the expert GEMMs see take about 16 values per power of two (empty groups stay empty).
+    - ``align=a`` (CUDA ``_grouped_mm``): every group, empty ones included, grows to a multiple of
+      ``a`` rows, at least ``a``; with ``total_rows`` (a multiple of ``a``, at least
+      ``aligned_total_rows``) the last group also takes the slack, so the counts sum to exactly
+      ``total_rows``, a size known without reading ``counts`` on the host.
+
+    ``num_rows``: ``counts.sum()`` when the caller knows it (no host sync to size the result).
+    ``positions[n]`` is the padded row of the n-th real row.
     """
-    bits = torch.log2(counts.clamp(min=1).double()).floor().long()
-    step = torch.pow(2, (bits - 4).clamp(min=4))
-    padded = (counts + step - 1) // step * step
-    group_of_row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+    if align is None:
+        bits = torch.log2(counts.clamp(min=1).double()).floor().long()
+        step = torch.pow(2, (bits - 4).clamp(min=4))
+        padded = (counts + step - 1) // step * step
+    else:
+        padded = ((counts + align - 1) // align * align).clamp(min=align)
+        if total_rows is not None:
+            last = total_rows - padded[:-1].sum()
+            padded = torch.cat([padded[:-1], last.view(1)])
+    group_of_row = torch.repeat_interleave(
+        torch.arange(counts.numel(), device=counts.device), counts, output_size=num_rows
+    )
     shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(counts, 0) - counts)
     positions = torch.arange(group_of_row.numel(), device=counts.device) + shift[group_of_row]
     return padded, positions
 
 
-def pads_expert_rows(rows: torch.Tensor, pad_rows: bool | None) -> bool:
-    """Whether expert groups get padded rows: ``pad_rows``, or by default exactly for CPU bf16/fp16.
+def aligned_total_rows(num_rows: int, num_groups: int, align: int) -> int:
+    """A static bound on the rows of ``num_rows`` rows in ``num_groups`` groups padded to ``align``:
+    each group gains fewer than ``align`` rows, or ``align`` when empty."""
+    return -(-num_rows // align) * align + num_groups * align
 
-    On CPU, oneDNN builds a GEMM kernel for every new low-precision shape it meets, and dropless
-    routing gives new per-expert row counts every step; fp32 GEMMs (MKL) and CUDA have no such cost.
+
+def expert_row_alignment(rows: torch.Tensor, pad_rows: bool | int | None) -> int | None:
+    """How expert groups are padded: ``None`` (not), ``0`` (coarse CPU sizes) or ``a`` (align to ``a`` rows).
+
+    ``pad_rows``: ``False`` never, an ``int`` aligns to that many rows (also on CPU: tests force
+    the CUDA padding there), ``True`` pads in the device's way, ``None`` (default) pads where it
+    pays: CPU bf16/fp16 (oneDNN builds a GEMM kernel for every new low-precision shape, and
+    dropless routing gives new row counts every step) and CUDA whenever the experts compute in
+    bf16 (``torch._grouped_mm`` there wants aligned groups). fp32 on CUDA is not padded: the
+    experts take the ``bmm`` fallback (see :class:`~lightning_moe.moe.experts.GroupedExperts`).
     """
-    if pad_rows is not None:
+    if pad_rows is False:
+        return None
+    if not isinstance(pad_rows, bool) and isinstance(pad_rows, int):
         return pad_rows
-    return rows.device.type == "cpu" and rows.dtype in (torch.bfloat16, torch.float16)
+    cuda = rows.device.type == "cuda"
+    if pad_rows is True:
+        return CUDA_GROUP_ALIGN if cuda else 0
+    dtype = torch.get_autocast_dtype(rows.device.type) if torch.is_autocast_enabled(rows.device.type) else rows.dtype
+    if cuda:
+        return CUDA_GROUP_ALIGN if dtype == torch.bfloat16 else None
+    return 0 if rows.dtype in (torch.bfloat16, torch.float16) else None
+
+
+def pads_expert_rows(rows: torch.Tensor, pad_rows: bool | int | None) -> bool:
+    """Whether expert groups get padded rows (:func:`expert_row_alignment` is not None)."""
+    return expert_row_alignment(rows, pad_rows) is not None
 
 
 def gather_expert_rows(
-    rows: torch.Tensor, source: torch.Tensor, counts: torch.Tensor, pad_rows: bool | None
+    rows: torch.Tensor, source: torch.Tensor, counts: torch.Tensor, pad_rows: bool | int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``rows[source]`` grouped by expert, each group padded when :func:`pads_expert_rows` says so.
+    """``rows[source]`` grouped by expert, each group padded as :func:`expert_row_alignment` says.
 
     Returns ``(expert_input, counts for the expert GEMMs, positions)``: ``positions[n]`` is the row
     of ``expert_input`` holding ``rows[source[n]]`` (None without padding: row n). Padding rows copy
     row 0 of ``rows``; whoever combines must give them zero weight, so they get zero gradient.
+    Aligned padding sizes ``expert_input`` from ``source.numel()`` alone (no host sync).
     """
     positions = None
-    if pads_expert_rows(rows, pad_rows) and source.numel():
-        counts, positions = padded_group_rows(counts)
-        source = source.new_zeros(int(counts.sum())).index_copy_(0, positions, source)
+    align = expert_row_alignment(rows, pad_rows)
+    if align is not None and source.numel():
+        if align:
+            total = aligned_total_rows(source.numel(), counts.numel(), align)
+            counts, positions = padded_group_rows(counts, align, total, num_rows=source.numel())
+        else:
+            counts, positions = padded_group_rows(counts, num_rows=source.numel())
+            total = int(counts.sum())  # CPU only: reading a CPU tensor costs no device sync
+        source = source.new_zeros(total).index_copy_(0, positions, source)
     return _GatherRows.apply(rows, source), counts, positions
 
 

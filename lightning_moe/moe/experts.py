@@ -29,17 +29,27 @@ _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def grouped_mm_available(device: torch.device, dtype: torch.dtype, *row_sizes: int) -> bool:
-    """Whether ``torch._grouped_mm`` can run this case (CPU: fp32/bf16/fp16; CUDA: bf16 kernels).
+    """Whether ``torch._grouped_mm`` can run this case (CPU: fp32/bf16/fp16; CUDA: bf16 on sm90+).
 
     ``row_sizes``: the inner sizes of the operands (hidden, FFN); ``_grouped_mm`` needs their rows
     to be multiples of 16 bytes, which an FFN dim sharded over etp may not be.
+
+    On CUDA the kernels (CUTLASS, Hopper and later) take bf16 only, and the dispatchers align each
+    expert's rows to :data:`~lightning_moe.moe.dispatcher.CUDA_GROUP_ALIGN` for them. fp32 (and
+    fp16, and older GPUs) take the padded ``bmm`` fallback instead, which is exact but reads the
+    largest group size on the host once per layer (one sync) and computes ``E x max`` rows: train
+    under bf16 autocast (``precision="bf16-mixed"``) on GPUs.
     """
     if not hasattr(torch, "_grouped_mm") or dtype not in _GROUPED_MM_DTYPES:
         return False
     itemsize = torch.empty((), dtype=dtype).element_size()
     if any(size * itemsize % 16 for size in row_sizes):
         return False
-    return device.type == "cpu" or dtype == torch.bfloat16
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -107,6 +117,8 @@ def _padded_ffn(
 
     Three batched GEMMs instead of a Python loop over experts; the padding rows are zeros and never
     gathered back, so they add nothing to any gradient (their outputs get zero gradient).
+    Sizing ``[E, max_count]`` reads ``max_count`` on the host: one device sync per call on CUDA
+    (the fp32 path there; bf16 takes ``_grouped_mm`` without one).
     """
     num_experts, hidden_size = w1.shape[0], x.shape[1]
     counts = tokens_per_expert.to(x.device)
