@@ -37,7 +37,7 @@ from torch import Tensor
 
 from lightning_moe.cp.sharding import LAYOUTS, Layout
 
-KERNELS = ("auto", "flash", "torch")
+KERNELS = ("auto", "flash", "efficient", "torch")
 # Distinct P2P tags: the K/V transfer of step i+1 and the dK/dV transfer of step i are in flight together.
 _KV_TAG, _DKV_TAG = 0, 1
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -188,26 +188,77 @@ def _cpu_flash_backward(
     )
 
 
+# CUDA kernels (not yet run on a GPU in this project: tests/test_cuda.py checks them where CUDA exists).
+# Each block is a dense (not varlen) call; causal blocks are square, so top-left and bottom-right
+# causal alignment agree. The backward gets the final output and merged log-sum-exp (see above).
+
+
+def _dense(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The backward kernels get row slices of the saved tensors; give them dense copies, so that
+    ``out`` and ``dout`` share one layout whatever stride checks a kernel version makes."""
+    return tuple(t.contiguous() for t in tensors)
+
+
 def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
-    out, lse, _, _, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+    # -> (out, logsumexp [B, H, Sq] fp32, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug)
+    out, lse, _, _, _, _, philox_seed, philox_offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale
     )
-    return out, lse, (rng_state, unused)
+    return out, lse, (philox_seed, philox_offset)
 
 
 def _cuda_flash_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # Without dropout the RNG state is never read; any forward's state has the right type.
-    rng_state, unused = aux
+    # Without dropout the RNG state is never read; any forward's state has the right type. The
+    # cumulative sequence lengths are for varlen (nested) inputs only: None (an undefined tensor).
+    philox_seed, philox_offset = aux
+    dout, q, k, v, out = _dense(dout, q, k, v, out)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, rng_state, unused, scale=scale
+        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, philox_seed, philox_offset,
+        scale=scale,
     )
+
+
+def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    # -> (out, logsumexp [B, H, ceil(Sq / 32) * 32] fp32, philox_seed, philox_offset). The padded
+    # log-sum-exp columns are cut here (the merge wants [B, H, Sq]) and restored for the backward.
+    out, lse, philox_seed, philox_offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale
+    )
+    return out, lse[:, :, : q.shape[2]], (philox_seed, philox_offset)
+
+
+def _pad_lse(lse: Tensor, multiple: int = 32) -> Tensor:
+    """``lse [B, H, S]`` in the layout the memory-efficient kernel produced: ``S`` padded to ``multiple``."""
+    rows = lse.shape[-1]
+    padded = -(-rows // multiple) * multiple
+    if padded == rows:
+        return lse.contiguous()
+    return torch.cat([lse, lse.new_zeros(*lse.shape[:-1], padded - rows)], dim=-1)
+
+
+def _cuda_efficient_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+) -> tuple[Tensor, Tensor, Tensor]:
+    philox_seed, philox_offset = aux
+    dout, q, k, v, out = _dense(dout, q, k, v, out)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, _pad_lse(lse), philox_seed, philox_offset, 0.0, [True, True, True, False], causal,
+        scale=scale,
+    )
+    return dq, dk, dv
 
 
 _TORCH = _Kernel(_torch_forward, _torch_backward)
 _CPU_FLASH = _Kernel(_cpu_flash_forward, _cpu_flash_backward)
 _CUDA_FLASH = _Kernel(_cuda_flash_forward, _cuda_flash_backward)
+_CUDA_EFFICIENT = _Kernel(_cuda_efficient_forward, _cuda_efficient_backward)
+
+
+def _sdpa_params(q: Tensor) -> Any:
+    # Same-shaped K/V stand in for the (possibly grouped) blocks: the check is about dtype, head dim and GPU.
+    return torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, False, False)
 
 
 def _flash_kernel(q: Tensor) -> _Kernel | None:
@@ -216,9 +267,14 @@ def _flash_kernel(q: Tensor) -> _Kernel | None:
         has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
         return _CPU_FLASH if has_op and q.dtype in _CPU_FLASH_DTYPES else None
     if q.device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled():
-        # Same-shaped K/V stand in for the (possibly grouped) blocks: the check is about dtype, head dim and GPU.
-        params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, False, False)
-        return _CUDA_FLASH if torch.backends.cuda.can_use_flash_attention(params) else None
+        return _CUDA_FLASH if torch.backends.cuda.can_use_flash_attention(_sdpa_params(q)) else None
+    return None
+
+
+def _efficient_kernel(q: Tensor) -> _Kernel | None:
+    """CUDA's memory-efficient kernel (fp32 too, head dims flash lacks), or None."""
+    if q.device.type == "cuda" and torch.backends.cuda.mem_efficient_sdp_enabled():
+        return _CUDA_EFFICIENT if torch.backends.cuda.can_use_efficient_attention(_sdpa_params(q)) else None
     return None
 
 
@@ -227,10 +283,17 @@ def _select_kernel(kernel: str, q: Tensor) -> _Kernel:
         raise ValueError(f"unknown ring attention kernel {kernel!r}; choose one of {KERNELS}")
     if kernel == "torch":
         return _TORCH
+    if kernel == "efficient":
+        efficient = _efficient_kernel(q)
+        if efficient is None:
+            raise ValueError(
+                f"no memory-efficient attention kernel for {q.dtype} on {q.device} (CUDA only); use kernel='auto' or 'torch'"
+            )
+        return efficient
     flash = _flash_kernel(q)
     if flash is None and kernel == "flash":
         raise ValueError(f"no flash attention kernel for {q.dtype} on {q.device}; use kernel='torch' or 'auto'")
-    return flash or _TORCH
+    return flash or _efficient_kernel(q) or _TORCH
 
 
 # --------------------------------------------------------------------------------------------------
@@ -454,8 +517,9 @@ def ring_attention(
     ``F.scaled_dot_product_attention(Q, K, V, is_causal=causal, scale=scale, enable_gqa=True)`` on the
     full sequence; gradients flow to ``q``, ``k`` and ``v``. ``scale`` defaults to
     ``1 / sqrt(head_dim)``. ``kernel``: ``"flash"`` (fused kernel with log-sum-exp: the CPU flash
-    kernel, or FlashAttention on CUDA for fp16/bf16), ``"torch"`` (blockwise matmul + logsumexp,
-    always available) or ``"auto"`` (flash where available). ``head_chunks``: run the ring once per
+    kernel, or FlashAttention on CUDA for fp16/bf16), ``"efficient"`` (CUDA's memory-efficient
+    kernel, also fp32), ``"torch"`` (blockwise matmul + logsumexp, always available) or ``"auto"``
+    (flash, else efficient, else torch). The CUDA kernels have not yet run on a GPU in this project. ``head_chunks``: run the ring once per
     equal share of the K/V heads (a divisor of ``kv_heads``): the K/V and dK/dV blocks in flight
     shrink by that factor, for ``head_chunks`` times as many (smaller) P2P messages. Softmax
     statistics and accumulation are fp32 for every input dtype; under autocast the inputs are cast to the autocast dtype, as SDPA

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,19 +32,13 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
 
     divisor = float(dims.dense_grad_mesh.size())
 
-    def wrap_averaged(modules: nn.Module | list[nn.Module], mesh: DeviceMesh) -> None:
-        wrap(modules, mesh=mesh)
-        unit = modules[0] if isinstance(modules, list) else modules
-        unit.set_gradient_divide_factor(divisor)
-        # FSDP turns a custom divide factor into NCCL's PREMUL_SUM for its reduce-scatter, which
-        # gloo lacks: there, sum and scale after. Only for a real reduce-scatter: without one
-        # (replicate, or a 1-rank group) torch 2.13 already divides once and would divide twice.
-        force_sum_reduction(unit, kind == "fsdp" and mesh.size() > 1 and dist.get_backend(mesh.get_group()) != "nccl")
+    def averaged(modules: nn.Module | list[nn.Module], mesh: DeviceMesh) -> None:
+        wrap_averaged(wrap, modules, mesh, divisor, kind)
 
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-        wrap_averaged(layer.experts, dims.edp_mesh)
+        averaged(layer.experts, dims.edp_mesh)
         if dims.tp > 1:
-            wrap_averaged([m for m in (layer.router, layer.shared_expert) if m is not None], dims.token_mesh)
+            averaged([m for m in (layer.router, layer.shared_expert) if m is not None], dims.token_mesh)
     blocks = block_container(module)
     if blocks is not None:
         for block in blocks._modules.values():
@@ -56,6 +52,34 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
                 wrap(child, mesh=dims.dense_grad_mesh)
         return
     wrap(module, mesh=dims.dense_grad_mesh)
+
+
+def wrap_averaged(
+    wrap: Callable[..., Any], modules: nn.Module | list[nn.Module], mesh: DeviceMesh, divisor: float, kind: str
+) -> None:
+    """``wrap(modules, mesh=mesh)`` (``fully_shard`` or ``replicate``) with the reduced gradient equal to
+    the sum over ``mesh`` divided by ``divisor`` (not by ``mesh.size()``).
+
+    How FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) applies a custom divide factor, with
+    fp32 reduction (the strategy never reduces in fp16, which takes other branches):
+
+    - NCCL, reduce-scatter over >= 2 ranks: one ``ReduceOp.PREMUL_SUM(1 / divisor)`` reduce-scatter
+      (``AVG`` when ``divisor`` equals the group size), then a plain ``SUM`` all-reduce for HSDP.
+      No extra division kernel. Not yet run on a GPU in this project (the gloo tests cover the
+      arithmetic; tests/test_cuda_fsdp.py checks NCCL where CUDA exists).
+    - gloo has no ``PREMUL_SUM``: ``force_sum_reduction`` makes it ``SUM`` then one division of the
+      reduced shard by ``divisor`` (the same result, one more kernel).
+    - No reduce-scatter (a 1-rank group, or ``replicate``, whose shard group has one rank): the
+      single-rank branch copies the gradient divided by ``divisor`` itself, then (``replicate``) a
+      ``SUM`` all-reduce. Forcing the sum there would divide a second time, so it is not forced.
+      That branch's division is the torch behaviour tests/test_cuda_fsdp.py pins, on CPU and on
+      the GPU machine's torch.
+    """
+    wrap(modules, mesh=mesh)
+    unit = modules[0] if isinstance(modules, list) else modules
+    unit.set_gradient_divide_factor(divisor)
+    reduce_scatters = kind == "fsdp" and mesh.size() > 1
+    force_sum_reduction(unit, reduce_scatters and dist.get_backend(mesh.get_group()) != "nccl")
 
 
 def _has_unwrapped_parameters(module: nn.Module) -> bool:
