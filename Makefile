@@ -32,6 +32,11 @@ test-fast: install
 bench: install
 	$(PY) -m experiments.bench $(ARGS)
 
+# The CUDA figures (experiments/bench/gpu.py: < 8 min on one H200, JSON in BENCH_GPU_OUT), run by the
+# machine's own python and torch >= 2.11: no venv, no Hydra/OmegaConf/W&B. Not part of `make bench`.
+bench-gpu:
+	$(PYTHON) -m experiments.bench.gpu --out $${BENCH_GPU_OUT:-bench_gpu.json} $(ARGS)
+
 SWEEP_DIR := multirun/router_sweep/$(shell date +%Y-%m-%d_%H-%M-%S)
 # A small router sweep (tiny model, few steps) and its report; drop sweep_smoke for the full grid.
 sweep: install
