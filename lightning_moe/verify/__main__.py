@@ -53,6 +53,8 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
     config = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(config, dict)
     trainer, parallel = config["trainer"], config["parallel"]
+    # Each run writes into its own folder; the job's output dir must not make cached single runs differ.
+    trainer["default_root_dir"] = None
     devices = _as_int(trainer.get("devices", 1), "trainer.devices")
     num_nodes = _as_int(trainer.get("num_nodes", 1), "trainer.num_nodes")
     check_processes(devices * num_nodes, int(verify.max_processes), num_nodes)
