@@ -199,9 +199,15 @@ def test_missing_folder_is_refused(tmp_path):
         ("deepseek_v3", dict(pp=4), "num_hidden_layers=2 is not divisible by pp=4"),
         ("gpt_oss", dict(cp=2), "cp=2 is not supported for gpt_oss"),
         ("olmoe", dict(tp=2), "tp=2 is not supported for olmoe"),
+        ("mixtral_window", dict(cp=2), "sliding_window=8: the window needs an explicit attention mask"),
     ],
 )
 def test_layouts_the_model_cannot_take(family, layout, match):
+    if family == "mixtral_window":
+        module = HFMoEModule(tiny_model("mixtral", sliding_window=8))
+        with pytest.raises(ValueError, match=match):
+            module.check_layout(**layout)
+        return
     module = HFMoEModule(tiny_model(family))
     with pytest.raises(ValueError, match=match):
         module.check_layout(**layout)

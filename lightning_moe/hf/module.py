@@ -379,6 +379,11 @@ class HFMoEModule(pl.LightningModule):
             reason = UNSUPPORTED_LAYOUTS.get(self.family, {}).get(dim)
             if size > 1 and reason:
                 problems.append(f"{dim}={size} is not supported for {self.family}: {reason}; use {dim}=1")
+        if cp > 1 and getattr(config, "sliding_window", None) and self.family not in UNSUPPORTED_LAYOUTS:
+            problems.append(
+                f"cp={cp} with sliding_window={config.sliding_window}: the window needs an explicit attention mask,"
+                " which ring attention cannot take; set sliding_window=None in the config or use cp=1"
+            )
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if tp > 1 and heads % tp:
