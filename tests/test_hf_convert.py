@@ -200,11 +200,13 @@ def test_missing_folder_is_refused(tmp_path):
         ("gpt_oss", dict(cp=2), "cp=2 is not supported for gpt_oss"),
         ("olmoe", dict(tp=2), "tp=2 is not supported for olmoe"),
         ("mixtral_window", dict(cp=2), "sliding_window=8: the window needs an explicit attention mask"),
+        ("qwen3_tied", dict(pp=2), "pp=2 with tie_word_embeddings=True"),
     ],
 )
 def test_layouts_the_model_cannot_take(family, layout, match):
-    if family == "mixtral_window":
-        module = HFMoEModule(tiny_model("mixtral", sliding_window=8))
+    if family in ("mixtral_window", "qwen3_tied"):
+        overrides = dict(sliding_window=8) if family == "mixtral_window" else dict(tie_word_embeddings=True)
+        module = HFMoEModule(tiny_model(family.split("_")[0] + ("_moe" if family == "qwen3_tied" else ""), **overrides))
         with pytest.raises(ValueError, match=match):
             module.check_layout(**layout)
         return

@@ -384,6 +384,13 @@ class HFMoEModule(pl.LightningModule):
                 f"cp={cp} with sliding_window={config.sliding_window}: the window needs an explicit attention mask,"
                 " which ring attention cannot take; set sliding_window=None in the config or use cp=1"
             )
+        tied = getattr(config, "tie_word_embeddings", False)
+        for dim, size in (("tp", tp), ("pp", pp)):
+            if size > 1 and tied:
+                problems.append(
+                    f"{dim}={size} with tie_word_embeddings=True: the embedding and lm_head are one tensor, which"
+                    f" {dim} would split two ways; untie them (tie_word_embeddings=False) or use {dim}=1"
+                )
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if tp > 1 and heads % tp:
