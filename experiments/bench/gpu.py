@@ -221,8 +221,9 @@ def model_flops_per_token(model: MoEGPT, seq: int) -> tuple[float, int, int]:
 def bench_train_step(device: torch.device, model_kwargs: dict, batch_shape: tuple, warmup: int, iters: int) -> dict:
     torch.manual_seed(0)
     batch, seq = batch_shape
-    with torch.device(device):
-        model = MoEGPT(max_seq_len=seq, max_steps=warmup + iters, **model_kwargs)
+    # Built on CPU, then moved: MoEGPT draws each initial tensor on CPU from its own generator
+    # (under a `torch.device("cuda")` context that draw would meet a CUDA tensor and fail).
+    model = MoEGPT(max_seq_len=seq, max_steps=warmup + iters, **model_kwargs).to(device)
     flops_per_token, total, active = model_flops_per_token(model, seq)
     fused = {"fused": True} if device.type == "cuda" else {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
