@@ -74,7 +74,7 @@ class _Ctx:
 
 
 def ring_attention_threads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cp: int, kernel: str, causal: bool = True
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, cp: int, kernel: Any, causal: bool = True
 ) -> tuple[torch.Tensor, ...]:
     """``(out, dq, dk, dv)`` on the full sequence, from ``cp`` zigzag ranks run as threads."""
     boxes = [{tag: queue.Queue() for tag in (ra._KV_TAG, ra._DKV_TAG)} for _ in range(cp)]
@@ -86,7 +86,7 @@ def ring_attention_threads(
             local = [zigzag_shard(t, rank, cp, dim=2).contiguous() for t in (q, k, v)]
             cfg = ra._Config(
                 ring=_ThreadRing(rank, cp, boxes), causal=causal, scale=1.0 / q.shape[-1] ** 0.5, layout="zigzag",
-                kernel=ra._select_kernel(kernel, local[0]), groups=q.shape[1] // k.shape[1], head_chunks=1,
+                kernel=ra._select_kernel(kernel, local[0]) if isinstance(kernel, str) else kernel, groups=q.shape[1] // k.shape[1], head_chunks=1,
             )
             # The autograd Function's forward and backward called directly: autograd runs CUDA
             # backward nodes on one worker thread per device, where ranks blocked on each other's
@@ -135,6 +135,69 @@ def test_thread_ring_harness_on_cpu(cp):
     got = ring_attention_threads(q, k, v, dout, cp, "flash")
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, _reference_attention(q, k, v, dout)):
         torch.testing.assert_close(a.float(), b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.fixture
+def fake_cuda_attention_ops():
+    """CPU kernels for the four CUDA attention ops, following their schemas and output layouts
+    (flash: lse ``[B, H, Sq]``; efficient: output a transposed ``[B, Sq, H, D]`` buffer, lse padded
+    to a multiple of 32 with garbage beyond ``Sq``), computed by the blockwise math kernel. They let
+    CI check how ``ring_attention`` calls and unpacks the CUDA ops (argument order, the ``None``
+    cumulative lengths, lse slicing and re-padding), not the kernels themselves."""
+    lib = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+
+    def flash_fwd(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # noqa: ANN001, ANN202
+        out, lse, _ = ra._torch_forward(q, k, v, is_causal, scale)
+        empty = q.new_empty(0)
+        seed = torch.zeros((), dtype=torch.int64)
+        return out.to(q.dtype), lse, empty, empty, q.shape[2], k.shape[2], seed, seed.clone(), empty
+
+    def flash_bwd(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,  # noqa: ANN001, ANN202
+                  scale=None):
+        assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[2], k.shape[2])
+        assert lse.shape == q.shape[:3] and lse.is_contiguous()
+        dq, dk, dv = ra._torch_backward(dout, q, k, v, out, lse, is_causal, scale, ())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def eff_fwd(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
+        assert attn_bias is None and compute_log_sumexp
+        out, lse, _ = ra._torch_forward(q, k, v, is_causal, scale)
+        rows = q.shape[2]
+        padded = torch.full((*lse.shape[:2], -(-rows // 32) * 32), float("nan"))
+        padded[..., :rows] = lse
+        out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        seed = torch.zeros((), dtype=torch.int64)
+        return out, padded, seed, seed.clone()
+
+    def eff_bwd(dout, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal=False, *,  # noqa: ANN001, ANN202
+                scale=None):
+        rows = q.shape[2]
+        assert attn_bias is None and list(grad_input_mask) == [True, True, True, False]
+        assert lse.shape[-1] == -(-rows // 32) * 32
+        dq, dk, dv = ra._torch_backward(dout, q, k, v, out, lse[..., :rows].contiguous(), is_causal, scale, ())
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+    for name, fn in (
+        ("_scaled_dot_product_flash_attention", flash_fwd),
+        ("_scaled_dot_product_flash_attention_backward", flash_bwd),
+        ("_scaled_dot_product_efficient_attention", eff_fwd),
+        ("_scaled_dot_product_efficient_attention_backward", eff_bwd),
+    ):
+        lib.impl(name, fn, "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("name", ["_CUDA_FLASH", "_CUDA_EFFICIENT"])
+def test_cuda_kernel_wrappers_against_op_contracts_on_cpu(fake_cuda_attention_ops, name, cp):
+    """The ring with the CUDA kernel wrappers, on CPU ops that follow the CUDA ops' contracts."""
+    q, k, v, dout = _attention_case("cpu", torch.float32, seq=40 * cp)  # local rows not a multiple of 32
+    got = ring_attention_threads(q, k, v, dout, cp, getattr(ra, name))
+    for label, a, b in zip(("out", "dq", "dk", "dv"), got, _reference_attention(q, k, v, dout)):
+        torch.testing.assert_close(a.float(), b, atol=1e-5, rtol=1e-5, msg=f"{name} cp={cp}: {label}")
 
 
 def test_efficient_kernel_lse_padding_and_cpu_refusal():
