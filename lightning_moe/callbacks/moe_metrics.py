@@ -23,6 +23,9 @@ BIAS_NORM = "expert_bias_norm"
 LOAD_METRICS: tuple[str, ...] = ("load_imbalance", "load_cv", "no_token_fraction")
 # ...and from the same counts summed per expert-parallel rank (the tokens each ep rank receives):
 EP_RANK_IMBALANCE = "ep_rank_imbalance"
+# Metrics that depend on the layout by definition (the others equal the single-device run's): logged,
+# but kept out of ``history`` / ``moe_history``, the layout-free record of the router's health.
+LAYOUT_DEPENDENT: tuple[str, ...] = (EP_RANK_IMBALANCE,)
 
 
 def data_parallel_sum(trainer: pl.Trainer, tensor: torch.Tensor) -> torch.Tensor:
@@ -170,7 +173,8 @@ class MoEMetricsCallback(OptimizerStepCallback):
       ``no_token_fraction`` (experts that received no token);
     - ``moe/layer{i}/ep_rank_imbalance``: max/mean of the tokens received per expert-parallel rank
       (the same counts summed over each rank's block of experts; with dp > 1 each ep position's load
-      is summed over its dp replicas). 1.0 without expert parallelism.
+      is summed over its dp replicas). 1.0 without expert parallelism. It depends on the layout by
+      definition, so ``history`` leaves it out.
 
     Summaries over layers: ``moe/<name>`` (mean), ``moe/<name>_p50``, ``moe/<name>_p90`` (or the
     ``percentiles`` given) and ``moe/<name>_max``. Per-layer keys can be switched off with
@@ -311,6 +315,8 @@ class MoEMetricsCallback(OptimizerStepCallback):
     def _record_history(self, result: MoEStepResult) -> None:
         # Compact on purpose: a few floats per step, not every logged key, so long runs stay small.
         for name in result.per_layer:
+            if name in LAYOUT_DEPENDENT:
+                continue
             self.history.setdefault(name, []).append(result.metrics[f"moe/{name}"])
         for i, value in enumerate(result.per_layer["load_imbalance"]):
             self.history.setdefault(f"layer{i}/load_imbalance", []).append(value)
@@ -333,7 +339,7 @@ class MoEMetricsCallback(OptimizerStepCallback):
         return {
             "expert_load": self.expert_load,
             "moe_metrics": self.metrics,
-            "moe_history": {name: self.history[name] for name in self.last.per_layer},
+            "moe_history": {name: self.history[name] for name in self.last.per_layer if name in self.history},
             "load_imbalance_per_layer": self.imbalance_per_layer(),
         }
 

@@ -89,6 +89,8 @@ class Exchange:
     grad_work: Any = None
     grad_received: torch.Tensor | None = None
     grad_dtype: torch.dtype = torch.float32
+    send: torch.Tensor | None = field(default=None, repr=False)
+    grad_send: torch.Tensor | None = field(default=None, repr=False)
     result: torch.Tensor | None = field(default=None, repr=False)
 
 
@@ -107,7 +109,7 @@ class _Start(torch.autograd.Function):
             received, payload, handle.output_splits, handle.input_splits, group=handle.group, async_op=True
         )
         handle.received = received
-        ctx.keep = payload  # the send buffer must outlive the asynchronous call
+        handle.send = payload  # the send buffer must outlive the asynchronous call
         return x.new_empty(0)
 
     @staticmethod
@@ -115,7 +117,7 @@ class _Start(torch.autograd.Function):
         handle = ctx.handle
         handle.grad_work.wait()
         grad = handle.grad_received.to(handle.grad_dtype)
-        handle.grad_work = handle.grad_received = None
+        handle.grad_work = handle.grad_received = handle.grad_send = None
         return grad, None
 
 
@@ -127,7 +129,7 @@ class _Wait(torch.autograd.Function):
         ctx.handle = handle
         handle.work.wait()
         out = _decode(handle.received, handle.wire, handle.dtype)
-        handle.work = handle.received = None
+        handle.work = handle.received = handle.send = None
         return out
 
     @staticmethod
@@ -143,7 +145,7 @@ class _Wait(torch.autograd.Function):
             received, payload, handle.input_splits, handle.output_splits, group=handle.group, async_op=True
         )
         handle.grad_received = received
-        ctx.keep = payload
+        handle.grad_send = payload
         return grad.new_empty(0), None
 
 
@@ -162,12 +164,7 @@ def exchange_start(
     in the same order. ``remote[r]``: rank r is on another node (counted as inter-node bytes).
     """
     handle = Exchange(list(output_splits), list(input_splits), group, wire, remote)
-    if x.requires_grad:
-        link = _Start.apply(x, handle)
-    else:
-        with torch.no_grad():
-            link = _Start.apply(x, handle)
-    handle.result = link
+    handle.result = _Start.apply(x, handle)
     return handle
 
 

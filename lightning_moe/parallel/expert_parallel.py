@@ -68,7 +68,7 @@ def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
     topology options fit the nodes (``ValueError`` naming the fix, before any work)."""
     expert_tp = dims.etp == dims.tp and dims.tp > 1
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-        if dims.ep > 1:
+        if dims.ep > 1 and dims.dp != -1:  # the node layout needs the world size
             nodes = dims.ep_num_nodes
             if layer.dispatcher_kind == "hierarchical" and nodes < 2:
                 raise ValueError(
