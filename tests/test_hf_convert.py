@@ -98,7 +98,7 @@ def test_gpt_oss_clamps_cut_and_interleaving_matters():
     assert (gate > 0.5).any() and (up.abs() > 0.5).any()
     # Mapping gate/up by halves instead of interleaved would not match.
     converted = convert_moe_blocks(copy.deepcopy(model), aux_loss_coeff=0.0)
-    ex = converted.model.layers[0].mlp.experts
+    ex = converted.model.layers[0].mlp.moe.experts
     assert not torch.equal(ex.w1, block.experts.gate_up_proj[..., : ex.w1.shape[-1]])
 
 

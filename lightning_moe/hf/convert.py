@@ -28,6 +28,7 @@ __all__ = [
     "family_of",
     "hf_state_dict",
     "moe_layer_to_hf",
+    "moe_layers",
 ]
 
 
@@ -37,11 +38,29 @@ class HFMoELayer(MoELayer):
     hf_family: str = ""
 
 
-class HFMoETupleLayer(HFMoELayer):
-    """GPT-OSS's decoder layer unpacks ``(hidden, router_scores)`` from its MLP: return that pair."""
+class HFMoETupleLayer(nn.Module):
+    """GPT-OSS's decoder layer unpacks ``(hidden, router_scores)`` from its MLP: this wrapper returns
+    ``(moe(x), None)``, so that the ``MoELayer`` itself (``.moe``) returns a tensor like any other
+    (tensor-parallel hooks and plans see a plain MoE layer). Its weights map to the block's names."""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return super().forward(x), None
+    def __init__(self, moe: HFMoELayer) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.moe(x), None
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoELayer]:
+    """``{transformers block name: MoELayer}`` of a converted model (a tuple wrapper's ``.moe`` is
+    named after the wrapper, the block it replaced)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoELayer):
+            if name.endswith(".moe") and isinstance(model.get_submodule(name[: -len(".moe")]), HFMoETupleLayer):
+                name = name[: -len(".moe")]
+            out[name] = module
+    return out
 
 
 @dataclass(frozen=True)
@@ -227,18 +246,17 @@ def convert_moe_blocks(
     return model
 
 
-def _new_layer(family: Family, kwargs: dict[str, Any], block: nn.Module) -> HFMoELayer:
-    cls = HFMoETupleLayer if family.returns_tuple else HFMoELayer
+def _new_layer(family: Family, kwargs: dict[str, Any], block: nn.Module) -> nn.Module:
     reference = next(iter(block.parameters()))
     with torch.device("meta"):
-        layer = cls(kwargs.pop("hidden_size"), kwargs.pop("ffn_hidden_size"), kwargs.pop("num_experts"), **kwargs)
+        layer = HFMoELayer(kwargs.pop("hidden_size"), kwargs.pop("ffn_hidden_size"), kwargs.pop("num_experts"), **kwargs)
     layer.hf_family = family.name
     layer.to(dtype=reference.dtype)
     layer.to_empty(device=reference.device)
     if reference.device.type != "meta":
         with torch.no_grad():
             _copy_in(family, layer, block)
-    return layer
+    return HFMoETupleLayer(layer) if family.returns_tuple else layer
 
 
 @torch.no_grad()
@@ -320,7 +338,7 @@ def hf_state_dict(
         source: dict[str, torch.Tensor] = {n: p.grad for n, p in params.items() if p.grad is not None}
     else:
         source = dict(model.state_dict())
-    moe_prefixes = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+    moe_prefixes = moe_layers(model)
     out: dict[str, torch.Tensor] = {}
     for key, value in source.items():
         if not any(key.startswith(p + ".") for p in moe_prefixes):

@@ -33,7 +33,10 @@ __all__ = ["HFMoEModule", "load_causal_lm", "warmup_cosine_factor"]
 UNSUPPORTED_LAYOUTS: dict[str, dict[str, str]] = {
     "gpt_oss": {
         "cp": "its attention sinks and sliding window need an explicit mask, which ring attention cannot take",
-        "tp": "its attention sinks are not sharded by the tensor-parallel plan yet",
+        "tp": (
+            "its expert biases are not yet reduced over tp by the data-parallel wrapping (expert_output_bias) nor"
+            " sharded under expert TP (experts.b1/b3); the plan itself (sinks sharded with the heads) is in place"
+        ),
     },
     "olmoe": {"tp": "its q/k norms span all heads (a tp shard holds only some heads)"},
 }
@@ -73,6 +76,49 @@ class ReduceGradOfTrailingColumns(ParallelStyle):
             return torch.cat([out[..., :start], _SumGradOverGroup.apply(out[..., start:], group)], dim=-1)
 
         module.register_forward_hook(hook)
+        return module
+
+
+class ShardHeadParameter(ParallelStyle):
+    """Shard a per-head parameter (GPT-OSS's attention ``sinks [heads]``) over tp like the heads.
+
+    The parameter becomes a DTensor ``Shard(0)``; during the module's forward its local shard (a
+    differentiable view) stands in for it, so the model code sees this rank's heads only.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import distribute_tensor
+
+        name = self.name
+        full = module._parameters[name]
+        sharded = nn.Parameter(distribute_tensor(full.detach(), device_mesh, [Shard(0)]), requires_grad=full.requires_grad)
+        module._parameters[name] = sharded
+
+        def enter(mod: nn.Module, args: Any) -> None:
+            mod._parameters[name] = sharded.to_local()  # type: ignore[assignment]
+
+        def leave(mod: nn.Module, args: Any, out: Any) -> None:
+            mod._parameters[name] = sharded
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave)
+        return module
+
+
+class _Sequence(ParallelStyle):
+    """Apply several styles to one module (``parallelize_module`` takes one per name)."""
+
+    def __init__(self, *styles: ParallelStyle | None) -> None:
+        super().__init__()
+        self.styles = [s for s in styles if s is not None]
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        for style in self.styles:
+            module = style._apply(module, device_mesh)
         return module
 
 
@@ -442,15 +488,18 @@ class HFMoEModule(pl.LightningModule):
                     plan[prefix + f"self_attn.{name}"] = ColwiseParallel()
             if getattr(attn, "kv_a_proj_with_mqa", None) is not None:
                 plan[prefix + "self_attn.kv_a_proj_with_mqa"] = ReduceGradOfTrailingColumns(attn.kv_lora_rank)
+            if isinstance(getattr(attn, "sinks", None), nn.Parameter):
+                plan[prefix + "self_attn"] = _Sequence(plan.get(prefix + "self_attn"), ShardHeadParameter("sinks"))
             for name in ("q_norm", "k_norm"):
                 if getattr(attn, name, None) is not None:
                     # Per-head norms over [B, S, heads, head_dim]: the local heads are a shard of dim 2.
                     plan[prefix + f"self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan[prefix + "self_attn.o_proj"] = RowwiseParallel(output_layouts=seq)
             mlp = layer.mlp
-            if isinstance(mlp, MoELayer):
+            moe_name = "mlp.moe" if isinstance(getattr(mlp, "moe", None), MoELayer) else "mlp"
+            if isinstance(mlp, MoELayer) or moe_name == "mlp.moe":
                 if sequence_parallel:
-                    plan[prefix + "mlp"] = PrepareModuleInputOutput(
+                    plan[prefix + moe_name] = PrepareModuleInputOutput(
                         input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=False,
                         output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True,
                     )
