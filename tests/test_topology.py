@@ -315,9 +315,9 @@ def test_bad_topology_options_fail_before_any_work():
 def test_ranks_per_node_gives_the_ep_node_layout_and_rejects_bad_sizes():
     from lightning_moe import ParallelDims
 
-    def validated(**sizes):  # noqa: ANN202
+    def validated(world: int = 8, **sizes):  # noqa: ANN202
         dims = ParallelDims(**sizes)
-        dims.validate(sizes.pop("world", 8))
+        dims.validate(world)
         return dims
 
     assert validated(ep=4, dp=2, ranks_per_node=2).ep_node_ids == [0, 0, 1, 1]
@@ -331,6 +331,11 @@ def test_ranks_per_node_gives_the_ep_node_layout_and_rejects_bad_sizes():
         ParallelDims(ep=2, ranks_per_node=0)
     with pytest.warns(UserWarning, match="tp=4 crosses a node boundary"):
         validated(tp=4, ep=2, ranks_per_node=2)
+    with pytest.warns(UserWarning, match="tp=3 crosses"):
+        uneven = validated(tp=3, ep=4, ranks_per_node=8, world=24)
+    assert uneven.ep_rank_nodes == [0, 0, 0, 1]  # counted as it is; two-stage dispatch needs even blocks
+    with pytest.raises(ValueError, match="ep=4 ranks do not split evenly over nodes of 8 ranks"):
+        uneven.ep_node_ids  # noqa: B018
 
 
 def _expert_outputs(layer, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001

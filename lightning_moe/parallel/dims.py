@@ -130,13 +130,30 @@ class ParallelDims:
                 " node; choose tp dividing ranks_per_node",
                 stacklevel=3,
             )
-        self.ep_node_ids  # noqa: B018 - raises on an uneven split
+
+    @property
+    def ep_rank_nodes(self) -> list[int]:
+        """This rank's ep group: the node of each ep rank, numbered 0, 1, ... in ep order (any split).
+
+        What inter-node byte counting needs; :attr:`ep_node_ids` also checks the split is even.
+        """
+        if self.dp == -1:
+            raise RuntimeError("ParallelDims.validate(world_size) must run before the node layout is known")
+        rows = self._ep_group_ranks()
+        row = rows[0]
+        if dist.is_available() and dist.is_initialized() and self.world_size == dist.get_world_size():
+            me = dist.get_rank()
+            row = next(r for r in rows if me in r.tolist())
+        nodes = (row // self.node_size).tolist()
+        relabel = {node: i for i, node in enumerate(dict.fromkeys(nodes))}
+        return [relabel[n] for n in nodes]
 
     @property
     def ep_node_ids(self) -> list[int]:
         """Node of each ep rank (0, 1, ... in ep order), the same for every ep group. No process group needed.
 
-        Raises ``ValueError`` when the ep ranks do not split into equal contiguous blocks per node.
+        Raises ``ValueError`` when the ep ranks do not split into equal contiguous blocks per node
+        (node-limited routing and the hierarchical dispatcher need that).
         """
         if self.dp == -1:
             raise RuntimeError("ParallelDims.validate(world_size) must run before the node layout is known")

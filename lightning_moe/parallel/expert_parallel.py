@@ -41,7 +41,7 @@ def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
             setattr(layer.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         layer.dispatcher = _build_dispatcher(layer, dims)
         layer.ep_group, layer.ep_size = dims.ep_group, dims.ep
-        if layer.num_nodes is None and dims.ep > 1:
+        if layer.num_nodes is None and layer.max_nodes_per_token is not None and dims.ep > 1:
             # Node-limited routing follows where the experts live (a stated num_nodes is kept).
             layer.router.set_nodes(dims.ep_num_nodes)
         if expert_tp:
@@ -52,10 +52,12 @@ def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
 
 def _build_dispatcher(layer: MoELayer, dims: ParallelDims) -> object:
     kind = layer.dispatcher_kind
-    multi_node = dims.ep > 1 and dims.ep_num_nodes > 1
-    node_ids = dims.ep_node_ids if multi_node else None
+    # Any split of the ep group over nodes is counted; the hierarchical dispatcher needs an even one.
+    rank_nodes = dims.ep_rank_nodes if dims.ep > 1 else [0]
+    node_ids = rank_nodes if max(rank_nodes) > 0 else None
     node_groups = None
-    if kind == "hierarchical" and multi_node:
+    if kind == "hierarchical" and node_ids is not None:
+        node_ids = dims.ep_node_ids
         mesh = dims.ep_node_mesh
         node_groups = (mesh.get_group("ep_node"), mesh.get_group("ep_local"))
     return build_dispatcher(
@@ -68,8 +70,11 @@ def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
     topology options fit the nodes (``ValueError`` naming the fix, before any work)."""
     expert_tp = dims.etp == dims.tp and dims.tp > 1
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-        if dims.ep > 1 and dims.dp != -1:  # the node layout needs the world size
-            nodes = dims.ep_num_nodes
+        needs_nodes = layer.dispatcher_kind == "hierarchical" or (
+            layer.num_nodes is None and layer.max_nodes_per_token is not None
+        )
+        if dims.ep > 1 and dims.dp != -1 and needs_nodes:  # the node layout needs the world size
+            nodes = dims.ep_num_nodes  # ValueError for an uneven split over nodes
             if layer.dispatcher_kind == "hierarchical" and nodes < 2:
                 raise ValueError(
                     f"dispatcher='hierarchical' with all {dims.ep} ep ranks on one node is the same as 'alltoall': use"
@@ -80,11 +85,11 @@ def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
                     f"max_nodes_per_token={layer.max_nodes_per_token} exceeds the {nodes} node(s) of the ep group"
                     f" (ep={dims.ep}, ranks_per_node={dims.node_size}): lower it or spread ep over more nodes"
                 )
-            if layer.routing == "expert_choice" and dims.tp * dims.cp > 1:
-                raise ValueError(
-                    "routing='expert_choice' ranks the tokens of the ep group only; under tp or cp > 1 each tp/cp rank"
-                    " would choose among its own share: use routing='topk' with tp/cp, or tp=cp=1"
-                )
+        if layer.routing == "expert_choice" and dims.tp * dims.cp > 1:
+            raise ValueError(
+                "routing='expert_choice' ranks the tokens of the ep group only; under tp or cp > 1 each tp/cp rank"
+                " would choose among its own share: use routing='topk' with tp/cp, or tp=cp=1"
+            )
         if layer.num_experts % dims.ep:
             raise ValueError(
                 f"num_experts {layer.num_experts} is not divisible by ep {dims.ep}: choose ep dividing num_experts"
