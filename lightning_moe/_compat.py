@@ -38,6 +38,7 @@ __all__ = [
     "resolve_process_group",
     "run_schedule_forward_only",
     "set_fsdp_mixed_precision",
+    "set_process_group_timeouts",
 ]
 
 PIPELINE_MIN_TORCH = (2, 13)
@@ -79,6 +80,8 @@ def set_fsdp_mixed_precision(unit: Any, policy: Any) -> None:
     ``FSDPState._mp_policy`` and ``FSDPParamGroup.mp_policy``, which ``lazy_init`` turns into the
     parameters' all-gather and reduce dtypes. Present in torch 2.9-2.13, run on 2.13."""
     state = unit._get_fsdp_state()
+    if state._mp_policy == policy:
+        return
     if state._is_root is not None:  # lazy init done: the dtypes are fixed
         raise RuntimeError("set the FSDP mixed-precision policy before the module's first forward")
     state._mp_policy = policy
@@ -89,6 +92,21 @@ def set_fsdp_mixed_precision(unit: Any, policy: Any) -> None:
 def fsdp_mixed_precision(unit: Any) -> Any:
     """An FSDP2 unit's ``MixedPrecisionPolicy`` (``FSDPState._mp_policy``). Present in torch 2.9-2.13."""
     return unit._get_fsdp_state()._mp_policy
+
+
+def set_process_group_timeouts(timeout: Any) -> int:
+    """Give every process group of this process (sub-groups included) ``timeout``; return how many.
+
+    ``new_group`` (and so ``init_device_mesh``) gives sub-groups the backend's default timeout (30
+    minutes for gloo, 10 for nccl), not the one ``init_process_group`` got: a collective on a mesh
+    sub-group whose peer died would wait that long. Uses ``c10d._world.pg_map`` and
+    ``c10d._set_pg_timeout``. Present in torch 2.9-2.13, run on 2.13."""
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = [pg for pg in list(c10d._world.pg_map) if not c10d._rank_not_in_group(pg)]
+    for pg in groups:
+        c10d._set_pg_timeout(timeout, pg)
+    return len(groups)
 
 
 def resolve_process_group(group: Any) -> dist.ProcessGroup:

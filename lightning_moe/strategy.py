@@ -17,7 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_moe._compat import materialize_distributed_module, optimizers_to_device
+from lightning_moe._compat import materialize_distributed_module, optimizers_to_device, set_process_group_timeouts
 from lightning_moe.checkpoint.state import (
     PREVIOUS_SUFFIX,
     STAGING_SUFFIX,
@@ -32,7 +32,10 @@ from lightning_moe.checkpoint.state import (
 )
 from lightning_moe.cp import context_parallel_attention
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
+from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing, check_activation_checkpointing
+from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
+from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.init import has_meta_tensors, materialize_sharded
@@ -45,6 +48,7 @@ from lightning_moe.parallel.pipeline import (
     pipeline_stage_modules,
     unpack_target_loss,
 )
+from lightning_moe.parallel.pipeline_inference import forward_through_pipeline
 from lightning_moe.parallel.precision import apply_mixed_precision, check_precision, mixed_precision_policy
 
 
@@ -58,13 +62,21 @@ class MoE5DStrategy(ModelParallelStrategy):
     over ``dp x ep`` and saves distributed (DCP) checkpoints atomically.
 
     Under ``pp > 1`` the module is split into pipeline stages and a ``torch.distributed.pipelining``
-    schedule replaces the module's ``training_step``/``validation_step``: each Lightning batch
-    holds ``pp_microbatches`` loader batches (micro-batches of ``micro_batch_size`` samples), the
-    schedule runs forward and backward of all of them, and the strategy returns (and logs as
-    ``train/loss``/``val/loss``) their mean loss, broadcast from the last stage to every rank.
-    ``accumulate_grad_batches`` is divided by ``pp_microbatches`` accordingly. The module provides
-    ``loss_from_logits(output, labels, loss_mask=None, loss_token_count=None)`` (the loss of one
-    micro-batch) and a split convention (see :mod:`lightning_moe.parallel.pipeline`).
+    schedule replaces the module's ``training_step``: each Lightning batch holds ``pp_microbatches``
+    loader batches (micro-batches of ``micro_batch_size`` samples), the schedule runs forward and
+    backward of all of them, and the strategy returns (and logs as ``train/loss``) their mean loss,
+    broadcast from the last stage to every rank. ``accumulate_grad_batches`` is divided by
+    ``pp_microbatches`` accordingly. The module provides ``loss_from_logits(output, labels,
+    loss_mask=None, loss_token_count=None)`` (the loss of one micro-batch) and a split convention
+    (see :mod:`lightning_moe.parallel.pipeline`). The module's own ``validation_step``, ``test_step``
+    and ``predict_step`` run on every rank, ``self(...)`` inside them running the whole model through
+    the stages and returning the last stage's output on every rank.
+
+    Under ``cp > 1`` ``predict_step`` outputs shaped ``[batch, local seq, ...]`` come back whole, in
+    the original token order. Precision follows the trainer: ``"bf16-mixed"`` gives every FSDP2 unit a
+    ``MixedPrecisionPolicy`` (bf16 all-gathers and compute, fp32 reduction and master weights);
+    ``"16-mixed"`` is refused. ``timeout`` applies to every process group, mesh sub-groups included,
+    so a rank that dies never leaves the others waiting longer.
 
     Example::
 
@@ -92,6 +104,11 @@ class MoE5DStrategy(ModelParallelStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: process-group timeout.
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
+        activation_checkpointing: ``"none"``, ``"full"`` (each block recomputed in backward) or ``"selective"``
+            (only the MoE expert FFNs and the attention core; dispatch all-to-alls run once), see
+            :mod:`lightning_moe.parallel.activation_checkpoint`.
+        compile: compile each transformer block with ``torch.compile`` after parallelization (see
+            :mod:`lightning_moe.parallel.compile`).
         layout, layout_options: ``"auto"`` replaces the sizes above by the layout planner's best for
             the world size (``layout_options``: see ``lightning_moe.parallel.planner.resolve_auto_layout``).
     """
@@ -121,6 +138,8 @@ class MoE5DStrategy(ModelParallelStrategy):
         layout: Literal["manual", "auto"] = "manual",
         layout_options: dict[str, Any] | None = None,
         ranks_per_node: int | None = None,
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        compile: bool = False,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -158,6 +177,14 @@ class MoE5DStrategy(ModelParallelStrategy):
         self._pipeline: PipelineRunner | None = None
         self._pipeline_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self._user_accumulate_grad_batches: int | None = None
+        try:
+            check_activation_checkpointing(activation_checkpointing)
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
+        self.activation_checkpointing = activation_checkpointing
+        if not isinstance(compile, bool):
+            raise MisconfigurationException(f"compile={compile!r} must be True or False")
+        self.compile = compile
         self.data_parallel = data_parallel
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
@@ -213,6 +240,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         self._setup_distributed()
         self.parallel_dims.validate(self.world_size)
         self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        self._apply_timeout()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -230,7 +258,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         check_context_parallel_support(self.model, self.parallel_dims)
         pipelined = self.parallel_dims.pp > 1
-        if pipelined:
+        if pipelined and trainer.state.fn == TrainerFn.FITTING:
             self._check_pipeline_module()
             if getattr(self.precision_plugin, "scaler", None) is not None:
                 raise MisconfigurationException(
@@ -251,6 +279,13 @@ class MoE5DStrategy(ModelParallelStrategy):
         # FSDP2 all-gathers (and computes) in the trainer's precision, reducing gradients in fp32:
         # set on every unit, the strategy's or the user's own, before the first forward.
         apply_mixed_precision(self.model, mixed_precision_policy(self._precision_flag()))
+        try:
+            # Ring attention (cp > 1) is not recomputed: that would send K/V around the ring again.
+            apply_activation_checkpointing(self.model, self.activation_checkpointing, attention=self.parallel_dims.cp == 1)
+            if self.compile:
+                apply_compile(self.model)  # after parallelize and checkpointing, as torchtitan does
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
         self._materialize()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -270,6 +305,18 @@ class MoE5DStrategy(ModelParallelStrategy):
         )
         if pipelined:
             self._build_pipeline()
+        self._apply_timeout()  # groups created while parallelizing
+
+    def _apply_timeout(self) -> None:
+        """Every process group (mesh sub-groups included) gets the strategy's ``timeout``.
+
+        A rank that fails or is killed leaves its peers blocked in a collective: the launcher ends
+        the others when a child process dies (Lightning's ``_ChildProcessObserver``) or when rank 0
+        raises; when rank 0 itself dies, only the process-group timeout ends the other ranks, and
+        torch gives sub-groups its 30-minute default rather than ``init_process_group``'s timeout.
+        """
+        if self._timeout is not None:
+            set_process_group_timeouts(self._timeout)
 
     def _materialize(self) -> None:
         """Allocate a meta-device model's shards: with the module's ``initial_value(name, tensor)``
@@ -457,33 +504,40 @@ class MoE5DStrategy(ModelParallelStrategy):
         with self._step_context():
             return super().training_step(*args, **kwargs)
 
-    def _pipeline_eval_step(self, batch: Any, name: str) -> torch.Tensor:
-        with self._step_context(), self.precision_plugin.val_step_context():
-            loss, size = self._run_pipeline(batch, train=False)
+    def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
+        """The module's own ``validation_step``/``test_step``/``predict_step`` on every dimension.
+
+        Under pp > 1 ``self(...)`` inside the step runs the whole model through the pipeline stages
+        and returns the last stage's output on every rank
+        (:func:`lightning_moe.parallel.pipeline_inference.forward_through_pipeline`), so every rank
+        computes and logs the same values. Under cp > 1 ``predict_step`` outputs whose dim 1 is the
+        local sequence come back whole, in the original token order, on every cp rank.
+        """
         assert self.lightning_module is not None
-        self.lightning_module.log(name, loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True, batch_size=size)
-        return loss
+        step = getattr(super(), hook)
+        pipeline = (
+            forward_through_pipeline(self.lightning_module, self._pipeline)
+            if self.parallel_dims.pp > 1 and self._pipeline is not None else nullcontext()
+        )
+        with self._step_context(), pipeline:
+            output = step(*args, **kwargs)
+        if hook == "predict_step" and self.parallel_dims.cp > 1:
+            batch = args[0] if args else kwargs.get("batch")
+            if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+                output = gather_sequence_outputs(output, batch["input_ids"].shape[1], self.parallel_dims.cp_group)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.parallel_dims.pp > 1:
-            return self._pipeline_eval_step(args[0], "val/loss")
-        with self._step_context():
-            return super().validation_step(*args, **kwargs)
+        return self._eval_step("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.parallel_dims.pp > 1:
-            return self._pipeline_eval_step(args[0], "test/loss")
-        with self._step_context():
-            return super().test_step(*args, **kwargs)
+        return self._eval_step("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.parallel_dims.pp > 1:
-            raise NotImplementedError("predict under pp > 1 is not supported: predict with pp=1 from a checkpoint")
-        with self._step_context():
-            return super().predict_step(*args, **kwargs)
+        return self._eval_step("predict_step", *args, **kwargs)
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override
