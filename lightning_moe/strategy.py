@@ -89,8 +89,8 @@ class MoE5DStrategy(ModelParallelStrategy):
         tp, cp, ep, pp: tensor, context, expert and pipeline parallel sizes.
         dp: data parallel size, or ``"auto"`` for ``world_size // (tp*cp*ep*pp)``.
         etp: expert tensor parallel size, 1 or ``tp`` (default ``tp``).
-        ranks_per_node: ranks sharing a node (default: devices per node as the launcher's ``LOCAL_WORLD_SIZE``
-            gives it, else one node); set it smaller to simulate nodes (see ``ParallelDims``).
+        ranks_per_node: ranks sharing a node (default: Lightning's devices per node, ``Trainer(devices=...)``);
+            set it smaller to simulate nodes (see ``ParallelDims``).
         pp_schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"`` (needs ``pp_stages_per_rank >= 2``).
         pp_microbatches: micro-batches per pipeline step (default ``pp``); 1F1B needs ``>= pp``.
         pp_stages_per_rank: virtual stages per rank (interleaved schedule).
@@ -222,6 +222,8 @@ class MoE5DStrategy(ModelParallelStrategy):
         except ValueError as err:
             raise MisconfigurationException(
                 f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})"
+        if self.parallel_dims.ranks_per_node is None:
+            self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node
             ) from err
         check_unreduced_replicas(self.parallel_dims, self.data_parallel)
         try:

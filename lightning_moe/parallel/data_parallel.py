@@ -38,7 +38,8 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         averaged(layer.experts, dims.edp_mesh)
         if dims.tp > 1:
-            averaged([m for m in (layer.router, layer.shared_expert) if m is not None], dims.token_mesh)
+            # Router, shared expert and its gate, output biases: they see this tp rank's tokens only.
+            averaged([m for name, m in layer.named_children() if name != "experts" and _has_parameters(m)], dims.token_mesh)
     blocks = block_container(module)
     if blocks is not None:
         for block in blocks._modules.values():
@@ -80,6 +81,10 @@ def wrap_averaged(
     unit.set_gradient_divide_factor(divisor)
     reduce_scatters = kind == "fsdp" and mesh.size() > 1
     force_sum_reduction(unit, reduce_scatters and dist.get_backend(mesh.get_group()) != "nccl")
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def _has_unwrapped_parameters(module: nn.Module) -> bool:

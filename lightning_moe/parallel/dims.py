@@ -192,6 +192,12 @@ class ParallelDims:
             self.validate(dist.get_world_size())
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
         self.attach(mesh)
+        # Every rank creates every sub-mesh now, in one order: a pipeline stage without MoE layers
+        # would otherwise skip the expert groups, and the groups created later would pair up wrong
+        # ranks (a hang in the next new_group, e.g. in a second trainer.fit/validate).
+        names = ["dp_ep_mesh", "dense_grad_mesh", "sequence_mesh", "token_mesh", "expert_root_mesh"]
+        for name in names + (["ep_node_mesh"] if self.ep_num_nodes > 1 else []):
+            getattr(self, name)
         return mesh
 
     def attach(self, mesh: DeviceMesh) -> None:

@@ -13,7 +13,7 @@ from lightning_moe.parallel.dims import ParallelDims
 
 
 # The FFN dim of each expert weight, sharded over tp under expert tensor parallelism.
-_FFN_DIM = {"w1": 2, "w3": 2, "w2": 1}
+_FFN_DIM = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
 
 
 def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
