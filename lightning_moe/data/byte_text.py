@@ -188,7 +188,7 @@ class ByteWindowDataset(Dataset):
     ) -> None:
         self.corpus = Path(corpus)
         self.seq_len = seq_len
-        total = self.corpus.stat().st_size // (seq_len + 1)
+        total = self._num_tokens() // (seq_len + 1)
         self.first_window = first_window
         self.num_windows = total - first_window if num_windows is None else num_windows
         if first_window < 0 or self.num_windows < 0 or first_window + self.num_windows > total:
@@ -205,13 +205,19 @@ class ByteWindowDataset(Dataset):
         if not 0 <= index < self.num_windows:
             raise IndexError(f"window {index} out of range [0, {self.num_windows})")
         if self._tokens is None:
-            self._tokens = np.memmap(self.corpus, dtype=np.uint8, mode="r")
+            self._tokens = self._open_tokens()
         start = (self.first_window + index) * (self.seq_len + 1)
         window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
         return {"input_ids": window[:-1], "labels": window[1:]}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None}
+
+    def _num_tokens(self) -> int:
+        return self.corpus.stat().st_size  # one byte per token
+
+    def _open_tokens(self) -> np.ndarray:
+        return np.memmap(self.corpus, dtype=np.uint8, mode="r")
 
 
 class ByteTextDataModule(pl.LightningDataModule):

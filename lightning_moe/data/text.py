@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
-from lightning_moe.data.byte_text import ByteTextDataModule
+from lightning_moe.data.byte_text import ByteTextDataModule, ByteWindowDataset
 
 __all__ = ["TextDataModule", "TokenWindowDataset", "load_tokenizer", "tokenize_corpus"]
 
@@ -64,37 +62,18 @@ def tokenize_corpus(corpus: Path, tokenizer_path: str | os.PathLike, cache_dir: 
     return out
 
 
-class TokenWindowDataset(Dataset):
-    """Windows ``[first, first + count)`` of ``seq_len + 1`` tokens of a token ``.npy``.
+class TokenWindowDataset(ByteWindowDataset):
+    """Windows ``[first, first + count)`` of ``seq_len + 1`` tokens of a token ``.npy`` (``corpus``).
 
     Item ``i`` is ``{"input_ids": window[:-1], "labels": window[1:]}`` (int64, shape ``[seq_len]``),
-    like :class:`~lightning_moe.data.ByteWindowDataset`.
+    as :class:`~lightning_moe.data.ByteWindowDataset` gives for bytes.
     """
 
-    def __init__(self, tokens: str | os.PathLike, seq_len: int, first_window: int = 0, num_windows: int | None = None) -> None:
-        self.tokens_path = Path(tokens)
-        self.seq_len = seq_len
-        total = len(np.load(self.tokens_path, mmap_mode="r")) // (seq_len + 1)
-        self.first_window = first_window
-        self.num_windows = total - first_window if num_windows is None else num_windows
-        if first_window < 0 or self.num_windows < 0 or first_window + self.num_windows > total:
-            raise ValueError(f"windows [{first_window}, {first_window + self.num_windows}) out of range: {total} windows")
-        self._tokens: np.ndarray | None = None
+    def _num_tokens(self) -> int:
+        return len(np.load(self.corpus, mmap_mode="r"))
 
-    def __len__(self) -> int:
-        return self.num_windows
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        if not 0 <= index < self.num_windows:
-            raise IndexError(f"window {index} out of range [0, {self.num_windows})")
-        if self._tokens is None:
-            self._tokens = np.load(self.tokens_path, mmap_mode="r")
-        start = (self.first_window + index) * (self.seq_len + 1)
-        window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return {"input_ids": window[:-1], "labels": window[1:]}
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tokens": None}
+    def _open_tokens(self) -> np.ndarray:
+        return np.load(self.corpus, mmap_mode="r")
 
 
 class TextDataModule(ByteTextDataModule):
@@ -137,5 +116,5 @@ class TextDataModule(ByteTextDataModule):
                 f" global_batch_size is {self.global_batch_size}: lower seq_len or global_batch_size, raise"
                 " max_corpus_bytes or use a larger path"
             )
-        self.train_dataset = TokenWindowDataset(self.tokens, self.seq_len, 0, num_train)  # type: ignore[assignment]
-        self.val_dataset = TokenWindowDataset(self.tokens, self.seq_len, num_train, num_val)  # type: ignore[assignment]
+        self.train_dataset = TokenWindowDataset(self.tokens, self.seq_len, 0, num_train)
+        self.val_dataset = TokenWindowDataset(self.tokens, self.seq_len, num_train, num_val)

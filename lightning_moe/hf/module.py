@@ -25,9 +25,10 @@ from torch.distributed.tensor.parallel import (
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_moe.hf.convert import SUPPORTED_MODEL_TYPES, check_supported, convert_moe_blocks, hf_state_dict
+from lightning_moe.models.moe_gpt import next_token_loss, warmup_cosine_factor
 from lightning_moe.moe import MoELayer
 
-__all__ = ["HFMoEModule", "load_causal_lm", "warmup_cosine_factor"]
+__all__ = ["HFMoEModule", "load_causal_lm"]
 
 # Layouts each family cannot take (checked before any work): dimension -> reason.
 UNSUPPORTED_LAYOUTS: dict[str, dict[str, str]] = {
@@ -120,14 +121,6 @@ class _Sequence(ParallelStyle):
         for style in self.styles:
             module = style._apply(module, device_mesh)
         return module
-
-
-def warmup_cosine_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier after ``step`` optimizer steps: linear warmup, then cosine to ``min_lr_ratio`` (as MoEGPT)."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def load_causal_lm(model: Any, attn_implementation: str | None = "sdpa", dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -359,13 +352,7 @@ class HFMoEModule(pl.LightningModule):
         loss_token_count: torch.Tensor | float | None = None,
     ) -> torch.Tensor:
         """Mean next-token cross entropy over the kept tokens (``MoEGPT.loss_from_logits``)."""
-        per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
-        if loss_mask is not None:
-            per_token = per_token * loss_mask.flatten().to(per_token.dtype)
-        count = loss_token_count
-        if count is None:
-            count = loss_mask.sum() if loss_mask is not None else per_token.numel()
-        return per_token.sum() / torch.as_tensor(count, dtype=per_token.dtype).clamp_min(1.0)
+        return next_token_loss(logits, labels, loss_mask, loss_token_count)
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

@@ -27,7 +27,7 @@ from lightning_moe.models.blocks import Attention, FeedForward, TransformerBlock
 from lightning_moe.moe import MoELayer, update_expert_biases
 from lightning_moe.parallel.init import seeded_generator
 
-__all__ = ["MoEGPT", "is_moe_layer", "warmup_cosine_factor"]
+__all__ = ["MoEGPT", "is_moe_layer", "next_token_loss", "warmup_cosine_factor"]
 
 
 def is_moe_layer(layer_index: int, moe_layer_freq: int) -> bool:
@@ -52,6 +52,25 @@ def warmup_cosine_factor(
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def next_token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: torch.Tensor | None = None,
+    loss_token_count: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Mean next-token cross entropy (fp32 softmax) over the tokens of `labels` that `loss_mask`
+    keeps, divided by `loss_token_count` when given: under context parallelism the strategy passes
+    the micro-batch's loss tokens per cp rank, so the cp ranks' losses average to the mean over
+    all tokens (not a mean of means)."""
+    per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
+    if loss_mask is not None:
+        per_token = per_token * loss_mask.flatten().to(per_token.dtype)
+    count = loss_token_count
+    if count is None:
+        count = loss_mask.sum() if loss_mask is not None else per_token.numel()
+    return per_token.sum() / torch.as_tensor(count, dtype=per_token.dtype).clamp_min(1.0)
 
 
 class MoEGPT(pl.LightningModule):
@@ -214,16 +233,7 @@ class MoEGPT(pl.LightningModule):
         """The loss of `loss()` from logits `[B, S, vocab]`: the mean cross entropy over the tokens
         of `labels [B, S]` that `loss_mask` keeps, divided by `loss_token_count` when given. Under
         pipeline parallelism the strategy calls it on the last stage for every micro-batch."""
-        per_token = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
-        mask = loss_mask
-        if mask is not None:
-            per_token = per_token * mask.flatten().to(per_token.dtype)
-        # Under context parallelism the strategy passes the micro-batch's loss tokens per cp rank,
-        # so the cp ranks' losses average to the mean over all tokens (not a mean of means).
-        count = loss_token_count
-        if count is None:
-            count = mask.sum() if mask is not None else per_token.numel()
-        return per_token.sum() / torch.as_tensor(count, dtype=per_token.dtype).clamp_min(1.0)
+        return next_token_loss(logits, labels, loss_mask, loss_token_count)
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
