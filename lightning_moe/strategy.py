@@ -217,13 +217,13 @@ class MoE5DStrategy(ModelParallelStrategy):
         # Runs once devices and nodes are known, before any process starts: fail fast on bad sizes.
         if self.layout == "auto":
             self._apply_auto_layout(self.num_nodes * self.num_processes)
+        if self.parallel_dims.ranks_per_node is None:
+            self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node
         try:
             self.parallel_dims.validate(self.num_nodes * self.num_processes)
         except ValueError as err:
             raise MisconfigurationException(
                 f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})"
-        if self.parallel_dims.ranks_per_node is None:
-            self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node
             ) from err
         check_unreduced_replicas(self.parallel_dims, self.data_parallel)
         try:
