@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -107,6 +108,8 @@ class MoE5DStrategy(ModelParallelStrategy):
         activation_checkpointing: ``"none"``, ``"full"`` (each block recomputed in backward) or ``"selective"``
             (only the MoE expert FFNs and the attention core; dispatch all-to-alls run once), see
             :mod:`lightning_moe.parallel.activation_checkpoint`.
+        deterministic: ``torch.use_deterministic_algorithms(True)`` in every process, as
+            ``Trainer(deterministic=True)`` does (either gives bitwise-identical runs of a layout).
         compile: compile each transformer block with ``torch.compile`` after parallelization (see
             :mod:`lightning_moe.parallel.compile`).
         layout, layout_options: ``"auto"`` replaces the sizes above by the layout planner's best for
@@ -140,6 +143,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         ranks_per_node: int | None = None,
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
         compile: bool = False,
+        deterministic: bool = False,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -185,6 +189,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         if not isinstance(compile, bool):
             raise MisconfigurationException(f"compile={compile!r} must be True or False")
         self.compile = compile
+        self.deterministic = bool(deterministic)
         self.data_parallel = data_parallel
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
@@ -238,6 +243,12 @@ class MoE5DStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.deterministic:
+            # What Trainer(deterministic=True) does, for this strategy's flag: on CUDA the MoE
+            # combine/dispatch backward's index_add_ and the router's scatter_add_ take their
+            # deterministic kernels (CPU kernels already are); cuBLAS needs a fixed workspace.
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         self.parallel_dims.validate(self.world_size)

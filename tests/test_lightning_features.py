@@ -319,3 +319,15 @@ def test_compile_compiles_each_block_in_place():
     assert all(block._compiled_call_impl is not None for block in model.layers.values())
     with pytest.raises(ValueError, match="compile=True needs the module's block list"):
         apply_compile(torch.nn.Linear(2, 2))
+
+
+# -- determinism -------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_deterministic_runs_of_a_layout_are_bitwise_identical(tmp_path, single_run):
+    losses = []
+    for attempt in range(2):
+        proc = run_script(tmp_path / f"run{attempt}", "--ep", "2", "--deterministic", "--no-eval")
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        losses.append(json.loads((tmp_path / f"run{attempt}" / "summary.json").read_text())["losses"])
+    assert losses[0] == losses[1]  # bitwise
+    _assert_close_curve(losses[0], single_run["losses"], 1e-5)

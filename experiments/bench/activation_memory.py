@@ -2,8 +2,11 @@
 
 Two gloo processes, ep=2 (data_parallel="fsdp"), MoEGPT at a size where activations dominate.
 Activation memory per rank is what autograd keeps for backward after the forward: the bytes of the
-distinct tensor storages saved through ``torch.autograd.graph.saved_tensors_hooks`` (a checkpointed
-region saves only its inputs; parameters are not counted). Step time is forward+backward+AdamW,
+distinct tensor storages saved through ``torch.autograd.graph.saved_tensors_hooks`` (parameters not
+counted). Tensors saved inside a checkpointed region go through the checkpoint's own hooks and are
+not counted: that is the saving; the region's inputs, which the checkpoint keeps alive for the
+recomputation, are not counted either (under ``full`` one ``[batch, seq, hidden]`` tensor per block,
+0.5 MB each at this size). Step time is forward+backward+AdamW,
 median of a few steps after a warm-up, with each setting relative to AC none; the second table
 gives bf16-mixed (autocast plus the FSDP2 bf16 policy the strategy sets) relative to fp32.
 

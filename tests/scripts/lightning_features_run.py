@@ -125,6 +125,7 @@ def main() -> None:
     parser.add_argument("--no-eval", action="store_true")
     parser.add_argument("--activation-checkpointing", default="none")
     parser.add_argument("--compile", action="store_true", help="MoE5DStrategy(compile=True)")
+    parser.add_argument("--deterministic", action="store_true", help="MoE5DStrategy(deterministic=True)")
     parser.add_argument("--callbacks", action="store_true",
                         help="validate every step; ModelCheckpoint top-2, EarlyStopping, LearningRateMonitor, CSV logs")
     args = parser.parse_args()
@@ -133,7 +134,8 @@ def main() -> None:
     L.seed_everything(0)
     extra = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
     strategy = MoE5DStrategy(tp=args.tp, cp=args.cp, ep=args.ep, pp=args.pp, dp=args.dp,
-                             activation_checkpointing=args.activation_checkpointing, compile=args.compile, **extra)
+                             activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                             deterministic=args.deterministic, **extra)
     devices = args.tp * args.cp * args.ep * args.pp * args.dp
     data = ByteTextDataModule(seq_len=SEQ, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, max_corpus_bytes=200_000)
     callbacks: list[L.Callback] = [CommAccountingCallback(), SummaryCallback()]
