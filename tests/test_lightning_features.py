@@ -83,6 +83,45 @@ def test_sixteen_bit_precisions_are_refused_with_the_fix():
         check_precision("16-mixed")
     check_precision("bf16-true")
 
+# -- activation checkpointing (same process pool as the precision test, before any CLI run closes it) --
+def checkpointing_case(mode: str, tp: int) -> dict:
+    """ep2 (x tp): one forward+backward of a parallelized tiny MoEGPT with ``mode``; gradients and
+    the ep collectives it issued."""
+    from lightning_moe import comm, parallelize
+    from lightning_moe.callbacks import count_collectives, group_dims
+    from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+    from tests.dist_pool import layout
+
+    dims = layout(ep=2, tp=tp)
+    model = parallelize(_tiny_gpt(), dims.mesh)
+    apply_activation_checkpointing(model, mode)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dims.dp_ep_mesh.get_local_rank()))
+    comm.reset()
+    with count_collectives(group_dims(dims)):
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    snapshot = comm.snapshot()
+    comm.reset()
+    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()}
+    return {"grads": grads, "ep_calls": snapshot.get("ep", {}).get("calls", 0)}
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2_ep2", "tp2_ep2"])
+def test_activation_checkpointing_keeps_gradients_and_selective_keeps_the_dispatch(pool4, tp):
+    """full and selective give the gradients of no checkpointing (fp32, rel 1e-5); selective issues
+    the ep all-to-alls of no checkpointing, full runs them again in backward."""
+    runs = {mode: pool4.run(checkpointing_case, mode=mode, tp=tp) for mode in ("none", "selective", "full")}
+    for rank in range(4):
+        none = runs["none"][rank]
+        assert none["ep_calls"] > 0
+        assert runs["selective"][rank]["ep_calls"] == none["ep_calls"] < runs["full"][rank]["ep_calls"]
+        for mode in ("selective", "full"):
+            grads = runs[mode][rank]["grads"]
+            assert grads.keys() == none["grads"].keys()  # parameter names unchanged
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, none["grads"][name], rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
+
+
 # -- trainer level: one script run per layout serves several assertions -----------------------------
 def run_script(out_dir: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     close_pools()  # the run's processes get the cores to themselves
@@ -181,45 +220,6 @@ def test_a_failing_rank_ends_every_rank(tmp_path, phase, rank, message):
         assert message in output, output[-3000:]
     failed_at = json.loads((tmp_path / "run" / "failing_at.json").read_text())
     assert ended - failed_at < TIMEOUT_S + 30, f"{phase}: every rank ended {ended - failed_at:.0f} s after the failure"
-
-
-# -- activation checkpointing ------------------------------------------------------------------------
-def checkpointing_case(mode: str, tp: int) -> dict:
-    """ep2 (x tp): one forward+backward of a parallelized tiny MoEGPT with ``mode``; gradients and
-    the ep collectives it issued."""
-    from lightning_moe import comm, parallelize
-    from lightning_moe.callbacks import count_collectives, group_dims
-    from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
-    from tests.dist_pool import layout
-
-    dims = layout(ep=2, tp=tp)
-    model = parallelize(_tiny_gpt(), dims.mesh)
-    apply_activation_checkpointing(model, mode)
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dims.dp_ep_mesh.get_local_rank()))
-    comm.reset()
-    with count_collectives(group_dims(dims)):
-        logits = model(ids)
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
-    snapshot = comm.snapshot()
-    comm.reset()
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()}
-    return {"grads": grads, "ep_calls": snapshot.get("ep", {}).get("calls", 0)}
-
-
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2_ep2", "tp2_ep2"])
-def test_activation_checkpointing_keeps_gradients_and_selective_keeps_the_dispatch(pool4, tp):
-    """full and selective give the gradients of no checkpointing (fp32, rel 1e-5); selective issues
-    the ep all-to-alls of no checkpointing, full runs them again in backward."""
-    runs = {mode: pool4.run(checkpointing_case, mode=mode, tp=tp) for mode in ("none", "selective", "full")}
-    for rank in range(4):
-        none = runs["none"][rank]
-        assert none["ep_calls"] > 0
-        assert runs["selective"][rank]["ep_calls"] == none["ep_calls"] < runs["full"][rank]["ep_calls"]
-        for mode in ("selective", "full"):
-            grads = runs[mode][rank]["grads"]
-            assert grads.keys() == none["grads"].keys()  # parameter names unchanged
-            for name, grad in grads.items():
-                torch.testing.assert_close(grad, none["grads"][name], rtol=1e-5, atol=1e-7, msg=f"{mode} {name}")
 
 
 def test_bad_activation_checkpointing_is_refused():
