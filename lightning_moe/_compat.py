@@ -31,6 +31,7 @@ __all__ = [
     "grouped_mm",
     "hydra_args_parser",
     "hydra_sweep_jobs",
+    "local_shard_index",
     "materialize_distributed_module",
     "optimizers_to_device",
     "replicate_module",
@@ -54,6 +55,16 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     """``torch._grouped_mm(a, b, offs=offsets)`` (int32 offsets). Present in torch 2.9-2.13; its CPU
     kernels (fp32/bf16/fp16) run on 2.13."""
     return torch._grouped_mm(a, b, offsets)
+
+
+def local_shard_index(tensor: Any) -> tuple[slice, ...]:
+    """The block of the global tensor a DTensor's local shard holds, as slices: from
+    ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (what DCP reshards
+    with; it also covers FSDP's strided shards). Present in torch 2.9-2.13."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:

@@ -25,8 +25,10 @@ from torch.distributed.tensor.parallel import (
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_moe.hf.convert import SUPPORTED_MODEL_TYPES, check_supported, convert_moe_blocks, hf_state_dict
+from lightning_moe.hf.sharded_load import PretrainedShards
 from lightning_moe.models.moe_gpt import next_token_loss, warmup_cosine_factor
-from lightning_moe.moe import MoELayer
+from lightning_moe.moe import MoELayer, TopKRouter
+from lightning_moe.parallel.init import seeded_generator
 
 __all__ = ["HFMoEModule", "load_causal_lm"]
 
@@ -123,9 +125,12 @@ class _Sequence(ParallelStyle):
         return module
 
 
-def load_causal_lm(model: Any, attn_implementation: str | None = "sdpa", dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_causal_lm(
+    model: Any, attn_implementation: str | None = "sdpa", dtype: torch.dtype = torch.float32, weights: bool = True
+) -> nn.Module:
     """A transformers causal LM from a ``PreTrainedModel``, a ``PretrainedConfig``, a config mapping
-    (``{"model_type": ..., **kwargs}``) or a local folder (``from_pretrained``, nothing downloaded).
+    (``{"model_type": ..., **kwargs}``) or a local folder (``from_pretrained``, nothing downloaded;
+    ``weights=False``: only its config, the weights are read later shard by shard).
 
     A config gives a random init from the global RNG (same seed, same model on every rank).
     """
@@ -146,6 +151,8 @@ def load_causal_lm(model: Any, attn_implementation: str | None = "sdpa", dtype: 
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         _check_model_type(config)
         kwargs = _attn_kwargs(config, attn_implementation)
+        if not weights:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
         return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
     if isinstance(model, Mapping):
         from lightning_moe.hf.configs import build_config
@@ -263,7 +270,13 @@ class HFMoEModule(pl.LightningModule):
         self.save_hyperparameters(ignore=["model", "pretrained"])
         # A path or config mapping is kept (checkpoints say what was trained); a model object is not.
         self.hparams["model"] = str(keep) if isinstance(keep, os.PathLike) else keep
-        hf = load_causal_lm(model, attn_implementation)
+        # Built on the meta device (trainer.init_module(empty_init=True)): nothing is read now; the
+        # strategy materialises each rank's shards from initial_value (pretrained: read shard by shard).
+        on_meta = torch.empty(()).is_meta
+        self.pretrained_folder = Path(model).expanduser() if isinstance(model, (str, os.PathLike)) and on_meta else None
+        self.init_seed = torch.initial_seed()
+        self._pretrained_shards: Any = None
+        hf = load_causal_lm(model, attn_implementation, weights=self.pretrained_folder is None)
         check_supported(hf)
         convert_moe_blocks(
             hf, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor,
@@ -390,6 +403,33 @@ class HFMoEModule(pl.LightningModule):
         return int(estimated)
 
     # -- checks before any work ------------------------------------------------------------------------
+    def initial_value(self, name: str, tensor: torch.Tensor, index: tuple[slice, ...]) -> torch.Tensor:
+        """Block ``index`` of the initial value of parameter or buffer ``name`` (meta-device builds).
+
+        From a pretrained folder: read from its safetensors, only that block
+        (:class:`~lightning_moe.hf.sharded_load.PretrainedShards`). From a config: matrices are
+        normal with the config's ``initializer_range``, each from a generator seeded by the run's
+        seed and the name (the same values on every layout), norm weights ones, other vectors zeros.
+        Buffers transformers computes (rotary frequencies) are computed the same way.
+        """
+        owner_name, _, attr = name.rpartition(".")
+        owner = self.get_submodule(owner_name)
+        if not isinstance(tensor, nn.Parameter) and not isinstance(owner, TopKRouter):
+            return getattr(type(owner)(config=self.config), attr)[index]
+        if self.pretrained_folder is not None:
+            if self._pretrained_shards is None:
+                self._pretrained_shards = PretrainedShards(self.pretrained_folder, self.model)
+            return self._pretrained_shards(name, tensor, index)
+        if tensor.ndim < 2:
+            return (torch.ones if "norm" in attr or "norm" in owner_name.rsplit(".", 1)[-1] else torch.zeros)(tensor.shape)[index]
+        generator = seeded_generator(self.init_seed, name)
+        return torch.empty(tensor.shape).normal_(0.0, self.config.initializer_range, generator=generator)[index]
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this rank read from the pretrained folder while materialising its shards."""
+        return self._pretrained_shards.folder.bytes_read if self._pretrained_shards is not None else 0
+
     def setup(self, stage: str) -> None:
         """Refuse layouts this model cannot take and tokenizers larger than its embeddings, before any work."""
         trainer = self._trainer

@@ -162,8 +162,9 @@ class MoEGPT(pl.LightningModule):
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters()
 
-    def initial_value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The full initial value of parameter or buffer `name` (CPU, the global shape of `tensor`).
+    def initial_value(self, name: str, tensor: torch.Tensor, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The initial value of parameter or buffer `name` (CPU, the global shape of `tensor`), or
+        its block `index` (slices of that shape: a rank's shard).
 
         Matrices (linear, embedding, router and expert weights; ndim >= 2) are normal with std
         `init_std`, the residual-output projections (`wo`, `w2`) `init_std / sqrt(2 * num_layers)`
@@ -172,14 +173,16 @@ class MoEGPT(pl.LightningModule):
         vectors (biases, expert-bias buffers) zeros. A strategy that builds the model on the meta
         device materialises its shards from this (`lightning_moe.parallel.init.materialize_sharded`).
         """
+        index = index or ()
         if tensor.ndim < 2:
-            return torch.ones(tensor.shape) if name.endswith("norm.weight") else torch.zeros(tensor.shape)
+            return (torch.ones if name.endswith("norm.weight") else torch.zeros)(tensor.shape)[index]
         hp = self.hparams
         parts = name.split(".")
         leaf = parts[-2] if parts[-1] == "weight" else parts[-1]
         # Projections that write into the residual stream: smaller so depth adds up to ~std.
         std = hp.init_std / math.sqrt(2 * hp.num_layers) if leaf in ("wo", "w2") else hp.init_std
-        return torch.empty(tensor.shape).normal_(0.0, std, generator=seeded_generator(self.init_seed, name))
+        whole = torch.empty(tensor.shape).normal_(0.0, std, generator=seeded_generator(self.init_seed, name))
+        return whole[index]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -3,10 +3,10 @@
 A module built on the meta device (``trainer.init_module(empty_init=True)``, or
 ``with torch.device("meta")``) is parallelized first; then :func:`materialize_sharded` allocates
 each rank's shards and fills them from ``initial_value(name, tensor)``, the module's deterministic
-recipe for the *full* initial tensor of each parameter and buffer. Every rank cuts its own shard
-out of that tensor (``distribute_tensor`` with ``src_data_rank=None``: no communication), so the
-shards equal the slices of the model a single process builds eagerly from the same recipe, under
-any layout. At most one full tensor exists at a time, never the full model.
+recipe for any block of the initial value of each parameter and buffer. Every rank asks for its
+own block (no communication), so the shards equal the slices of the model a single process
+builds eagerly from the same recipe, under any layout. A seeded recipe draws one whole tensor at a
+time and cuts it; a pretrained loader reads only the block (never the full model either way).
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-InitialValue = Callable[[str, torch.Tensor], torch.Tensor]
+from lightning_moe._compat import local_shard_index
+
+# initial_value(name, tensor, index) -> the block `index` (slices of the global shape) of the full
+# initial value of parameter or buffer `name`.
+InitialValue = Callable[[str, torch.Tensor, tuple[slice, ...]], torch.Tensor]
 
 
 def seeded_generator(seed: int, name: str) -> torch.Generator:
@@ -35,8 +39,10 @@ def has_meta_tensors(module: nn.Module) -> bool:
 def materialize_sharded(module: nn.Module, device: torch.device, initial_value: InitialValue) -> None:
     """Allocate ``module``'s parameters and buffers on ``device`` and fill each rank's shards.
 
-    ``initial_value(name, tensor)`` returns the full initial value (global shape, CPU) of the
-    parameter or buffer ``name`` (its name in the whole model: pipeline stages keep global names).
+    ``initial_value(name, tensor, index)`` returns the block ``index`` (a tuple of slices of the
+    global shape) of the initial value of the parameter or buffer ``name`` (its name in the whole
+    model: pipeline stages keep global names). A recipe that can only draw whole tensors returns
+    ``whole[index]``; a pretrained loader reads just that block.
 
     Example::
 
@@ -47,11 +53,11 @@ def materialize_sharded(module: nn.Module, device: torch.device, initial_value: 
     """
     module.to_empty(device=device)
     for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
-        full = initial_value(name, tensor).to(dtype=tensor.dtype)
-        if tuple(full.shape) != tuple(tensor.shape):
-            raise ValueError(f"initial_value({name!r}) has shape {tuple(full.shape)}, the tensor {tuple(tensor.shape)}")
-        if isinstance(tensor, DTensor):
-            local = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
-            tensor.to_local().copy_(local)
-        else:
-            tensor.copy_(full)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        index = local_shard_index(tensor) if isinstance(tensor, DTensor) else tuple(slice(0, n) for n in tensor.shape)
+        block = initial_value(name, tensor, index).to(dtype=tensor.dtype)
+        if tuple(block.shape) != tuple(local.shape):
+            raise ValueError(
+                f"initial_value({name!r}) gave a block of shape {tuple(block.shape)} for a local shard of {tuple(local.shape)}"
+            )
+        local.copy_(block)
