@@ -54,11 +54,10 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 # layout, save_hf round trip, families (the cheap layouts take every family that supports them;
-# gpt_oss refuses tp and cp, olmoe refuses tp; Qwen2-MoE's shared-expert gate under tp waits for
-# the data-parallel wrapping to reduce it over tp, see README).
+# gpt_oss refuses tp and cp, olmoe refuses tp).
 LAYOUTS = {
     "ep2": ({"ep": 2}, True, ALL),
-    "tp2_sp": ({"tp": 2}, True, ("qwen3_moe", "deepseek_v3", "mixtral")),
+    "tp2_sp": ({"tp": 2}, True, ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe")),
     "cp2": ({"cp": 2}, False, ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe")),
     # DeepSeek-V3 last: its first pipeline stage holds no MoE layer, and the process groups created
     # lazily for MoE layers then differ between the stages, so a later fit in the same processes
