@@ -33,6 +33,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_moe import comm
 from lightning_moe._compat import funcol, resolve_process_group
@@ -341,6 +342,12 @@ class CommAccountingCallback(OptimizerStepCallback):
         self.metrics: dict[str, float] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if getattr(trainer.strategy, "compile", False):
+            rank_zero_warn(
+                "CommAccountingCallback under MoE5DStrategy(compile=True): it counts only collectives that run"
+                " eagerly (those inside compiled blocks are not counted) and its wrappers break graphs; drop it"
+                " from compiled runs (callbacks=... without comm_accounting)"
+            )
         dims = getattr(trainer.strategy, "parallel_dims", None)
         self._groups = group_dims(dims) if dims is not None and dist.is_initialized() else GroupDims()
         self._totals.zero_()
