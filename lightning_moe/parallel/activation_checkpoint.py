@@ -32,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_moe.parallel.blocks import block_container
+from lightning_moe.parallel.blocks import require_block_container
 
 ACTIVATION_CHECKPOINTING_MODES: tuple[str, ...] = ("none", "full", "selective")
 _WRAPPED_ATTR = "_lightning_moe_activation_checkpointing"
@@ -101,12 +101,7 @@ def apply_activation_checkpointing(module: nn.Module, mode: str, *, attention: b
     check_activation_checkpointing(mode)
     if mode == "none":
         return 0
-    blocks = block_container(module)
-    if blocks is None:
-        raise ValueError(
-            f"activation_checkpointing={mode!r} needs the module's block list: {type(module).__name__} has no"
-            " nn.ModuleList/ModuleDict under `layers` (set `pipeline_layers_attr` to its name)"
-        )
+    blocks = require_block_container(module, f"activation_checkpointing={mode!r}")
     from lightning_moe.moe import MoELayer
 
     wrapped = 0

@@ -25,6 +25,17 @@ def block_container(module: nn.Module) -> nn.ModuleDict | nn.ModuleList | None:
     return blocks if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)) else None
 
 
+def require_block_container(module: nn.Module, feature: str) -> nn.ModuleDict | nn.ModuleList:
+    """:func:`block_container`, or a ``ValueError`` saying that ``feature`` needs one and how to name it."""
+    blocks = block_container(module)
+    if blocks is None:
+        raise ValueError(
+            f"{feature} needs the module's block list: {type(module).__name__} has no nn.ModuleList/ModuleDict"
+            f" under `{blocks_attr(module)}` (set `pipeline_layers_attr` to its name)"
+        )
+    return blocks
+
+
 def remove_block(container: nn.ModuleDict | nn.ModuleList, key: str) -> None:
     """Remove one block, keeping the others' keys (``blocks.3`` stays ``blocks.3`` on its stage).
 

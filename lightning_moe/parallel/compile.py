@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.blocks import block_container
+from lightning_moe.parallel.blocks import require_block_container
 
 _COMPILED_ATTR = "_lightning_moe_compiled"
 
@@ -30,12 +30,7 @@ def apply_compile(module: nn.Module, **compile_kwargs: object) -> int:
         parallelize(model, mesh)
         apply_compile(model)            # each model.layers[i] runs compiled
     """
-    blocks = block_container(module)
-    if blocks is None:
-        raise ValueError(
-            f"compile=True needs the module's block list: {type(module).__name__} has no nn.ModuleList/ModuleDict"
-            " under `layers` (set `pipeline_layers_attr` to its name)"
-        )
+    blocks = require_block_container(module, "compile=True")
     from lightning_moe.moe import MoELayer
 
     compiled = 0
