@@ -6,9 +6,9 @@
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.strategy import MoE5DStrategy, register
-from lightning_moe.verify import VerifyReport, verify_layout  # noqa: F401  (lightning_moe.verify_layout)
+from lightning_moe.verify import VerifyReport, verify_layout
 
 register()
 
-__all__ = ["MoE5DStrategy", "ParallelDims", "parallelize"]
+__all__ = ["MoE5DStrategy", "ParallelDims", "VerifyReport", "parallelize", "verify_layout"]
 __version__ = "0.1.0"
