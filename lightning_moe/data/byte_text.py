@@ -228,9 +228,9 @@ class ByteTextDataModule(pl.LightningDataModule):
         seq_len: tokens per sample; a sample is a window of `seq_len + 1` bytes.
         global_batch_size: samples per optimizer step, summed over data-parallel ranks and
             micro-batches.
-        micro_batch_size: samples per forward/backward on one rank; None means
-            `global_batch_size / (num_replicas * microbatches_per_step)`: no gradient accumulation
-            beyond the micro-batches a pipeline step needs (`pp_microbatches` under pp > 1).
+        micro_batch_size: samples per forward/backward on one rank; None means 2 (1 for an odd
+            `global_batch_size`) on every layout, so that the losses do not depend on the layout
+            (see `default_micro_batch_size`).
         max_corpus_bytes: cap on the bytes read from the default corpus or a folder.
         val_fraction: fraction of the windows (the corpus tail) used for validation.
         cache_dir: where built corpora are cached (default `$LIGHTNING_MOE_CACHE` or

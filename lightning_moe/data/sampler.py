@@ -9,13 +9,27 @@ run on 4 data-parallel processes therefore average their gradients over the same
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-__all__ = ["LayoutInvariantSampler", "ResumableDataLoader", "resolve_batch_layout"]
+__all__ = ["DEFAULT_MICRO_BATCH_SIZE", "LayoutInvariantSampler", "ResumableDataLoader", "default_micro_batch_size", "resolve_batch_layout"]
+
+
+DEFAULT_MICRO_BATCH_SIZE = 2
+
+
+def default_micro_batch_size(global_batch_size: int) -> int:
+    """The micro-batch `micro_batch_size=None` stands for: 2 samples per rank (1 if the global batch is odd).
+
+    It depends on the global batch alone, never on the layout: batch-level router statistics
+    (the Switch aux loss, capacity, sinkhorn, expert choice) are computed per micro-batch, so a
+    layout-dependent default would change the losses with the layout.
+    """
+    return math.gcd(global_batch_size, DEFAULT_MICRO_BATCH_SIZE)
 
 
 def resolve_batch_layout(
@@ -26,13 +40,13 @@ def resolve_batch_layout(
     `num_replicas` is the data-parallel size `dp_ep` (dp x ep). `microbatches_per_step` is the
     number of loader batches one training step consumes together (`pp_microbatches` under pipeline
     parallelism, see `MoE5DStrategy.microbatches_per_step`): the accumulation count must be a
-    multiple of it. `micro_batch_size=None` means the largest size that allows this:
-    `global_batch_size // (num_replicas * microbatches_per_step)`.
+    multiple of it. `micro_batch_size=None` means `default_micro_batch_size(global_batch_size)`,
+    the same on every layout.
 
     >>> resolve_batch_layout(16, 4, 2)
     (4, 2)
-    >>> resolve_batch_layout(16, None, 1, microbatches_per_step=2)
-    (8, 2)
+    >>> resolve_batch_layout(16, None, 2, microbatches_per_step=2)
+    (2, 4)
     """
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
@@ -41,25 +55,19 @@ def resolve_batch_layout(
     if microbatches_per_step < 1:
         raise ValueError(f"microbatches_per_step must be >= 1, got {microbatches_per_step}")
     pipelined = microbatches_per_step > 1
-    if micro_batch_size is None:
-        per_step = num_replicas * microbatches_per_step
-        if global_batch_size % per_step:
-            names, product = ("dp_ep*pp_microbatches", f"{num_replicas}*{microbatches_per_step} = ") if pipelined else ("dp_ep", "")
-            raise ValueError(
-                f"global_batch_size {global_batch_size} not divisible by {names} = {product}{per_step} (the"
-                f" data-parallel replicas{', times the micro-batches of a pipeline step' if pipelined else ''}):"
-                f" make global_batch_size a multiple of {per_step}"
-            )
-        return global_batch_size // per_step, microbatches_per_step
+    default = micro_batch_size is None
+    if default:
+        micro_batch_size = default_micro_batch_size(global_batch_size)
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
     per_step = micro_batch_size * num_replicas * microbatches_per_step
     if global_batch_size % per_step:
         product = f"{micro_batch_size}*{num_replicas}" + (f"*{microbatches_per_step}" if pipelined else "")
         names = "micro_batch_size*dp_ep" + ("*pp_microbatches" if pipelined else "")
+        which = f" (the default, {micro_batch_size} on every layout)" if default else ""
         raise ValueError(
-            f"global_batch_size {global_batch_size} not divisible by {names} = {product} = {per_step}:"
-            f" make global_batch_size a multiple of {per_step} or change micro_batch_size"
+            f"global_batch_size {global_batch_size} not divisible by {names} = {product} = {per_step}"
+            f"{which}: make global_batch_size a multiple of {per_step} or change micro_batch_size"
         )
     return micro_batch_size, global_batch_size // (micro_batch_size * num_replicas)
 
