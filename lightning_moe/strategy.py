@@ -103,7 +103,7 @@ class MoE5DStrategy(ModelParallelStrategy):
             share of the key/value heads (a divisor of them): the K/V and dK/dV blocks in flight
             shrink by this factor for as many times more P2P messages (memory vs. latency).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
-        timeout: process-group timeout.
+        timeout: process-group timeout (a ``timedelta`` or seconds).
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
         activation_checkpointing: ``"none"``, ``"full"`` (each block recomputed in backward) or ``"selective"``
             (only the MoE expert FFNs and the attention core; dispatch all-to-alls run once), see
@@ -136,7 +136,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         context_parallel_keys: Sequence[str] = (),
         cp_head_chunks: int = 1,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         save_distributed_checkpoint: bool = True,
         layout: Literal["manual", "auto"] = "manual",
         layout_options: dict[str, Any] | None = None,
@@ -145,6 +145,9 @@ class MoE5DStrategy(ModelParallelStrategy):
         compile: bool = False,
         deterministic: bool = False,
     ) -> None:
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            # Seconds, as a YAML config can give them.
+            timeout = timedelta(seconds=timeout)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,

@@ -212,3 +212,18 @@ def test_wandb_runs_offline_one_run_per_sweep_job(tmp_path):
         assert list(offline_run.glob("run-*.wandb"))
         assert f"summary.json: {sweep_dir / str(job) / 'summary.json'}" in stdout
         assert f"W&B offline run: {offline_run}" in stdout
+
+
+@pytest.mark.parametrize("preset", _options("parallel"))
+def test_every_preset_takes_every_strategy_argument(tmp_path, preset):
+    """A user types ``parallel.<argument>=...``: every preset carries every MoE5DStrategy argument."""
+    import inspect
+
+    arguments = set(inspect.signature(MoE5DStrategy.__init__).parameters) - {"self"}
+    cfg = _compose(tmp_path, f"parallel={preset}", "parallel.ranks_per_node=2", "parallel.timeout=60")
+    assert arguments <= set(cfg.parallel), sorted(arguments - set(cfg.parallel))
+    if preset in ("single", "auto"):
+        return  # one process: ranks_per_node=2 is rightly refused there
+    strategy = build(cfg).trainer.strategy
+    assert strategy.parallel_dims.ranks_per_node == 2
+    assert strategy._timeout.total_seconds() == 60
