@@ -11,6 +11,7 @@ torch API below is present there), pipeline parallelism torch >= 2.13 (see
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "local_shard_index",
     "materialize_distributed_module",
     "optimizers_to_device",
+    "pipeline_p2p_batcher",
     "replicate_module",
     "require_pipeline_stage_internals",
     "resolve_process_group",
@@ -126,6 +128,23 @@ def resolve_process_group(group: Any) -> dist.ProcessGroup:
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._resolve_process_group(funcol._resolve_group_name(group))
+
+
+def pipeline_p2p_batcher() -> tuple[ModuleType, str] | None:
+    """Where torch's pipeline schedules issue their point-to-point batches, as ``(module, name)``:
+    ``torch.distributed.pipelining.schedules._batch_p2p(p2p_ops, desc=None)``, looked up as a module
+    global at each call, so replacing the attribute reaches every schedule.
+
+    A batch of sends only (or receives only) goes out as separate ``P2POp.op(...)`` calls, the
+    ``dist.isend`` the op holds, never through ``dist.batch_isend_irecv``; a mixed batch goes
+    through ``dist.batch_isend_irecv``. The comm accounting wraps it to count both. None where
+    the module or the function is missing. Present and run on torch 2.13 (pipeline parallelism
+    needs >= 2.13, :func:`require_pipeline_stage_internals`)."""
+    try:
+        from torch.distributed.pipelining import schedules
+    except ImportError:
+        return None
+    return (schedules, "_batch_p2p") if callable(getattr(schedules, "_batch_p2p", None)) else None
 
 
 def run_schedule_forward_only(schedule: Any, *args: Any, **kwargs: Any) -> Any:

@@ -29,6 +29,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_moe.data.sampler import default_micro_batch_size
 from lightning_moe.parallel.planner import (
     CHECKPOINT_MODES,
     PARALLEL_DIMS,
@@ -64,8 +65,17 @@ def model_shape(model_cfg: Mapping[str, Any], name: str = "model") -> ModelShape
     return ModelShape.from_config(container, name=name)
 
 
-def layout_from_parallel(parallel: Mapping[str, Any], world_size: int, global_batch_size: int, micro_batch_size: int = 1) -> Layout:
-    """A :class:`Layout` from a ``parallel`` preset (the strategy's arguments); ``dp="auto"`` fills the rest."""
+def layout_from_parallel(
+    parallel: Mapping[str, Any], world_size: int, global_batch_size: int, micro_batch_size: int | None = None
+) -> Layout:
+    """The :class:`Layout` a ``parallel`` preset (the strategy's arguments) runs; ``dp="auto"`` fills the rest.
+
+    As the strategy and data modules run it: ``micro_batch_size=None`` is
+    :func:`~lightning_moe.data.sampler.default_micro_batch_size`, and under pp > 1 a pipeline step
+    runs ``pp_microbatches`` micro-batches (``null``: ``pp``), not all of the optimizer step's.
+    """
+    if micro_batch_size is None:
+        micro_batch_size = default_micro_batch_size(global_batch_size)
     sizes = {d: parallel.get(d, 1) for d in PARALLEL_DIMS}
     rest = math.prod(v for d, v in sizes.items() if d != "dp")
     if sizes["dp"] in ("auto", None, -1):
@@ -161,6 +171,37 @@ def plot_plan(result: Plan, path: Path, checkpointing: str = "none") -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _sizes(layout: Layout) -> tuple[int, ...]:
+    return (*(layout.size(d) for d in PARALLEL_DIMS), layout.etp)
+
+
+def format_same_sizes(requested: Estimate, result: Plan) -> str:
+    """Where the ranking stands on the requested layout's sizes: the same layout (same label, the
+    same estimate) or the fastest variant of its sizes, with the settings that run that variant."""
+    same = [(i, e) for i, e in enumerate(result.ranked, 1) if _sizes(e.layout) == _sizes(requested.layout)]
+    label = requested.layout.label()
+    if not same:
+        return f"The ranking has no fitting layout with the sizes of {label}."
+    exact = next(((i, e) for i, e in same if e.layout.label() == label), None)
+    if exact is not None:
+        return f"Ranked #{exact[0]} of {len(result.ranked)} (the same layout and estimate)."
+    i, best = same[0]
+    lay, req = best.layout, requested.layout
+    settings = []
+    if lay.micro_batch_size != req.micro_batch_size:
+        settings.append(f"data.micro_batch_size={lay.micro_batch_size}")
+    if lay.pp > 1:
+        if lay.pipeline_microbatches != req.pipeline_microbatches:
+            settings.append(f"parallel.pp_microbatches={lay.pipeline_microbatches}")
+        if (lay.pp_schedule, lay.pp_stages_per_rank) != (req.pp_schedule, req.pp_stages_per_rank):
+            settings += [f"parallel.pp_schedule={lay.pp_schedule}", f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}"]
+    return (
+        f"Not ranked as requested; the ranking's fastest with these sizes is #{i}, {lay.label()}:"
+        f" {best.step_time:.3g} s, {best.mfu:.1%} MFU (requested: {requested.step_time:.3g} s, {requested.mfu:.1%})."
+        f" To train it: {' '.join(settings)}."
+    )
 
 
 # -- dry run -------------------------------------------------------------------------------------------
@@ -292,15 +333,19 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
     budget = None if cfg.memory_budget_gib is None else float(cfg.memory_budget_gib) * GIB
     if cfg.get("dry_run_layers") is not None and not (isinstance(cfg.dry_run_layers, int) and cfg.dry_run_layers >= 1):
         raise ValueError(f"dry_run_layers={cfg.dry_run_layers!r} must be a positive integer (or null for the model's depth)")
+    # A micro-batch set in the data config is what will run: rank that one only. Unset, the ranking
+    # picks it per layout (the label names it), and a requested layout gets the data modules' default.
+    micro_batch = cfg.data.get("micro_batch_size")
     started = time.perf_counter()
     result = plan(
         world_size, shape, cluster, seq_len=seq_len, global_batch_size=gbs, precision=cfg.precision,
         checkpointing=cfg.checkpointing, memory_budget=budget, max_tp=cfg.max_tp,
+        micro_batch_sizes=None if micro_batch is None else [int(micro_batch)],
     )  # fmt: skip
     planned_s = time.perf_counter() - started
     extra: Estimate | None = None
     if cfg.get("parallel") is not None:
-        layout = layout_from_parallel(cfg.parallel, world_size, gbs)
+        layout = layout_from_parallel(cfg.parallel, world_size, gbs, micro_batch)
         problems = layout_problems(shape, layout, seq_len, gbs)
         if problems:
             raise ValueError(f"parallel layout {layout.label()} is invalid: " + "; ".join(problems))
@@ -316,6 +361,7 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
     if extra is not None:
         print("\nRequested layout (parallel=...):")
         print(format_table([extra], cfg.checkpointing))
+        print(format_same_sizes(extra, result))
     print()
     print(format_rejected(result.rejected))
     out: dict[str, Any] = {

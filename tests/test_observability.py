@@ -206,6 +206,38 @@ def uncounted_case() -> dict:
     return comm.snapshot()
 
 
+def pipeline_p2p_case() -> dict:
+    """torch's pipeline schedules hand their P2P to ``schedules._batch_p2p``: a batch of sends only
+    goes out as separate ``isend`` calls, a mixed batch through ``batch_isend_irecv``."""
+    from torch.distributed.pipelining import schedules
+
+    from lightning_moe import comm
+    from lightning_moe.callbacks import GroupDims, count_collectives
+
+    rank = dist.get_rank()
+    peer = rank ^ 1  # pairs (0, 1) and (2, 3), like two pipeline stages
+    world = dist.new_group(list(range(dist.get_world_size())))
+    comm.reset()
+    with count_collectives(GroupDims(by_ranks={frozenset(range(dist.get_world_size())): ("pp",)})):
+        if rank % 2 == 0:  # sends only: 8 and 4 floats
+            ops = [dist.P2POp(dist.isend, torch.ones(n), peer, group=world) for n in (8, 4)]
+        else:
+            ops = [dist.P2POp(dist.irecv, torch.empty(n), peer, group=world) for n in (8, 4)]
+        schedules._wait_batch_p2p(schedules._batch_p2p(ops, desc="sends"))
+        # a mixed batch: 16 floats each way
+        ops = [dist.P2POp(dist.isend, torch.ones(16), peer, group=world), dist.P2POp(dist.irecv, torch.empty(16), peer, group=world)]
+        schedules._wait_batch_p2p(schedules._batch_p2p(ops, desc="mixed"))
+    return comm.snapshot()
+
+
+@pytest.mark.slow
+def test_pipeline_schedule_sends_are_counted_once():
+    for rank, counters in enumerate(get_pool(WORLD).run(pipeline_p2p_case)):
+        sends_only = {"bytes": (8 + 4) * FP32, "calls": 2} if rank % 2 == 0 else {"bytes": 0, "calls": 0}
+        expected = {"bytes": sends_only["bytes"] + 16 * FP32, "calls": sends_only["calls"] + 1}
+        assert counters == {"pp": expected}, (rank, counters)
+
+
 @pytest.mark.slow
 def test_collectives_are_counted_once_and_only_inside_the_block():
     for rank, counters in enumerate(get_pool(WORLD).run(uncounted_case)):

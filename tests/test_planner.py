@@ -139,6 +139,34 @@ def test_mixtral_on_256_h100_plans_in_seconds_and_writes_its_outputs(tmp_path, c
     assert out["model"] == "mixtral_8x7b"
 
 
+def test_a_requested_layout_and_the_ranking_never_share_a_label_with_different_estimates(capsys):
+    """``parallel=`` runs pp_microbatches=pp micro-batches per pipeline step (the strategy's default)
+    with the data modules' default micro-batch; the ranking runs all of them in one pipeline step.
+    Different estimates, so different labels; asked for exactly the ranked layout, the same one."""
+    sizes = ["parallel=single", "parallel.tp=8", "parallel.ep=8", "parallel.pp=8"]
+    common = ["model=mixtral_8x22b", "cluster=h100_sxm", "world_size=1024", "top=1"]
+    out = run_plan(compose_plan(*common, *sizes), None, {"model": "mixtral_8x22b", "cluster": "h100_sxm"})
+    requested = out["requested"]
+    assert requested["micro_batch_size"] == 2 and requested["pp_microbatches"] == 8  # as the run would be
+    by_label = {e["label"]: e for e in out["layouts"] + out["rejected"]}
+    assert len(by_label) == len(out["layouts"]) + len(out["rejected"])
+    if requested["label"] in by_label:
+        assert by_label[requested["label"]]["step_time_s"] == requested["step_time_s"]
+    best = out["layouts"][0]
+    assert best["label"].startswith("tp8·ep8·dp2·pp8 ") and best["label"] != requested["label"]
+    assert f"pp_microbatches={best['pp_microbatches']}" in best["label"]
+    printed = capsys.readouterr().out
+    assert f"#1, {best['label']}" in printed and "parallel.pp_microbatches=32" in printed
+
+    same = run_plan(
+        compose_plan(*common, *sizes, "parallel.pp_microbatches=32", "++data.micro_batch_size=1"), None,
+        {"model": "mixtral_8x22b", "cluster": "h100_sxm"},
+    )
+    assert same["requested"]["label"] == same["layouts"][0]["label"] == best["label"]
+    assert same["requested"]["step_time_s"] == same["layouts"][0]["step_time_s"] == best["step_time_s"]
+    assert "Ranked #1 of" in capsys.readouterr().out
+
+
 # -- bad input -----------------------------------------------------------------------------------------
 def test_unknown_presets_are_named_with_the_choices(tmp_path):
     cfg = compose_plan("model=tiny")
@@ -194,6 +222,25 @@ def test_dry_run_at_1024_ranks_is_quick_and_exact():
     assert views[2].parameter_bytes <= views[2].model_padded_bytes
 
 
+@pytest.mark.parametrize("model", ["deepseek_v3", "mixtral_8x22b"])
+def test_the_planners_first_choice_at_1024_ranks_dry_runs(model):
+    """As ``python -m lightning_moe.plan model=<model> cluster=h100_sxm world_size=1024 dry_run=true``,
+    the model cut to 8 layers (the planner still ranks the full one). DeepSeek-V3's first choice,
+    tp2·cp2·ep256, holds one expert per rank with its FFN dim split over tp: a block FSDP2 once
+    refused as non-contiguous."""
+    cfg = compose_plan(f"model={model}", "cluster=h100_sxm", "world_size=1024", "dry_run=true", "dry_run_layers=8", "top=1")
+    out = run_plan(cfg, None, {"model": model, "cluster": "h100_sxm"})
+    assert out["dry_run"]["layout"] == out["layouts"][0]["label"]
+    assert [r["rank"] for r in out["dry_run"]["ranks"]] == [0, 512, 1023]
+    assert all(r["matches"] for r in out["dry_run"]["ranks"])
+
+
+def test_expert_shards_are_contiguous_with_one_expert_per_rank():
+    cfg = {"_target_": "lightning_moe.models.MoEGPT", **TINY, "max_steps": 1, "max_seq_len": 32}
+    views = dry_run(cfg, Layout(tp=2, ep=4, etp=2), ranks=[0, 7])  # 4 experts over ep4: one per rank
+    assert all(v.matches for v in views), [v.mismatches for v in views]
+
+
 def test_dry_run_fails_with_the_codes_own_error():
     cfg = {"_target_": "lightning_moe.models.MoEGPT", **TINY, "max_steps": 1, "max_seq_len": 32}
     with pytest.raises(ValueError, match="num_experts 4 is not divisible by ep 8"):
@@ -229,38 +276,15 @@ def test_real_gloo_ranks_hold_the_planned_bytes(sizes):
 
 
 # -- communication bytes against the comm accounting of real runs --------------------------------------
-# torch's pipeline schedules send pure-send batches with dist.isend, which the accounting does not
-# wrap (only batch_isend_irecv and send): this shim records them as the accounting would, so that
-# the pp check compares everything the code sends. (The same four lines belong in comm_accounting.)
-_SHIM = """
-import runpy, torch.distributed as dist
-import torch.distributed.pipelining.schedules as schedules
-import lightning_moe.callbacks.comm_accounting as ca
-from lightning_moe import comm
-_batch_p2p = schedules._batch_p2p
-def counted_batch_p2p(ops, desc=None):
-    if ops and {op.op for op in ops} == {dist.isend} and ca._counts_this_call():
-        for op in ops:
-            size, _, dim = ca._group_info(op.group)
-            if size > 1:
-                comm.record(dim, ca._nbytes(op.tensor))
-    return _batch_p2p(ops, desc)
-schedules._batch_p2p = counted_batch_p2p
-runpy.run_module("lightning_moe.train", run_name="__main__")
-"""
-
-
 def _measured_comm(run_dir: Path, parallel: str) -> dict[str, float]:
     """comm/<dim>_bytes of the last optimizer step of a 2-step CLI run (first-step set-up left out)."""
     close_pools()
     run_dir.mkdir(parents=True)
-    script = run_dir / "train_counting_isend.py"
-    script.write_text(_SHIM)
     overrides = [*TINY_RUN, "trainer.max_steps=2", "++trainer.gradient_clip_val=null", "logger=csv",
                  "trainer.log_every_n_steps=1", "~callbacks.progress_bar", "~callbacks.expert_load_plots",
                  f"parallel={parallel}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script), *overrides], cwd=run_dir, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "lightning_moe.train", *overrides], cwd=run_dir, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("comm/dp_bytes")]
     last = rows[-1]
@@ -316,6 +340,19 @@ def test_auto_layout_takes_the_planners_best_for_the_world_size():
     assert {d: getattr(dims, d) for d in ("tp", "cp", "ep", "dp", "pp", "etp")} == {
         d: v for d, v in best.layout.strategy_kwargs().items() if d in ("tp", "cp", "ep", "dp", "pp", "etp")
     }
+
+
+def test_auto_layout_without_a_micro_batch_ranks_the_data_modules_default():
+    """micro_batch_size=None (parallel=auto with the data config's null) is what the data modules
+    run: default_micro_batch_size of the global batch, whatever the layout."""
+    from lightning_moe.data.sampler import default_micro_batch_size
+    from lightning_moe.parallel.planner import resolve_auto_layout
+
+    options = {"model": TINY, "cluster": OmegaConf.to_container(compose_plan("cluster=cpu_local").cluster),
+               "seq_len": TINY_SEQ, "global_batch_size": 32, "micro_batch_size": None}  # fmt: skip
+    for world in (1, 2, 4):
+        best, runner_up = resolve_auto_layout(world, **options)
+        assert {e.layout.micro_batch_size for e in (best, runner_up) if e is not None} == {default_micro_batch_size(32)}
 
 
 def test_auto_layout_preset_hands_the_run_config_to_the_planner():

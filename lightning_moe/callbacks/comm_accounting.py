@@ -7,7 +7,8 @@ Two sources add up in :data:`lightning_moe.comm.COUNTERS`:
   record their backward too;
 - every other collective issued during the step is counted by :func:`count_collectives`, which
   wraps the ``torch.distributed`` functions (FSDP2's parameter all-gathers and gradient
-  reduce-scatters, DDP-style all-reduces, P2P) and the functional collectives of
+  reduce-scatters, DDP-style all-reduces, P2P, the send batches of torch's pipeline schedules,
+  which bypass ``batch_isend_irecv``) and the functional collectives of
   ``torch.distributed._functional_collectives`` (DTensor redistributions: tensor-parallel plans,
   the gradient-norm reduction of clipping) for the duration of the step, and maps each call's
   process group to a dimension by its ranks (see :func:`group_dims`).
@@ -36,7 +37,7 @@ import torch.distributed.distributed_c10d as c10d
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_moe import comm
-from lightning_moe._compat import funcol, resolve_process_group
+from lightning_moe._compat import funcol, pipeline_p2p_batcher, resolve_process_group
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
 
 DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -254,6 +255,27 @@ def _counted_batch_isend_irecv(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _counted_pipeline_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Count the sends of torch's pipeline schedules (:func:`lightning_moe._compat.pipeline_p2p_batcher`):
+    one call per send, its tensor's bytes, under its group's dim. Whatever the batcher calls
+    inside (separate ``isend`` calls, or ``batch_isend_irecv`` for a mixed batch) is not counted
+    again."""
+
+    @functools.wraps(fn)
+    def wrapper(p2p_ops: list[dist.P2POp], *args: Any, **kwargs: Any) -> Any:
+        if not _counts_this_call():
+            return fn(p2p_ops, *args, **kwargs)
+        for op in p2p_ops:
+            if op.op is dist.isend:
+                size, _, dim = _group_info(op.group)
+                if size > 1:
+                    comm.record(dim, _nbytes(op.tensor))
+        with uncounted():
+            return fn(p2p_ops, *args, **kwargs)
+
+    return wrapper
+
+
 @contextmanager
 def count_collectives(groups: GroupDims) -> Iterator[None]:
     """Record into :data:`lightning_moe.comm.COUNTERS` every collective issued inside the block, under
@@ -283,6 +305,11 @@ def count_collectives(groups: GroupDims) -> Iterator[None]:
                     setattr(module, name, _counted(getattr(module, name), sent_bytes, module is funcol))
         originals.append((dist, "batch_isend_irecv", dist.batch_isend_irecv))
         dist.batch_isend_irecv = _counted_batch_isend_irecv(dist.batch_isend_irecv)
+        batcher = pipeline_p2p_batcher()
+        if batcher is not None:
+            module, name = batcher
+            originals.append((module, name, getattr(module, name)))
+            setattr(module, name, _counted_pipeline_batch(getattr(module, name)))
         _ACTIVE_GROUPS = groups
         yield
     finally:

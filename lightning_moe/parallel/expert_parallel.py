@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -37,7 +38,11 @@ def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
             if expert_tp:
                 local = local.chunk(dims.tp, dim=_FFN_DIM[name])[dims.tp_mesh.get_local_rank()]
                 placements[1] = Shard(_FFN_DIM[name])
-            sharded = DTensor.from_local(local.clone(), mesh, placements, run_check=False)
+            # A fresh row-major copy, not clone()'s preserved strides: with one expert per rank the
+            # block is "contiguous" (a size-1 dim's stride is free) yet keeps the full tensor's
+            # expert stride, which DTensor scales into a global stride FSDP rejects as non-contiguous.
+            local = local.clone(memory_format=torch.contiguous_format)
+            sharded = DTensor.from_local(local, mesh, placements, run_check=False)
             setattr(layer.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         layer.dispatcher = _build_dispatcher(layer, dims)
         layer.ep_group, layer.ep_size = dims.ep_group, dims.ep

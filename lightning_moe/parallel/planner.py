@@ -331,12 +331,18 @@ class Layout:
         return getattr(self, dim)
 
     def label(self) -> str:
+        """Everything the estimate depends on besides the model and cluster, e.g.
+        ``tp8·ep8·dp2·pp8 mb1 1F1B pp_microbatches=32``: the sizes, ``etp1`` when experts are not
+        tensor-parallel, the micro-batch size and, under pp > 1, the schedule (``v2``: stages per
+        rank) and the micro-batches of one pipeline step (they set the bubble), so that two layouts
+        with different estimates never share a label."""
         parts = [f"{d}{self.size(d)}" for d in PARALLEL_DIMS if self.size(d) > 1] or ["single"]
         if self.tp > 1 and self.etp == 1:
             parts.append("etp1")
         text = "·".join(parts) + f" mb{self.micro_batch_size}"
         if self.pp > 1:
             text += f" {self.pp_schedule}" + (f"v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
+            text += f" pp_microbatches={self.pipeline_microbatches}"
         return text
 
     def strategy_kwargs(self) -> dict[str, Any]:
@@ -957,6 +963,7 @@ class Estimate:
             "microbatches": self.layout.microbatches,
             "pp_schedule": self.layout.pp_schedule if self.layout.pp > 1 else None,
             "pp_stages_per_rank": self.layout.pp_stages_per_rank,
+            "pp_microbatches": self.layout.pipeline_microbatches if self.layout.pp > 1 else None,
             "label": self.layout.label(),
             "step_time_s": self.step_time,
             "compute_time_s": self.compute_time,
@@ -1364,8 +1371,10 @@ def resolve_auto_layout(
 
     ``layout_options`` are this function's keyword arguments: ``model`` (MoEGPT arguments or a
     :class:`ModelShape`), ``cluster`` (a cluster preset's keys or a :class:`Cluster`), ``seq_len``,
-    ``global_batch_size``, ``micro_batch_size`` (the data module's; None lets the planner choose)
-    and ``precision`` (Lightning's string). ``conf/parallel/auto.yaml`` fills them from the run's config.
+    ``global_batch_size``, ``micro_batch_size`` (the data module's; None stands for what the data
+    modules make of None, :func:`~lightning_moe.data.sampler.default_micro_batch_size`, so that
+    layouts are ranked with the micro-batch that will run) and ``precision`` (Lightning's string).
+    ``conf/parallel/auto.yaml`` fills them from the run's config.
 
     Example::
 
@@ -1380,9 +1389,14 @@ def resolve_auto_layout(
         )
     shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model, name="model")  # type: ignore[arg-type]
     machine = cluster if isinstance(cluster, Cluster) else Cluster.from_config(cluster)  # type: ignore[arg-type]
+    if micro_batch_size is None:
+        # Imported here: the cost model stays free of the data modules' Lightning imports.
+        from lightning_moe.data.sampler import default_micro_batch_size
+
+        micro_batch_size = default_micro_batch_size(int(global_batch_size))  # type: ignore[arg-type]
     result = plan(
         world_size, shape, machine, seq_len=int(seq_len), global_batch_size=int(global_batch_size),  # type: ignore[arg-type]
-        precision=_precision_of(precision), micro_batch_sizes=None if micro_batch_size is None else [int(micro_batch_size)],
+        precision=_precision_of(precision), micro_batch_sizes=[int(micro_batch_size)],
     )  # fmt: skip
     if not result.ranked:
         smallest = result.rejected[0]
