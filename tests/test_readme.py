@@ -1,0 +1,348 @@
+"""README.md as typed: every shell command and Python block of its fenced code blocks runs here.
+
+The blocks are read from README.md itself (and from the docs pages in ``DOC_PAGES``), so an edit
+to the README is what gets tested. Each command is shrunk where it would be slow — Hydra
+overrides for a tiny model and 3 steps, or a few listed text substitutions in a Python block —
+and its output is checked against what the README says it prints. A block or command that is
+deliberately not run is named in ``NOT_RUN`` with the reason; any other command without a
+handler here fails, so a new README command cannot go untested.
+
+Multi-process Trainer runs always start in a subprocess: Lightning's launcher re-executes
+``sys.argv``, which must never be pytest's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import close_pools
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# Docs pages whose blocks are cheap enough to run as well (blocks equal to a README block run once).
+DOC_PAGES = ("docs/moe-layer.md",)
+
+# Commands (by their first words) and Python blocks (by a line they contain) that are not run.
+NOT_RUN: dict[str, str] = {
+    "make test": "it is the whole suite (~29 min on 2 cores), this module included",
+}
+
+# A tiny model and 3 steps. Unlike tests/cli.py's TINY_RUN, no data.micro_batch_size: the README
+# promises the single-process losses with the default micro-batch.
+SHRINK_MODEL = [
+    "data.seq_len=32",
+    "data.global_batch_size=8",
+    "data.max_corpus_bytes=200000",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.moe.num_experts=4",
+    "model.moe.ffn_hidden_size=32",
+]
+STEPS = 3
+SHRINK_TRAIN = [
+    "logger=none",
+    f"trainer.max_steps={STEPS}",
+    "trainer.val_check_interval=null",
+    "trainer.limit_val_batches=0",
+    *SHRINK_MODEL,
+]
+# What README says summary.json holds: layout, per-step losses, tokens/s, expert load,
+# communication per dimension, final loss.
+SUMMARY_KEYS = {"layout", "losses", "tokens_per_second", "expert_load", "comm", "final_loss"}
+TIMEOUT = 420
+
+
+@dataclass(frozen=True)
+class Block:
+    source: str  # file relative to ROOT
+    line: int  # first line of the block's contents
+    lang: str
+    text: str
+
+
+def fenced_blocks(path: Path) -> list[Block]:
+    """Every fenced code block of a Markdown file, in order."""
+    blocks, lines = [], path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        match = re.match(r"^```(\w*)\s*$", lines[i])
+        if match:
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            blocks.append(Block(str(path.relative_to(ROOT)), i + 2, match.group(1), "\n".join(lines[i + 1 : end]) + "\n"))
+            i = end
+        i += 1
+    return blocks
+
+
+def shell_commands(block: Block) -> list[str]:
+    """The commands of a bash block, one a line, without their trailing comments."""
+    commands = []
+    for raw in block.text.splitlines():
+        command = re.sub(r"\s+#.*$", "", raw).strip()
+        if command and not command.startswith("#"):
+            commands.append(command)
+    return commands
+
+
+README_BLOCKS = fenced_blocks(README)
+DOC_BLOCKS = [b for page in DOC_PAGES for b in fenced_blocks(ROOT / page) if b.text not in {r.text for r in README_BLOCKS}]
+COMMANDS = [(b, c) for b in README_BLOCKS if b.lang in ("bash", "sh", "shell") for c in shell_commands(b)]
+PYTHON_BLOCKS = [b for b in README_BLOCKS + DOC_BLOCKS if b.lang == "python"]
+
+
+def _run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT, env: dict | None = None) -> subprocess.CompletedProcess:
+    close_pools()  # the run's processes get the cores to themselves
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", **(env or {}))
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _layout_line(output: str) -> dict[str, int]:
+    """The sizes of the CLI's ``layout: tp=1 cp=1 ep=2 ...`` line."""
+    match = re.search(r"^\s*layout: ((?:\w+=\d+ ?)+)$", output, re.M)
+    assert match, f"no 'layout: ...' line in the output:\n{output[-3000:]}"
+    return {k: int(v) for k, v in (item.split("=") for item in match.group(1).split())}
+
+
+def _preset_sizes(preset: str) -> dict[str, int]:
+    """``dp2_ep2`` -> {dp: 2, ep: 2}; ``single`` -> {}."""
+    return {name: int(size) for name, size in re.findall(r"([a-z]+)(\d+)", preset)}
+
+
+def _check_train_run(output: str, run_dir: Path, overrides: list[str]) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert SUMMARY_KEYS <= summary.keys(), f"summary.json lacks {SUMMARY_KEYS - summary.keys()}"
+    assert _layout_line(output) == summary["layout"]
+    preset = next((o.split("=", 1)[1] for o in overrides if o.startswith("parallel=")), "single")
+    for dim in ("tp", "cp", "ep", "dp", "pp"):
+        assert summary["layout"][dim] == _preset_sizes(preset).get(dim, 1), (preset, summary["layout"])
+    return summary
+
+
+def _rel(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+# --- shell commands -------------------------------------------------------------------------------
+
+
+def run_make_train(command: str, tmp_path: Path, state: dict) -> None:
+    """`make train`: the default experiment under ep2, shrunk through ARGS (the Makefile's own hook)."""
+    stale = subprocess.run(["make", "-q", ".venv/.installed"], cwd=ROOT, capture_output=True)
+    if stale.returncode != 0:
+        pytest.skip("make train would pip-install first (.venv/.installed is stale); run `make install`")
+    run_dir = tmp_path / "make_train"
+    args = [o for o in SHRINK_TRAIN if o != "logger=none"] + [f"hydra.run.dir={run_dir}"]
+    proc = _run([*shlex.split(command), f"ARGS={' '.join(args)}"], ROOT, env={"WANDB_DIR": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    summary = _check_train_run(out, run_dir, ["parallel=ep2"])  # the README: ep2 unless ARGS picks a layout
+    assert _layout_line(out) == {"tp": 1, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1}
+    assert len(summary["losses"]) == STEPS
+    # The bytes each rank sent per optimizer step: ep for the all-to-all, dp for FSDP.
+    assert re.search(r"^\s*communication per optimizer step and rank: .*\bep [\d.]+ MB.*\bdp [\d.]+ MB", out, re.M), out[-2000:]
+    assert str(run_dir / "summary.json") in out
+    assert "wandb" in out.lower(), "the W&B offline run is not reported"
+
+
+def run_train(command: str, tmp_path: Path, state: dict) -> None:
+    """`python -m lightning_moe.train ...`: tiny model, 3 steps; the checks the comment names."""
+    words = shlex.split(command.replace("<run dir>", str(state.get("<run dir>", "<run dir>"))))
+    overrides = words[3:]
+    resume = any(o.startswith("ckpt_path=") for o in overrides)
+    if resume and "<run dir>" not in state:
+        pytest.fail("resuming needs the checkpoint of the README's `callbacks=checkpoint` command, which did not run")
+    run_dir = tmp_path / "run"
+    shrink = [o.replace(f"max_steps={STEPS}", f"max_steps={STEPS + 2}") if resume else o for o in SHRINK_TRAIN]
+    proc = _run([sys.executable, *words[1:], *shrink, f"hydra.run.dir={run_dir}"], tmp_path)
+    summary = _check_train_run(proc.stdout + proc.stderr, run_dir, overrides)
+    if "callbacks=checkpoint" in overrides:
+        assert (run_dir / "checkpoints" / "last.ckpt").is_dir(), "no <run dir>/checkpoints/last.ckpt"
+        state["<run dir>"] = run_dir
+    if resume:
+        # Steps 4-5 on the new layout, after the checkpoint's 3.
+        assert 1 <= len(summary["losses"]) <= STEPS + 2 and summary["losses"][-1] > 0
+    elif any(o.startswith("parallel=") and o != "parallel=single" for o in overrides):
+        # "the losses of parallel=single" (and of any layout), with the default micro-batch.
+        single_dir = tmp_path / "single"
+        _run([sys.executable, "-m", "lightning_moe.train", *shrink, f"hydra.run.dir={single_dir}"], tmp_path)
+        single = json.loads((single_dir / "summary.json").read_text())
+        assert _rel(summary["losses"], single["losses"]) < 1e-5, (summary["losses"], single["losses"])
+
+
+def run_checkpoint_inspect(command: str, tmp_path: Path, state: dict) -> None:
+    """`python -m lightning_moe.checkpoint inspect <ckpt>`: layout, step, tensors with global shapes."""
+    if "<run dir>" not in state:
+        pytest.fail("inspect needs the checkpoint of the README's `callbacks=checkpoint` command, which did not run")
+    words = shlex.split(command.replace("<run dir>", str(state["<run dir>"])))
+    out = _run([sys.executable, *words[1:]], tmp_path).stdout
+    assert re.search(r"^\s*layout: tp=1 cp=1 ep=2", out, re.M), out[:2000]
+    assert re.search(rf"global step: {STEPS}\b", out), out[:2000]
+    assert "global shape" in out and "tok_embeddings.weight" in out
+
+
+def run_verify(command: str, tmp_path: Path, state: dict) -> None:
+    """`python -m lightning_moe.verify parallel=...`: PASS (exit 0) for MoEGPT with the default data config."""
+    run_dir = tmp_path / "verify"
+    words = shlex.split(command)
+    proc = _run([sys.executable, *words[1:], *SHRINK_MODEL, "verify.steps=2", f"hydra.run.dir={run_dir}"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert re.search(r"^\s*PASS\b", out, re.M), out[-4000:]
+    report = json.loads(next(run_dir.rglob("verify.json")).read_text())
+    assert report, "empty verify.json"
+
+
+def run_plan(command: str, tmp_path: Path, state: dict) -> None:
+    """`python -m lightning_moe.plan ...`: the ranked table, plan.json with every layout's sizes."""
+    run_dir = tmp_path / "plan"
+    out = _run([sys.executable, *shlex.split(command)[1:], f"hydra.run.dir={run_dir}"], tmp_path).stdout
+    assert re.search(r"layouts fit", out), out[:3000]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert "tp·" in out or "ep" in out
+    text = json.dumps(plan)
+    for dim in ("tp", "cp", "ep", "dp", "pp"):
+        assert f'"{dim}"' in text, f"plan.json has no {dim!r} key"
+
+
+HANDLERS: list[tuple[str, Callable[[str, Path, dict], None]]] = [
+    (r"^make train\b", run_make_train),
+    (r"^python -m lightning_moe\.train\b", run_train),
+    (r"^python -m lightning_moe\.checkpoint inspect\b", run_checkpoint_inspect),
+    (r"^python -m lightning_moe\.verify\b", run_verify),
+    (r"^python -m lightning_moe\.plan\b", run_plan),
+]
+
+
+@pytest.fixture(scope="module")
+def state() -> dict:
+    """What one README command leaves for a later one (the run dir with a checkpoint)."""
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("block", "command"), COMMANDS, ids=[f"{b.source}:{b.line}:{c[:60]}" for b, c in COMMANDS])
+def test_readme_command(block: Block, command: str, tmp_path_factory: pytest.TempPathFactory, state: dict) -> None:
+    for prefix, reason in NOT_RUN.items():
+        if command.startswith(prefix):
+            pytest.skip(f"not run: {reason}")
+    handler = next((h for pattern, h in HANDLERS if re.match(pattern, command)), None)
+    assert handler is not None, f"{block.source}:{block.line}: `{command}` has no handler in tests/test_readme.py: add one or a NOT_RUN entry"
+    handler(command, tmp_path_factory.mktemp("cmd"), state)
+
+
+# --- Python blocks --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PythonCheck:
+    marker: str  # a line fragment that identifies the block
+    substitutions: tuple[tuple[str, str], ...]  # (as typed, shrunk); each must occur in the block
+    check: Callable[[subprocess.CompletedProcess, Path], None]
+
+
+def _check_strategy_example(proc: subprocess.CompletedProcess, cwd: Path) -> None:
+    assert "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stdout + proc.stderr
+
+
+def _check_own_module(proc: subprocess.CompletedProcess, cwd: Path) -> None:
+    match = re.search(r"^final loss (\d+\.\d+)$", proc.stdout, re.M)
+    assert match, proc.stdout[-2000:]
+    assert 0 < float(match.group(1)) < 7  # about ln(256) = 5.5 after 3 steps
+
+
+def _check_hf_example(proc: subprocess.CompletedProcess, cwd: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = cwd / "out" / "hf"
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors")), sorted(out.iterdir())
+    model = AutoModelForCausalLM.from_pretrained(out)  # "loads with from_pretrained"
+    logits = model(torch.arange(16).view(1, 16)).logits
+    assert logits.shape == (1, 16, 256) and torch.isfinite(logits).all()
+
+
+def _check_moe_layer(proc: subprocess.CompletedProcess, cwd: Path) -> None:
+    # tokens_per_expert of 2 x 16 tokens, top-2: 64 routed slots over 8 experts.
+    counts = [float(x) for x in re.findall(r"\d+\.?", proc.stdout.split("tensor(")[-1])]
+    assert len(counts) == 8 and sum(counts) == 64, proc.stdout
+
+
+PYTHON_CHECKS = [
+    PythonCheck(
+        "trainer.fit(MoEGPT(",
+        (
+            ("max_steps=100", f"max_steps={STEPS}"),
+            ("MoEGPT(moe=", "MoEGPT(hidden_size=32, num_layers=2, num_heads=4, moe="),
+            ("ByteTextDataModule(global_batch_size=16)", "ByteTextDataModule(global_batch_size=16, seq_len=32, max_corpus_bytes=200000)"),
+        ),
+        _check_strategy_example,
+    ),
+    PythonCheck(
+        "class TinyMoELM(L.LightningModule):",
+        (("max_steps=20", f"max_steps={STEPS}"), ("seq_len=64,", "seq_len=64, max_corpus_bytes=200000,")),
+        _check_own_module,
+    ),
+    PythonCheck(
+        "module = hf.HFMoEModule(",
+        (("max_steps=10", f"max_steps={STEPS}"), ("seq_len=128", "seq_len=32, max_corpus_bytes=200000")),
+        _check_hf_example,
+    ),
+    PythonCheck("layer = MoELayer(hidden_size=256", (), _check_moe_layer),
+]
+
+
+def _python_check(block: Block) -> PythonCheck:
+    found = [c for c in PYTHON_CHECKS if c.marker in block.text]
+    assert len(found) == 1, f"{block.source}:{block.line}: no (or several) PYTHON_CHECKS entries match this block: add one"
+    return found[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"{b.source}:{b.line}" for b in PYTHON_BLOCKS])
+def test_readme_python_block(block: Block, tmp_path: Path) -> None:
+    check = _python_check(block)
+    text = block.text
+    for typed, shrunk in check.substitutions:
+        assert typed in text, f"{block.source}:{block.line}: `{typed}` is gone; update PYTHON_CHECKS in tests/test_readme.py"
+        text = text.replace(typed, shrunk)
+    script = tmp_path / "block.py"
+    script.write_text(text)
+    proc = _run([sys.executable, str(script)], tmp_path)
+    check.check(proc, tmp_path)
+
+
+def test_readme_is_a_front_door() -> None:
+    """At most 15 KB; every docs/ page it links to exists; no citation of a file outside the repository."""
+    text = README.read_text()
+    assert len(text.encode()) <= 15_000, f"README.md is {len(text.encode())} bytes"
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if not target.startswith("http"):
+            assert (ROOT / target).exists(), f"README links to {target}, which does not exist"
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        assert "DESIGN.md" not in page.read_text(), f"{page.name} cites shared/DESIGN.md, which is not in the repository"
+
+
+def test_every_block_has_a_runner() -> None:
+    """Fast: each README command has a handler or a NOT_RUN reason, each Python block a check."""
+    assert COMMANDS and PYTHON_BLOCKS
+    for block, command in COMMANDS:
+        if not any(command.startswith(p) for p in NOT_RUN):
+            assert any(re.match(p, command) for p, _ in HANDLERS), f"{block.source}:{block.line}: `{command}` has no handler"
+    for block in PYTHON_BLOCKS:
+        check = _python_check(block)
+        for typed, _ in check.substitutions:
+            assert typed in block.text, f"{block.source}:{block.line}: `{typed}` is gone; update PYTHON_CHECKS"
+    for block in README_BLOCKS:
+        assert block.lang in ("bash", "python"), f"README.md:{block.line}: a ```{block.lang} block this test cannot run"
