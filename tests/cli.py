@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from tests.conftest import close_pools
@@ -32,8 +33,10 @@ TINY_RUN = [
 ]
 
 
-def run_cli(run_dir: Path, *overrides: str, timeout: int = 600, torchrun_procs: int | None = None) -> dict:
-    """Run ``python -m lightning_moe.train`` with ``overrides`` and return its summary.json.
+def run_cli(
+    run_dir: Path, *overrides: str, timeout: int = 600, torchrun_procs: int | None = None, base: Sequence[str] = TINY_RUN
+) -> dict:
+    """Run ``python -m lightning_moe.train`` with ``base`` and ``overrides``; return its summary.json.
 
     ``torchrun_procs``: start the processes with ``torchrun --nproc_per_node`` instead of
     Lightning's own launcher.
@@ -43,7 +46,7 @@ def run_cli(run_dir: Path, *overrides: str, timeout: int = 600, torchrun_procs: 
     launcher = [sys.executable, "-m"]
     if torchrun_procs is not None:
         launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}", "-m"]
-    cmd = [*launcher, "lightning_moe.train", *TINY_RUN, *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [*launcher, "lightning_moe.train", *base, *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
