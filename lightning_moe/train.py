@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,20 +158,30 @@ def build(cfg: DictConfig) -> TrainingRun:
 
 
 def describe_run(summary: dict[str, Any]) -> str:
-    """Two lines from a ``summary.json``: the layout, and the bytes each rank sent per optimizer step.
+    """The lines of a ``summary.json`` a user reads first: layout, final loss and throughput, and the
+    bytes each rank sent per optimizer step.
 
     Example::
 
-        describe_run({"layout": {"tp": 1, "ep": 2}, "comm": {"ep": {"bytes": 2.5e6, "calls": 10}}})
-        # 'layout: tp=1 ep=2\ncommunication per optimizer step and rank: ep 2.50 MB in 10 calls'
+        describe_run({"layout": {"tp": 1, "ep": 2}, "losses": [5.5, 4.9], "final_loss": 4.9,
+                      "tokens_per_second": 3210.4, "comm": {"ep": {"bytes": 2.5e6, "calls": 10}}})
+        # 'layout: tp=1 ep=2\nfinal loss: 4.9000 after 2 optimizer steps, 3,210 tokens/s\n'
+        # 'communication per optimizer step and rank: ep 2.50 MB in 10 calls'
     """
     layout = " ".join(f"{name}={size}" for name, size in summary.get("layout", {}).items())
+    lines = [f"layout: {layout}"]
+    final_loss, tokens_per_second = summary.get("final_loss"), summary.get("tokens_per_second")
+    if final_loss is not None:
+        steps = len(summary.get("losses", []))
+        rate = "" if tokens_per_second is None else f", {tokens_per_second:,.0f} tokens/s"
+        lines.append(f"final loss: {final_loss:.4f} after {steps} optimizer step{'s' * (steps != 1)}{rate}")
     sent = [
         f"{name} {entry['bytes'] / 1e6:.2f} MB in {entry['calls']:.0f} calls"
         for name, entry in summary.get("comm", {}).items()
         if entry.get("calls")
     ]
-    return f"layout: {layout}\ncommunication per optimizer step and rank: {', '.join(sent) or 'none'}"
+    lines.append(f"communication per optimizer step and rank: {', '.join(sent) or 'none'}")
+    return "\n".join(lines)
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -218,23 +230,65 @@ def train(cfg: DictConfig) -> float | None:
         wandb_runs = [logger.experiment for logger in run.loggers if isinstance(logger, WandbLogger)]
         for wandb_run in wandb_runs:
             # The next job of a sweep (same process) must start a new W&B run, not append to this one.
+            # Finishing also prints W&B's closing lines now, before the block below.
             wandb_run.finish()
 
     summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
-    if run.trainer.is_global_zero:  # last, after W&B's own closing messages
-        if summary is not None and summary.path is not None:
-            print(describe_run(json.loads(summary.path.read_text())))
-            print(f"summary.json: {summary.path}")
-        for wandb_run in wandb_runs:
-            print(f"W&B {wandb_run.settings.mode} run: {wandb_run.settings.sync_dir}")
-            if wandb_run.settings.mode == "offline":
-                print(f"  upload it with: wandb sync {wandb_run.settings.sync_dir}")
+    if run.trainer.is_global_zero:
+        print(run_report(summary, wandb_runs), flush=True)
     return summary.final_loss if summary is not None else None
+
+
+def run_report(summary: SummaryCallback | None, wandb_runs: list[Any]) -> str:
+    """The block the CLI prints last: :func:`describe_run` of ``summary.json`` and where the outputs are."""
+    lines = ["", "Run summary"]
+    if summary is not None and summary.path is not None:
+        lines += [f"  {line}" for line in describe_run(json.loads(summary.path.read_text())).splitlines()]
+        lines.append(f"  summary.json: {summary.path}")
+    for wandb_run in wandb_runs:
+        lines.append(f"  W&B {wandb_run.settings.mode} run: {wandb_run.settings.sync_dir}")
+        if wandb_run.settings.mode == "offline":
+            lines.append(f"  upload it with: wandb sync {wandb_run.settings.sync_dir}")
+    return "\n".join(lines)
+
+
+class _DropHostedServiceTips(logging.Filter):
+    """Lightning's tips to install ``litlogger`` and ``litmodels`` (its hosted services), printed on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("💡 Tip:") and ("litlogger" in message or "litmodels" in message))
+
+
+_HOSTED_SERVICE_TIPS = _DropHostedServiceTips()
+
+
+def quiet_known_harmless_output() -> None:
+    """Hide what Lightning prints on every CLI run that says nothing about this run (lightning 2.6, torch 2.13).
+
+    - torch 2.13 deprecates ``LeafSpec``, which Lightning's ``CombinedLoader`` builds: one
+      ``FutureWarning`` per rank, from Lightning's own module only;
+    - Lightning's tips for its hosted services (``litlogger``, ``litmodels``).
+
+    Exact messages and origins, so any other warning still prints. The CLI's processes all call
+    this (Lightning's launcher re-runs the command for ranks 1..N-1); Python users keep their own
+    warning filters.
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+    # rank_zero_info logs to whichever of the two names was imported last.
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_HOSTED_SERVICE_TIPS)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """``python -m lightning_moe.train``; the return value serves Hydra sweepers (e.g. Optuna)."""
+    quiet_known_harmless_output()
     return train(cfg)
 
 

@@ -3,12 +3,13 @@
 Example::
 
     from lightning_moe.callbacks import (
-        CommAccountingCallback, ExpertLoadPlotCallback, MoEMetricsCallback, SummaryCallback, ThroughputCallback,
+        CommAccountingCallback, ExpertLoadPlotCallback, MoEMetricsCallback, ParameterSummary, StepProgressBar,
+        SummaryCallback, ThroughputCallback,
     )
 
-    trainer = Trainer(strategy="moe5d", callbacks=[
+    trainer = Trainer(strategy="moe5d", max_steps=200, callbacks=[
         MoEMetricsCallback(), ExpertLoadPlotCallback(every_n_steps=50), CommAccountingCallback(),
-        ThroughputCallback(), SummaryCallback(),
+        ThroughputCallback(), SummaryCallback(), StepProgressBar(), ParameterSummary(),
     ])
 """
 
@@ -20,6 +21,7 @@ from lightning_moe.callbacks.comm_accounting import (
     group_dims,
     uncounted,
 )
+from lightning_moe.callbacks.console import ParameterSummary, StepProgressBar, counts_optimizer_steps
 from lightning_moe.callbacks.expert_load_plots import ExpertLoadPlotCallback
 from lightning_moe.callbacks.moe_metrics import (
     MoEMetricsCallback,
@@ -40,10 +42,13 @@ __all__ = [
     "MoEStatsMetric",
     "MoEStepResult",
     "OptimizerStepCallback",
+    "ParameterSummary",
+    "StepProgressBar",
     "SummaryCallback",
     "ThroughputCallback",
     "active_parameters",
     "count_collectives",
+    "counts_optimizer_steps",
     "data_parallel_size",
     "data_parallel_sum",
     "group_dims",

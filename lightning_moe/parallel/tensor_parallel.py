@@ -8,6 +8,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -33,6 +34,10 @@ def apply_tensor_parallel(module: nn.Module, dims: ParallelDims, sequence_parall
     plan_fn = getattr(module, "tensor_parallel_plan", None)
     if callable(plan_fn):
         parallelize_module(module, dims.tp_mesh, call_plan(plan_fn, sequence_parallel))
+        # The outputs that leave the module (the root's, and under pp each stage's end modules,
+        # which FSDP wraps as units of their own) must be no views: see own_view_outputs.
+        for unit in (module, *module.children()):
+            unit.register_forward_hook(own_view_outputs)
     elif _has_dense_parameters(module):
         raise ValueError(
             f"tp={dims.tp} needs a tensor-parallel plan: {type(module).__name__} has no tensor_parallel_plan() method"
@@ -43,6 +48,44 @@ def apply_tensor_parallel(module: nn.Module, dims: ParallelDims, sequence_parall
         # before its output hooks (which expect the output in the input's kind).
         layer.register_forward_pre_hook(partial(_enter_tp_tokens, dims=dims))
         layer.register_forward_hook(partial(_exit_tp_tokens, dims=dims), prepend=True)
+
+
+class _OwnStorage(torch.autograd.Function):
+    """Identity whose output is no view, sharing the input's storage and version counter.
+
+    A custom Function's output is a view only if it is the input itself or a differentiable view
+    of it; ``detach()`` is neither, yet keeps the storage (no copy) and the version counter (an
+    in-place change the backward cannot tolerate still raises).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def own_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook: every plain tensor of ``output`` that is an autograd view comes back as no view.
+
+    A tensor-parallel style with ``use_local_output=True`` ends in ``DTensor.to_local()``, which
+    returns a view (e.g. the replicated logits of a column-parallel head). FSDP2 hooks its
+    pre-backward on a module's outputs and warns for every view, because an in-place op on one
+    would drop that hook. Same values and gradients; no copy.
+    """
+    if not torch.is_grad_enabled():  # FSDP hooks no backward then
+        return output
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, DTensor) or tensor._base is None or not tensor.requires_grad:
+            return tensor
+        return _OwnStorage.apply(tensor)
+
+    if isinstance(output, torch.Tensor):  # the usual case: no container to rebuild
+        return own(output)
+    return apply_to_collection(output, torch.Tensor, own)
 
 
 def call_plan(plan_fn: Callable[..., dict[str, ParallelStyle]], sequence_parallel: bool) -> dict[str, ParallelStyle]:
