@@ -21,7 +21,7 @@ from lightning_moe.models import (
     rotary_cos_sin,
     warmup_cosine_factor,
 )
-from lightning_moe.models import moe_gpt
+from lightning_moe.models import causal_lm
 from lightning_moe.moe import MoELayer
 
 SMALL_MOE = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}
@@ -221,7 +221,7 @@ def test_optimizer_step_updates_expert_bias_once_per_step(tmp_path, monkeypatch)
     model = small_model(moe=moe)
     routers = [block.feed_forward.router for block in model.layers.values()]
     updates = []
-    real = moe_gpt.update_expert_biases
+    real = causal_lm.update_expert_biases
 
     def checked(module):
         loads = [r.expert_load.clone() for r in routers]
@@ -232,7 +232,7 @@ def test_optimizer_step_updates_expert_bias_once_per_step(tmp_path, monkeypatch)
             torch.testing.assert_close(router.expert_bias - old, 0.01 * torch.sign(load.mean() - load))
             updates.append(load.sum().item())
 
-    monkeypatch.setattr(moe_gpt, "update_expert_biases", checked)
+    monkeypatch.setattr(causal_lm, "update_expert_biases", checked)
     # 2 micro-batches of 4 x 16 tokens per optimizer step: one update per step, after both.
     dm = ByteTextDataModule(path=_byte_bin(tmp_path), seq_len=16, global_batch_size=8, micro_batch_size=4)
     quiet_trainer(max_steps=3, limit_val_batches=0).fit(model, datamodule=dm)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,11 +20,10 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_moe.hf.convert import SUPPORTED_MODEL_TYPES, check_supported, convert_moe_blocks, hf_state_dict
 from lightning_moe.hf.sharded_load import PretrainedShards
-from lightning_moe.models.moe_gpt import next_token_loss, warmup_cosine_factor
+from lightning_moe.models.causal_lm import CausalLMModule
 from lightning_moe.moe import MoELayer, TopKRouter
 from lightning_moe.parallel.init import seeded_generator
 
@@ -36,10 +33,6 @@ __all__ = ["HFMoEModule", "load_causal_lm"]
 UNSUPPORTED_LAYOUTS: dict[str, dict[str, str]] = {
     "gpt_oss": {
         "cp": "its attention sinks and sliding window need an explicit mask, which ring attention cannot take",
-        "tp": (
-            "its expert biases are not yet reduced over tp by the data-parallel wrapping (expert_output_bias) nor"
-            " sharded under expert TP (experts.b1/b3); the plan itself (sinks sharded with the heads) is in place"
-        ),
     },
     "olmoe": {"tp": "its q/k norms span all heads (a tp shard holds only some heads)"},
 }
@@ -87,6 +80,11 @@ class ShardHeadParameter(ParallelStyle):
 
     The parameter becomes a DTensor ``Shard(0)``; during the module's forward its local shard (a
     differentiable view) stands in for it, so the model code sees this rank's heads only.
+
+    The view is taken of the parameter the module holds when its forward starts, not of the one
+    made here: data parallelism (FSDP2) later replaces it by its own sharded parameter and, for each
+    forward, registers an unsharded one. A view of the parameter made here would send the gradient
+    to a tensor that is no longer trained (the sinks stayed at their initial values under tp2).
     """
 
     def __init__(self, name: str) -> None:
@@ -98,14 +96,18 @@ class ShardHeadParameter(ParallelStyle):
 
         name = self.name
         full = module._parameters[name]
-        sharded = nn.Parameter(distribute_tensor(full.detach(), device_mesh, [Shard(0)]), requires_grad=full.requires_grad)
-        module._parameters[name] = sharded
+        module._parameters[name] = nn.Parameter(
+            distribute_tensor(full.detach(), device_mesh, [Shard(0)]), requires_grad=full.requires_grad
+        )
+        held: list[Any] = []  # the parameter the module holds during its forward
 
         def enter(mod: nn.Module, args: Any) -> None:
-            mod._parameters[name] = sharded.to_local()  # type: ignore[assignment]
+            param = mod._parameters[name]
+            held.append(param)
+            mod._parameters[name] = param.to_local() if isinstance(param, DTensor) else param  # type: ignore[assignment]
 
         def leave(mod: nn.Module, args: Any, out: Any) -> None:
-            mod._parameters[name] = sharded
+            mod._parameters[name] = held.pop()
 
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave)
@@ -216,8 +218,8 @@ def _attn_kwargs(config: Any, attn_implementation: str | None) -> dict[str, Any]
     return {"attn_implementation": attn_implementation}
 
 
-class HFMoEModule(pl.LightningModule):
-    """A Hugging Face MoE causal LM trained under ``moe5d``, with its sparse blocks as ``MoELayer``.
+class HFMoEModule(CausalLMModule):
+    """A Hugging Face MoE causal LM trained under ``moe5d`` (or any strategy), with its sparse blocks as ``MoELayer``.
 
     Args:
         model: a transformers ``PreTrainedModel``, a ``PretrainedConfig`` (random init), a config
@@ -231,9 +233,11 @@ class HFMoEModule(pl.LightningModule):
         attn_implementation: ``"sdpa"`` (default; context parallelism swaps SDPA for ring attention).
 
     ``module.model`` is the converted transformers model; ``module(input_ids, position_ids=None)``
-    returns logits. Batches are ``MoEGPT``'s dicts (``input_ids``, ``labels``, optional
-    ``loss_mask``/``position_ids``) with the same loss. transformers' own router loss is off: the
-    MoE layers add theirs through the autoscaler. :meth:`save_hf` writes a folder that
+    returns logits. Training (batch dicts ``input_ids``, ``labels``, optional
+    ``loss_mask``/``position_ids``; the loss; AdamW and its schedule; the expert-bias update once per
+    optimizer step under any strategy, e.g. DeepSeek-V3's) is
+    :class:`~lightning_moe.models.causal_lm.CausalLMModule`'s, shared with ``MoEGPT``. transformers'
+    own router loss is off: the MoE layers add theirs through the autoscaler. :meth:`save_hf` writes a folder that
     ``AutoModelForCausalLM.from_pretrained`` loads.
 
     Example::
@@ -351,56 +355,6 @@ class HFMoEModule(pl.LightningModule):
             if getattr(config, "layer_types", None) is None:
                 masks["full_attention"] = masks["sliding_attention"]
         return masks
-
-    # -- loss and steps (MoEGPT's batch format and loss) -----------------------------------------------
-    def loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        logits = self(batch["input_ids"], batch.get("position_ids"))
-        return self.loss_from_logits(logits, batch["labels"], batch.get("loss_mask"), batch.get("loss_token_count"))
-
-    def loss_from_logits(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        loss_mask: torch.Tensor | None = None,
-        loss_token_count: torch.Tensor | float | None = None,
-    ) -> torch.Tensor:
-        """Mean next-token cross entropy over the kept tokens (``MoEGPT.loss_from_logits``)."""
-        return next_token_loss(logits, labels, loss_mask, loss_token_count)
-
-    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=batch["input_ids"].shape[0])
-        return loss
-
-    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True,
-                 batch_size=batch["input_ids"].shape[0])
-        return loss
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW (decay on matrices except embeddings), linear warmup then cosine, stepped per optimizer step."""
-        hp = self.hparams
-        decay, no_decay = [], []
-        for name, param in self.named_parameters():
-            if param.requires_grad:
-                wants = param.ndim >= 2 and "embed_tokens" not in name
-                (decay if wants else no_decay).append(param)
-        groups = [{"params": p, "weight_decay": wd} for p, wd in ((decay, hp.weight_decay), (no_decay, 0.0)) if p]
-        optimizer = torch.optim.AdamW(groups, lr=hp.learning_rate, betas=tuple(hp.betas))
-        schedule = partial(warmup_cosine_factor, warmup_steps=hp.warmup_steps, max_steps=self._total_steps(),
-                           min_lr_ratio=hp.min_lr_ratio)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"}}
-
-    def _total_steps(self) -> int:
-        if self.hparams.max_steps is not None:
-            return int(self.hparams.max_steps)
-        if self.trainer.max_steps > 0:
-            return int(self.trainer.max_steps)
-        estimated = self.trainer.estimated_stepping_batches
-        if not math.isfinite(estimated):
-            raise ValueError("cannot size the cosine schedule: set HFMoEModule(max_steps=...) or Trainer(max_steps=...)")
-        return int(estimated)
 
     # -- checks before any work ------------------------------------------------------------------------
     def initial_value(self, name: str, tensor: torch.Tensor, index: tuple[slice, ...]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The reference model: a byte-level Mixture-of-Experts GPT."""
+"""The reference model (a byte-level Mixture-of-Experts GPT) and the causal-LM training base it shares
+with ``lightning_moe.hf.HFMoEModule``."""
 
 from lightning_moe.models.blocks import (
     Attention,
@@ -7,15 +8,18 @@ from lightning_moe.models.blocks import (
     apply_rotary,
     rotary_cos_sin,
 )
-from lightning_moe.models.moe_gpt import MoEGPT, is_moe_layer, warmup_cosine_factor
+from lightning_moe.models.causal_lm import CausalLMModule, next_token_loss, warmup_cosine_factor
+from lightning_moe.models.moe_gpt import MoEGPT, is_moe_layer
 
 __all__ = [
     "Attention",
+    "CausalLMModule",
     "FeedForward",
     "MoEGPT",
     "TransformerBlock",
     "apply_rotary",
     "is_moe_layer",
+    "next_token_loss",
     "rotary_cos_sin",
     "warmup_cosine_factor",
 ]
