@@ -9,9 +9,9 @@ Example::
 """
 
 from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
-from lightning_moe.moe.dispatcher import DISPATCHERS, DispatchContext, LocalDispatcher, build_dispatcher
+from lightning_moe.moe.dispatcher import DispatchContext, Dispatcher, LocalDispatcher
 from lightning_moe.moe.experts import GroupedExperts, SharedExpert
-from lightning_moe.moe.layer import LOAD_BALANCING, MoELayer, update_expert_biases
+from lightning_moe.moe.layer import DISPATCHERS, LOAD_BALANCING, MoELayer, build_dispatcher, update_expert_biases
 from lightning_moe.moe.losses import (
     MoEAuxLossAutoScaler,
     global_aux_loss,
@@ -30,6 +30,7 @@ __all__ = [
     "LOAD_BALANCING",
     "SCORE_FUNCS",
     "DispatchContext",
+    "Dispatcher",
     "GroupedExperts",
     "LocalDispatcher",
     "MoEAuxLossAutoScaler",

@@ -1,29 +1,32 @@
 """Dispatchers move routed (token, choice) slots to their experts and combine the outputs back.
 
-See docs/CONTRACTS.md: ``ctx = dispatcher.dispatch(hidden, topk_idx, keep_mask)`` gives the rows
-grouped by local expert (``ctx.expert_input``) and their counts; ``dispatcher.combine(expert_output,
-topk_weights, ctx)`` returns ``[T, H]``, the gate-weighted sum of each token's kept slots.
-This module holds the single-device path and the two building blocks the expert-parallel
-dispatchers (:mod:`lightning_moe.moe.ep_dispatcher`) share.
+:class:`Dispatcher` is what :class:`~lightning_moe.moe.layer.MoELayer` asks of one:
+``ctx = dispatcher.dispatch(hidden, topk_idx, keep_mask)`` gives the rows grouped by local expert
+(``ctx.expert_input``) and their counts; ``dispatcher.combine(expert_output, topk_weights, ctx)``
+returns ``[T, H]``, the gate-weighted sum of each token's kept slots. This module holds that
+protocol, the single-device path and the building blocks the expert-parallel dispatchers
+(:mod:`lightning_moe.moe.ep_dispatcher`, :mod:`lightning_moe.moe.hierarchical`) share; it imports
+none of them (:func:`lightning_moe.moe.layer.build_dispatcher` chooses among them).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 
 __all__ = [
-    "DISPATCHERS",
     "CUDA_GROUP_ALIGN",
     "DispatchContext",
+    "Dispatcher",
     "LocalDispatcher",
+    "OverlappingDispatcher",
     "aligned_total_rows",
-    "build_dispatcher",
     "expert_row_alignment",
     "gather_expert_rows",
+    "gather_rows",
     "padded_group_rows",
     "pads_expert_rows",
     "permute_by_expert",
@@ -32,9 +35,6 @@ __all__ = [
     "sort_slots_by_expert",
     "unpermute_and_combine",
 ]
-
-DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "hierarchical")
-
 
 @dataclass
 class DispatchContext:
@@ -47,6 +47,65 @@ class DispatchContext:
     top_k: int
     # Row of expert_input holding each sorted slot when expert groups are padded (None: row n).
     row_positions: torch.Tensor | None = None
+
+
+@runtime_checkable
+class Dispatcher(Protocol):
+    """What :class:`~lightning_moe.moe.layer.MoELayer` calls; ``MoELayer.dispatcher`` holds one.
+
+    - ``dispatch(hidden [T, H], topk_idx [T, k] global expert ids, keep_mask [T, k] bool or None)``:
+      the kept slots' rows grouped by local expert, expert 0 first (``ctx.expert_input [N, H]``,
+      ``ctx.tokens_per_local_expert [num_local_experts]`` summing to N, padding rows included).
+    - ``combine(expert_output [N, H] in the order of ctx.expert_input, topk_weights [T, k] fp32, ctx)``:
+      ``[T, H]`` in ``hidden``'s dtype, each token's kept slots' outputs times their gate weights,
+      summed; dropped slots add zero. Autograd flows through both, collectives included.
+    - ``pad_rows``: how expert groups are padded (:func:`expert_row_alignment`).
+    """
+
+    num_experts: int  # experts of the whole layer
+    num_local_experts: int  # experts whose rows this rank computes
+    pad_rows: bool | int | None
+
+    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> DispatchContext: ...
+
+    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: Any) -> torch.Tensor: ...
+
+
+class OverlappingDispatcher(ABC):
+    """A :class:`Dispatcher` whose all-to-alls are issued by ``*_start`` and waited for by ``*_finish``.
+
+    ``MoELayer(dispatch_chunks=n)`` computes between the two (another chunk's experts, the shared
+    expert); ``dispatch`` and ``combine`` issue and wait at once. ``wire``: what the dispatched rows
+    travel as (:mod:`lightning_moe.moe.exchange`); the combine travels in bf16 whenever it is set.
+    """
+
+    wire: str | None
+
+    @property
+    def combine_wire(self) -> str | None:
+        return None if self.wire is None else "bf16"
+
+    @abstractmethod
+    def dispatch_start(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> Any:
+        """Issue the dispatch; returns what ``dispatch_finish`` waits for."""
+
+    @abstractmethod
+    def dispatch_finish(self, pending: Any) -> DispatchContext:
+        """Wait for the dispatch issued by ``dispatch_start``."""
+
+    @abstractmethod
+    def combine_start(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: Any) -> Any:
+        """Issue the combine; returns what ``combine_finish`` waits for."""
+
+    @abstractmethod
+    def combine_finish(self, pending: Any) -> torch.Tensor:
+        """Wait for the combine issued by ``combine_start``; ``[T, H]``."""
+
+    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> DispatchContext:
+        return self.dispatch_finish(self.dispatch_start(hidden, topk_idx, keep_mask))
+
+    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return self.combine_finish(self.combine_start(expert_output, topk_weights, ctx))
 
 
 class _GatherRows(torch.autograd.Function):
@@ -62,6 +121,11 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (index,) = ctx.saved_tensors
         return grad.new_zeros(ctx.num_rows, grad.shape[1]).index_add_(0, index, grad), None
+
+
+def gather_rows(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``hidden[index]``, differentiable: the backward adds the row gradients in place into one zero buffer."""
+    return _GatherRows.apply(hidden, index)
 
 
 def sort_slots_by_expert(
@@ -91,7 +155,7 @@ def permute_by_expert(
     :func:`sort_slots_by_expert` and one ``index_select``.
     """
     sorted_slots, counts = sort_slots_by_expert(topk_idx, keep_mask, num_experts)
-    return _GatherRows.apply(hidden, sorted_slots // topk_idx.shape[1]), sorted_slots, counts
+    return gather_rows(hidden, sorted_slots // topk_idx.shape[1]), sorted_slots, counts
 
 
 # Rows per expert group on CUDA: ``torch._grouped_mm``'s CUTLASS kernels want each group's rows
@@ -186,7 +250,7 @@ def gather_expert_rows(
             counts, positions = padded_group_rows(counts, num_rows=source.numel())
             total = int(counts.sum())  # CPU only: reading a CPU tensor costs no device sync
         source = source.new_zeros(total).index_copy_(0, positions, source)
-    return _GatherRows.apply(rows, source), counts, positions
+    return gather_rows(rows, source), counts, positions
 
 
 def scatter_expert_rows(expert_output: torch.Tensor, order: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -196,7 +260,7 @@ def scatter_expert_rows(expert_output: torch.Tensor, order: torch.Tensor, positi
     are left out, and their gradient is zero.
     """
     rows_of = positions if positions is not None else torch.arange(order.numel(), device=order.device)
-    return _GatherRows.apply(expert_output, torch.empty_like(order).index_copy_(0, order, rows_of))
+    return gather_rows(expert_output, torch.empty_like(order).index_copy_(0, order, rows_of))
 
 
 def permute_to_experts(
@@ -283,45 +347,9 @@ class LocalDispatcher:
         return unpermute_and_combine(expert_output, topk_weights, ctx)
 
 
-def build_dispatcher(
-    kind: str,
-    num_experts: int,
-    ep_group: dist.ProcessGroup | None = None,
-    *,
-    wire: str | None = None,
-    node_ids: list[int] | None = None,
-    node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
-) -> Any:
-    """The dispatcher for ``kind`` (``"alltoall"``, ``"allgather"`` or ``"hierarchical"``) over ``ep_group``.
+def build_dispatcher(*args: Any, **kwargs: Any) -> Dispatcher:
+    """:func:`lightning_moe.moe.layer.build_dispatcher`, imported at call time: kept here only until
+    ``lightning_moe/parallel/expert_parallel.py`` imports it from :mod:`lightning_moe.moe`."""
+    from lightning_moe.moe.layer import build_dispatcher as build
 
-    A :class:`LocalDispatcher` when there is no expert parallelism (group None or of size 1).
-    ``wire``: the dispatch dtype (``None``, ``"bf16"``, ``"fp8"``; all-to-all dispatchers only);
-    ``node_ids``: the node of each ep rank (inter-node bytes are counted);
-    ``node_groups``: ``(ep_node group, ep_local group)`` of ``ParallelDims.ep_node_mesh``, which
-    ``"hierarchical"`` needs.
-    """
-    if kind not in DISPATCHERS:
-        raise ValueError(f"dispatcher={kind!r} is unknown: choose one of {DISPATCHERS}")
-    if ep_group is None or dist.get_world_size(ep_group) == 1:
-        return LocalDispatcher(num_experts)
-    # Imported here: the expert-parallel dispatchers build on this module.
-    from lightning_moe.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher
-
-    if kind == "allgather":
-        if wire is not None:
-            raise ValueError(
-                f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher='alltoall' or"
-                " 'hierarchical', or dispatch_dtype=None"
-            )
-        return AllGatherDispatcher(num_experts, ep_group)
-    if kind == "hierarchical":
-        from lightning_moe.moe.hierarchical import HierarchicalDispatcher
-
-        if node_groups is None or node_ids is None or len(set(node_ids)) < 2:
-            raise ValueError(
-                "dispatcher='hierarchical' needs ep ranks on more than one node; with one node it is the same as"
-                " 'alltoall': use dispatcher='alltoall', or set ranks_per_node (MoE5DStrategy / ParallelDims) smaller"
-                " than the ranks of the ep group to simulate nodes"
-            )
-        return HierarchicalDispatcher(num_experts, *node_groups, wire=wire)
-    return AllToAllDispatcher(num_experts, ep_group, wire=wire, node_ids=node_ids)
+    return build(*args, **kwargs)

@@ -13,15 +13,17 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe import comm
-from lightning_moe.moe.exchange import Exchange, check_wire, exchange_counts, exchange_start, exchange_wait
 from lightning_moe.moe.dispatcher import (
     DispatchContext,
+    Dispatcher,
+    OverlappingDispatcher,
     gather_expert_rows,
     permute_by_expert,
     permute_to_experts,
     scatter_expert_rows,
     unpermute_and_combine,
 )
+from lightning_moe.moe.exchange import Exchange, check_wire, exchange_splits, exchange_start, exchange_wait
 
 
 def regroup_by_local_expert(counts: torch.Tensor) -> torch.Tensor:
@@ -70,7 +72,7 @@ class _PendingDispatch:
     top_k: int
 
 
-class AllToAllDispatcher(_ExpertParallelDispatcher):
+class AllToAllDispatcher(_ExpertParallelDispatcher, OverlappingDispatcher):
     """Exchange counts, then tokens with ``all_to_all_single`` (uneven splits), and back.
 
     - ``wire``: what the token rows travel as (``MoELayer(dispatch_dtype=...)``, see
@@ -108,17 +110,12 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
             mine = node_ids[dist.get_rank(self.group)]
             self.remote = [node != mine for node in node_ids]
 
-    @property
-    def combine_wire(self) -> str | None:
-        return None if self.wire is None else "bf16"
-
     def dispatch_start(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> _PendingDispatch:
         permuted, sorted_slots, counts = permute_by_expert(hidden, topk_idx, keep_mask, self.num_experts)
-        ep, local = self.ep_size, self.num_local_experts
         # recv_counts[s, l]: tokens that source rank s sends to my local expert l.
-        recv_counts = exchange_counts(counts, self.group, self.remote).view(ep, local)
-        input_splits = counts.view(ep, local).sum(1).tolist()
-        output_splits = recv_counts.sum(1).tolist()
+        recv_counts, input_splits, output_splits = exchange_splits(
+            counts.view(self.ep_size, self.num_local_experts), self.group, self.remote
+        )
         pending = exchange_start(permuted, output_splits, input_splits, self.group, wire=self.wire, remote=self.remote)
         return _PendingDispatch(pending, recv_counts, sorted_slots, hidden.shape[0], topk_idx.shape[1])
 
@@ -140,9 +137,6 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
             expert_rows=positions,
         )
 
-    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> AllToAllContext:
-        return self.dispatch_finish(self.dispatch_start(hidden, topk_idx, keep_mask))
-
     def combine_start(
         self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllToAllContext
     ) -> tuple[Exchange, torch.Tensor, AllToAllContext]:
@@ -155,9 +149,6 @@ class AllToAllDispatcher(_ExpertParallelDispatcher):
     def combine_finish(self, pending: tuple[Exchange, torch.Tensor, AllToAllContext]) -> torch.Tensor:
         handle, topk_weights, ctx = pending
         return unpermute_and_combine(exchange_wait(handle), topk_weights, ctx)
-
-    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: AllToAllContext) -> torch.Tensor:
-        return self.combine_finish(self.combine_start(expert_output, topk_weights, ctx))
 
 
 class AllGatherDispatcher(_ExpertParallelDispatcher):
@@ -201,13 +192,10 @@ class ExpertTensorParallelDispatcher:
     (reduce-scatter) before the inner combine. Tokens cross the ep network once.
     """
 
-    def __init__(
-        self, inner: AllToAllDispatcher | AllGatherDispatcher | object, tp_group: dist.ProcessGroup, pad_rows: bool | None = None
-    ) -> None:
+    def __init__(self, inner: Dispatcher, tp_group: dist.ProcessGroup, pad_rows: bool | None = None) -> None:
         self.inner = inner
         self.pad_rows = pad_rows
-        if hasattr(inner, "pad_rows"):
-            inner.pad_rows = False  # the rows are padded once, here, after the tp all-gather
+        inner.pad_rows = False  # the rows are padded once, here, after the tp all-gather
         self.group = tp_group
         self.tp_size = dist.get_world_size(tp_group)
         self.num_experts = inner.num_experts

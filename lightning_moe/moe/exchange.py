@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lightning_moe import comm
 
-__all__ = ["WIRES", "INTERNODE", "Exchange", "check_wire", "exchange", "exchange_counts", "exchange_start", "exchange_wait"]
+__all__ = ["WIRES", "INTERNODE", "Exchange", "check_wire", "exchange", "exchange_splits", "exchange_start", "exchange_wait"]
 
 WIRES: tuple[str | None, ...] = (None, "bf16", "fp8")
 INTERNODE = "ep_internode"  # the comm counter of bytes sent to ranks on other nodes
@@ -67,11 +67,6 @@ def _decode(payload: torch.Tensor, wire: str | None, dtype: torch.dtype) -> torc
     return (quantized.float() * scale).to(dtype)
 
 
-def _record(payload: torch.Tensor, splits: list[int], me: int, remote: list[bool] | None) -> None:
-    row_bytes = math.prod(payload.shape[1:]) * payload.element_size()
-    comm.record("ep", (sum(splits) - splits[me]) * row_bytes)
-    if remote is not None and any(remote):
-        comm.record(INTERNODE, sum(n for n, far in zip(splits, remote) if far) * row_bytes)
 
 
 @dataclass
@@ -94,6 +89,21 @@ class Exchange:
     result: torch.Tensor | None = field(default=None, repr=False)
 
 
+def _issue(payload: torch.Tensor, recv_splits: list[int], send_splits: list[int], handle: Exchange) -> tuple[Any, torch.Tensor]:
+    """Start the all-to-all of ``payload`` over ``handle.group`` and count the bytes it sends to other ranks.
+
+    Returns ``(work, receive buffer)``; the caller keeps ``payload`` alive until the work is done.
+    """
+    received = payload.new_empty(sum(recv_splits), *payload.shape[1:])
+    row_bytes = math.prod(payload.shape[1:]) * payload.element_size()
+    me = dist.get_rank(handle.group)
+    comm.record("ep", (sum(send_splits) - send_splits[me]) * row_bytes)
+    if handle.remote is not None and any(handle.remote):
+        comm.record(INTERNODE, sum(n for n, far in zip(send_splits, handle.remote) if far) * row_bytes)
+    work = dist.all_to_all_single(received, payload, recv_splits, send_splits, group=handle.group, async_op=True)
+    return work, received
+
+
 class _Start(torch.autograd.Function):
     """Issue the all-to-all; the output is an empty tensor that orders :class:`_Wait` after it."""
 
@@ -102,13 +112,7 @@ class _Start(torch.autograd.Function):
         ctx.handle = handle
         handle.dtype = x.dtype
         payload = _encode(x, handle.wire)
-        received = payload.new_empty(sum(handle.output_splits), *payload.shape[1:])
-        me = dist.get_rank(handle.group)
-        _record(payload, handle.input_splits, me, handle.remote)
-        handle.work = dist.all_to_all_single(
-            received, payload, handle.output_splits, handle.input_splits, group=handle.group, async_op=True
-        )
-        handle.received = received
+        handle.work, handle.received = _issue(payload, handle.output_splits, handle.input_splits, handle)
         handle.send = payload  # the send buffer must outlive the asynchronous call
         return x.new_empty(0)
 
@@ -138,13 +142,7 @@ class _Wait(torch.autograd.Function):
         handle.grad_dtype = grad.dtype
         # The gradient travels in bf16 whenever the forward used a low-precision wire.
         payload = (grad.to(torch.bfloat16) if handle.wire is not None else grad).contiguous()
-        received = payload.new_empty(sum(handle.input_splits), *payload.shape[1:])
-        me = dist.get_rank(handle.group)
-        _record(payload, handle.output_splits, me, handle.remote)
-        handle.grad_work = dist.all_to_all_single(
-            received, payload, handle.input_splits, handle.output_splits, group=handle.group, async_op=True
-        )
-        handle.grad_received = received
+        handle.grad_work, handle.grad_received = _issue(payload, handle.input_splits, handle.output_splits, handle)
         handle.grad_send = payload
         return grad.new_empty(0), None
 
@@ -188,10 +186,19 @@ def exchange(
     return exchange_wait(exchange_start(x, output_splits, input_splits, group, wire=wire, remote=remote))
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup, remote: list[bool] | None = None) -> torch.Tensor:
-    """Exchange one equal block of ``counts`` per rank (not differentiable); inter-node bytes recorded."""
-    out = comm.all_to_all_counts(counts, group, "ep")
+def exchange_splits(
+    send_counts: torch.Tensor, group: dist.ProcessGroup, remote: list[bool] | None = None
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Tell every rank of ``group`` how many rows it will receive from this one (not differentiable).
+
+    ``send_counts[r, ...]``: the rows for rank r, by any finer grouping (e.g. by expert). Returns
+    ``(recv_counts, input_splits, output_splits)``: ``recv_counts[r, ...]``, the rows rank r sends
+    here, grouped the same way, and the rows per rank to send and to receive, for
+    :func:`exchange_start`. The counts' bytes are recorded (inter-node ones as well).
+    """
+    recv_counts = comm.all_to_all_counts(send_counts, group, "ep")
     if remote is not None and any(remote):
-        block = counts.numel() // len(remote) * counts.element_size()
+        block = send_counts.numel() // len(remote) * send_counts.element_size()
         comm.record(INTERNODE, block * sum(remote))
-    return out
+    peers = len(send_counts)
+    return recv_counts, send_counts.reshape(peers, -1).sum(1).tolist(), recv_counts.reshape(peers, -1).sum(1).tolist()

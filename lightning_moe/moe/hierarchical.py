@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_moe.moe.dispatcher import DispatchContext, LocalDispatcher, _GatherRows
+from lightning_moe.moe.dispatcher import DispatchContext, LocalDispatcher, OverlappingDispatcher, gather_rows
 from lightning_moe.moe.ep_dispatcher import AllToAllDispatcher
-from lightning_moe.moe.exchange import Exchange, check_wire, exchange, exchange_counts, exchange_start, exchange_wait
+from lightning_moe.moe.exchange import Exchange, check_wire, exchange, exchange_splits, exchange_start, exchange_wait
 
 __all__ = ["HierarchicalContext", "HierarchicalDispatcher"]
 
@@ -50,7 +50,7 @@ class _PendingDispatch:
     top_k: int
 
 
-class HierarchicalDispatcher:
+class HierarchicalDispatcher(OverlappingDispatcher):
     """``dispatcher="hierarchical"``: stage 1 across nodes, stage 2 inside the node (module docstring).
 
     Example::
@@ -101,10 +101,6 @@ class HierarchicalDispatcher:
     def pad_rows(self, value: bool | None) -> None:
         self.inner.pad_rows = value
 
-    @property
-    def combine_wire(self) -> str | None:
-        return None if self.wire is None else "bf16"
-
     def dispatch_start(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> _PendingDispatch:
         num_tokens, top_k = topk_idx.shape
         slot_node = topk_idx // self.experts_per_node  # [T, k]
@@ -118,11 +114,10 @@ class HierarchicalDispatcher:
         local_ids = topk_idx.index_select(0, pair_token) - pair_node.unsqueeze(1) * self.experts_per_node
         local_ids = torch.where(on_node, local_ids, -1).to(torch.int32)
 
-        recv_counts = exchange_counts(send_counts, self.node_group, self.remote)
-        input_splits, output_splits = send_counts.tolist(), recv_counts.tolist()
+        _, input_splits, output_splits = exchange_splits(send_counts, self.node_group, self.remote)
         ids = exchange(local_ids, output_splits, input_splits, self.node_group, remote=self.remote)
         rows = exchange_start(
-            _GatherRows.apply(hidden, pair_token), output_splits, input_splits, self.node_group,
+            gather_rows(hidden, pair_token), output_splits, input_splits, self.node_group,
             wire=self.wire, remote=self.remote,
         )
         return _PendingDispatch(rows, ids, pair_token, on_node, num_tokens, top_k)
@@ -145,9 +140,6 @@ class HierarchicalDispatcher:
             output_splits=pending.rows.output_splits,
         )
 
-    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> HierarchicalContext:
-        return self.dispatch_finish(self.dispatch_start(hidden, topk_idx, keep_mask))
-
     def combine_start(
         self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: HierarchicalContext
     ) -> tuple[Exchange, HierarchicalContext]:
@@ -166,6 +158,3 @@ class HierarchicalDispatcher:
         returned = exchange_wait(handle)
         out = returned.new_zeros(ctx.num_tokens, returned.shape[1])
         return out.index_add(0, ctx.pair_token, returned)
-
-    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: HierarchicalContext) -> torch.Tensor:
-        return self.combine_finish(self.combine_start(expert_output, topk_weights, ctx))

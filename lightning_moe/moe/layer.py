@@ -10,16 +10,63 @@ from torch import nn
 
 from lightning_moe import comm
 from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
-from lightning_moe.moe.dispatcher import DISPATCHERS, LocalDispatcher
+from lightning_moe.moe.dispatcher import Dispatcher, LocalDispatcher
+from lightning_moe.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.moe.exchange import check_wire
 from lightning_moe.moe.experts import ACTIVATIONS, GroupedExperts, SharedExpert, compute_dtype
+from lightning_moe.moe.hierarchical import HierarchicalDispatcher
 from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
 from lightning_moe.moe.router import RouterOutput, TopKRouter
 
-__all__ = ["LOAD_BALANCING", "ROUTINGS", "ExpertOutputBias", "MoELayer", "update_expert_biases"]
+__all__ = [
+    "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "ExpertOutputBias", "MoELayer", "build_dispatcher", "update_expert_biases",
+]
 
 LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 ROUTINGS: tuple[str, ...] = ("topk", "expert_choice")
+DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "hierarchical")
+
+
+def build_dispatcher(
+    kind: str,
+    num_experts: int,
+    ep_group: dist.ProcessGroup | None = None,
+    *,
+    wire: str | None = None,
+    node_ids: list[int] | None = None,
+    node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+) -> Dispatcher:
+    """The dispatcher for ``kind`` (``"alltoall"``, ``"allgather"`` or ``"hierarchical"``) over ``ep_group``.
+
+    A :class:`~lightning_moe.moe.dispatcher.LocalDispatcher` when there is no expert parallelism
+    (group None or of size 1); ``kind`` and ``wire`` are checked either way, so that a layer fails
+    at construction rather than when it is parallelized.
+    ``wire``: the dispatch dtype (``None``, ``"bf16"``, ``"fp8"``; all-to-all dispatchers only);
+    ``node_ids``: the node of each ep rank (inter-node bytes are counted);
+    ``node_groups``: ``(ep_node group, ep_local group)`` of ``ParallelDims.ep_node_mesh``, which
+    ``"hierarchical"`` needs.
+    """
+    if kind not in DISPATCHERS:
+        raise ValueError(f"dispatcher={kind!r} is unknown: choose one of {DISPATCHERS}")
+    check_wire(wire)
+    if kind == "allgather" and wire is not None:
+        raise ValueError(
+            f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher='alltoall' or"
+            " 'hierarchical', or dispatch_dtype=None"
+        )
+    if ep_group is None or dist.get_world_size(ep_group) == 1:
+        return LocalDispatcher(num_experts)
+    if kind == "allgather":
+        return AllGatherDispatcher(num_experts, ep_group)
+    if kind == "hierarchical":
+        if node_groups is None or node_ids is None or len(set(node_ids)) < 2:
+            raise ValueError(
+                "dispatcher='hierarchical' needs ep ranks on more than one node; with one node it is the same as"
+                " 'alltoall': use dispatcher='alltoall', or set ranks_per_node (MoE5DStrategy / ParallelDims) smaller"
+                " than the ranks of the ep group to simulate nodes"
+            )
+        return HierarchicalDispatcher(num_experts, *node_groups, wire=wire)
+    return AllToAllDispatcher(num_experts, ep_group, wire=wire, node_ids=node_ids)
 
 
 class MoELayer(nn.Module):
@@ -141,8 +188,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"capacity_factor must be > 0 (or None for dropless routing), got {capacity_factor}")
         if drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy={drop_policy!r} is unknown: choose one of {DROP_POLICIES}")
-        if dispatcher not in DISPATCHERS:
-            raise ValueError(f"dispatcher={dispatcher!r} is unknown: choose one of {DISPATCHERS}")
         if shared_expert_hidden_size is not None and shared_expert_hidden_size < 1:
             raise ValueError(f"shared_expert_hidden_size must be >= 1 (or None), got {shared_expert_hidden_size}")
         if shared_expert_gate and shared_expert_hidden_size is None:
@@ -151,12 +196,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"activation={activation!r} is unknown: choose one of {ACTIVATIONS}")
         if not routed_scaling_factor > 0:
             raise ValueError(f"routed_scaling_factor must be > 0, got {routed_scaling_factor}")
-        check_wire(dispatch_dtype)
-        if dispatch_dtype is not None and dispatcher == "allgather":
-            raise ValueError(
-                f"dispatch_dtype={dispatch_dtype!r} applies to the all-to-all dispatchers: use dispatcher='alltoall' or"
-                " 'hierarchical', or dispatch_dtype=None"
-            )
         if not isinstance(dispatch_chunks, int) or dispatch_chunks < 1:
             raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an integer >= 1 (1: no overlap)")
         if routing not in ROUTINGS:
@@ -206,7 +245,7 @@ class MoELayer(nn.Module):
         self.capacity_factor = capacity_factor
         self.drop_policy = drop_policy
         self.dispatcher_kind = dispatcher
-        self.dispatcher = LocalDispatcher(num_experts)
+        self.dispatcher: Dispatcher = build_dispatcher(dispatcher, num_experts, wire=dispatch_dtype)
         self.max_nodes_per_token = max_nodes_per_token
         self.num_nodes = num_nodes  # as given: None follows the ep topology
         self.dispatch_dtype = dispatch_dtype
