@@ -210,11 +210,25 @@ def test_internode_bytes_equal_what_the_routing_implies(ep, ranks_per_node):
 
 
 def low_precision_case(ep: int, ranks_per_node: int, dispatcher: str, wire: str, steps: int) -> dict:
-    """The same layer with an fp32 and a ``wire`` dispatch: step-0 outputs and gradients, then ``steps``
-    Adam steps on a regression target (non-expert gradients summed over the ranks)."""
+    """The same layer with an fp32 and a ``wire`` dispatch: step-0 outputs, gradients and ep bytes, then
+    ``steps`` Adam steps on a regression target (non-expert gradients summed over the ranks).
+
+    Also the rows the step-0 routing sends to other ranks: slots whose expert is on another ep rank
+    (flat all-to-all), (token, other node) pairs (hierarchical stage 1) and slots whose expert's
+    rank has another local index on its node (hierarchical stage 2).
+    """
     from lightning_moe import comm, parallelize
 
     dims = layout(ep=ep, ranks_per_node=ranks_per_node)
+    x, _ = _micro_batch(dist.get_rank())
+    with torch.no_grad():
+        owner = _layer().router(x.reshape(-1, H)).topk_idx // (E // ep)  # the ep rank of each slot's expert
+    ep_rank, per_node = dims.ep_mesh.get_local_rank(), ep // dims.ep_num_nodes
+    routed_rows = {
+        "remote_slots": int((owner != ep_rank).sum()),
+        "remote_node_rows": sum(len(set(row) - {ep_rank // per_node}) for row in (owner // per_node).tolist()),
+        "remote_local_slots": int((owner % per_node != ep_rank % per_node).sum()),
+    }
     results = {}
     for dtype in (None, wire):
         layer = _layer(dispatcher=dispatcher, dispatch_dtype=dtype)
@@ -250,8 +264,8 @@ def low_precision_case(ep: int, ranks_per_node: int, dispatcher: str, wire: str,
     base, low = results[None], results[wire]
     report = {key: _max_diff(low[key], base[key]) / base[key].abs().max().item() for key in ("out", "grad_x", "router", "w1", "w2")}
     report["losses"] = max(abs(a - b) / b for a, b in zip(low["losses"], base["losses"]))
-    report["bytes_ratio"] = low["ep_bytes"] / base["ep_bytes"]
-    return report
+    report["ep_bytes"] = {"fp32": base["ep_bytes"], wire: low["ep_bytes"]}
+    return {**report, **routed_rows}
 
 
 # Relative to the largest value of the fp32 dispatch: fp8 has a 3-bit mantissa (2^-4 relative step).
@@ -260,6 +274,31 @@ LOW_PRECISION_TOL = {
     "bf16": {"out": 1e-2, "grads": 2e-2, "router": 4e-2, "losses": 1e-2},
     "fp8": {"out": 5e-2, "grads": 8e-2, "router": 0.15, "losses": 2e-2},
 }
+
+
+# Bytes of one token row of H values: (dispatch forward, each of the combine forward and the two backwards).
+# fp8 sends H float8 values and one fp32 scale, and everything else in bf16.
+ROW_BYTES = {"fp32": (4 * H, 4 * H), "bf16": (2 * H, 2 * H), "fp8": (H + 4, 2 * H)}
+
+
+def expected_ep_bytes(reports: list[dict], dispatcher: str, wire: str, ep: int) -> int:
+    """The ep bytes all ranks send in one forward and backward, from the routed rows of each rank.
+
+    Every row sent is received once, so over all ranks each row sent in the dispatch is sent back in
+    the combine, and the two backwards send the same rows.
+    """
+    dispatch_row, other_row = ROW_BYTES[wire]
+    per_row = dispatch_row + 3 * other_row
+    world, nodes = len(reports), 2
+    if dispatcher == "alltoall":
+        counts = world * (E * 8 * (ep - 1) // ep)  # E int64 counts, all but this rank's block
+        return counts + per_row * sum(r["remote_slots"] for r in reports)
+    per_node = ep // nodes
+    # Stage 1: one int64 count per other node; stage 2: the node's E / nodes counts over its ep ranks.
+    counts = world * (8 * (nodes - 1) + (E // nodes) * 8 * (per_node - 1) // per_node)
+    # Each stage-1 row also carries its k slot ids (int32) and k gate weights (fp32, forward and back).
+    pairs = sum(r["remote_node_rows"] for r in reports)
+    return counts + pairs * (per_row + 3 * K * 4) + per_row * sum(r["remote_local_slots"] for r in reports)
 
 
 @pytest.mark.slow
@@ -279,8 +318,11 @@ def test_low_precision_dispatch_within_tolerance(ep, ranks_per_node, dispatcher,
             assert report[key] <= tol["grads"], (rank, key, report)
         assert report["router"] <= tol["router"], (rank, report)
         assert report["losses"] <= tol["losses"], (rank, report)
-        # Fewer bytes than fp32 (the count exchange and the fp32 gate weights of hierarchical stay).
-        assert report["bytes_ratio"] < 0.6, (rank, report)
+    # Exactly the bytes of each format: a wire that falls back to another one sends a different count.
+    for dtype in ("fp32", wire):
+        measured = sum(report["ep_bytes"][dtype] for report in reports)
+        assert measured == expected_ep_bytes(reports, dispatcher, dtype, ep), (dtype, measured, reports)
+    assert sum(r["remote_slots"] for r in reports) > 0
 
 
 def errors_case() -> list[str]:
