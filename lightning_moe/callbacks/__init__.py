@@ -21,7 +21,12 @@ from lightning_moe.callbacks.comm_accounting import (
     group_dims,
     uncounted,
 )
-from lightning_moe.callbacks.console import ParameterSummary, StepProgressBar, counts_optimizer_steps
+from lightning_moe.callbacks.console import (
+    ParameterSummary,
+    StepProgressBar,
+    counts_optimizer_steps,
+    use_lightning_moe_displays,
+)
 from lightning_moe.callbacks.expert_load_plots import ExpertLoadPlotCallback
 from lightning_moe.callbacks.moe_metrics import (
     MoEMetricsCallback,
@@ -59,5 +64,6 @@ __all__ = [
     "plot_curves",
     "plot_expert_load",
     "uncounted",
+    "use_lightning_moe_displays",
     "write_json_atomic",
 ]

@@ -70,6 +70,30 @@ class StepProgressBar(RichProgressBar):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
 
+def use_lightning_moe_displays(trainer: pl.Trainer) -> None:
+    """Turn the ``RichProgressBar`` and ``RichModelSummary`` that Lightning adds by default (a
+    Trainer given no progress bar or summary) into :class:`StepProgressBar` and
+    :class:`ParameterSummary`, keeping their settings.
+
+    Matches the exact Lightning types only, so subclasses and other bars are left alone; a
+    ``RichProgressBar`` passed explicitly looks the same as a default one and is turned too (its
+    epoch-bounded display is unchanged). The subclasses add methods and no state, so each instance
+    changes class in place: its settings stay, and so does every reference to it
+    (``trainer.progress_bar_callback``). ``MoE5DStrategy`` can call this when it connects the model.
+
+    Example::
+
+        trainer = L.Trainer(max_steps=100)
+        use_lightning_moe_displays(trainer)
+        type(trainer.progress_bar_callback).__name__  # 'StepProgressBar'
+    """
+    for callback in trainer.callbacks:
+        if type(callback) is RichProgressBar:
+            callback.__class__ = StepProgressBar
+        elif type(callback) is RichModelSummary:
+            callback.__class__ = ParameterSummary
+
+
 class ParameterSummary(RichModelSummary):
     """Lightning's ``RichModelSummary`` without the FLOPs column and the ``Total FLOPs`` line.
 
