@@ -85,19 +85,19 @@ def fenced_blocks(path: Path) -> list[Block]:
     return blocks
 
 
-def shell_commands(block: Block) -> list[str]:
-    """The commands of a bash block, one a line, without their trailing comments."""
+def shell_commands(block: Block) -> list[tuple[str, str]]:
+    """The commands of a bash block, one a line, each with its trailing comment (what it claims)."""
     commands = []
     for raw in block.text.splitlines():
-        command = re.sub(r"\s+#.*$", "", raw).strip()
-        if command and not command.startswith("#"):
-            commands.append(command)
+        command, _, comment = raw.partition(" #")
+        if command.strip() and not command.strip().startswith("#"):
+            commands.append((command.strip(), comment.strip()))
     return commands
 
 
 README_BLOCKS = fenced_blocks(README)
 DOC_BLOCKS = [b for page in DOC_PAGES for b in fenced_blocks(ROOT / page) if b.text not in {r.text for r in README_BLOCKS}]
-COMMANDS = [(b, c) for b in README_BLOCKS if b.lang in ("bash", "sh", "shell") for c in shell_commands(b)]
+COMMANDS = [(b, c, note) for b in README_BLOCKS if b.lang in ("bash", "sh", "shell") for c, note in shell_commands(b)]
 PYTHON_BLOCKS = [b for b in README_BLOCKS + DOC_BLOCKS if b.lang == "python"]
 
 
@@ -139,7 +139,7 @@ def _rel(a: list[float], b: list[float]) -> float:
 # --- shell commands -------------------------------------------------------------------------------
 
 
-def run_make_train(command: str, tmp_path: Path, state: dict) -> None:
+def run_make_train(command: str, comment: str, tmp_path: Path, state: dict) -> None:
     """`make train`: the default experiment under ep2, shrunk through ARGS (the Makefile's own hook)."""
     stale = subprocess.run(["make", "-q", ".venv/.installed"], cwd=ROOT, capture_output=True)
     if stale.returncode != 0:
@@ -157,7 +157,7 @@ def run_make_train(command: str, tmp_path: Path, state: dict) -> None:
     assert str(run_dir / "summary.json") in out
 
 
-def run_train(command: str, tmp_path: Path, state: dict) -> None:
+def run_train(command: str, comment: str, tmp_path: Path, state: dict) -> None:
     """`python -m lightning_moe.train ...`: tiny model, 3 steps; the checks the comment names."""
     words = shlex.split(command.replace("<run dir>", str(state.get("<run dir>", "<run dir>"))))
     overrides = words[3:]
@@ -172,17 +172,28 @@ def run_train(command: str, tmp_path: Path, state: dict) -> None:
         assert (run_dir / "checkpoints" / "last.ckpt").is_dir(), "no <run dir>/checkpoints/last.ckpt"
         state["<run dir>"] = run_dir
     if resume:
-        # Steps 4-5 on the new layout, after the checkpoint's 3.
-        assert 1 <= len(summary["losses"]) <= STEPS + 2 and summary["losses"][-1] > 0
-    elif any(o.startswith("parallel=") and o != "parallel=single" for o in overrides):
-        # "the losses of parallel=single" (and of any layout), with the default micro-batch.
+        # Steps 4-5 on the new layout, after the checkpoint's 3: the uninterrupted run's steps 4-5
+        # (docs/checkpoints.md: any valid layout resumes on the same curve).
+        assert len(summary["losses"]) == 2, summary["losses"]
+        straight_dir = tmp_path / "uninterrupted"
+        _run([sys.executable, "-m", "lightning_moe.train", *shrink, f"hydra.run.dir={straight_dir}"], tmp_path)
+        straight = json.loads((straight_dir / "summary.json").read_text())["losses"][STEPS:]
+        if _rel(summary["losses"], straight) >= 1e-5:
+            # Imperative, so the test passes by itself once the checkpoint code is fixed.
+            pytest.xfail(
+                "known bug: a last.ckpt saved when max_steps ends a run mid-epoch records epoch 1 (inspect prints"
+                " 'epoch: 1  samples consumed in the epoch: 24'), so the resumed run reads epoch 1's sample order:"
+                f" steps 4-5 {summary['losses']} instead of the uninterrupted {straight}"
+            )
+    if "losses of parallel=single" in comment:
+        # With the default micro-batch: nothing but the layout differs from the reference run.
         single_dir = tmp_path / "single"
         _run([sys.executable, "-m", "lightning_moe.train", *shrink, f"hydra.run.dir={single_dir}"], tmp_path)
         single = json.loads((single_dir / "summary.json").read_text())
         assert _rel(summary["losses"], single["losses"]) < 1e-5, (summary["losses"], single["losses"])
 
 
-def run_checkpoint_inspect(command: str, tmp_path: Path, state: dict) -> None:
+def run_checkpoint_inspect(command: str, comment: str, tmp_path: Path, state: dict) -> None:
     """`python -m lightning_moe.checkpoint inspect <ckpt>`: layout, step, tensors with global shapes."""
     if "<run dir>" not in state:
         pytest.fail("inspect needs the checkpoint of the README's `callbacks=checkpoint` command, which did not run")
@@ -193,7 +204,7 @@ def run_checkpoint_inspect(command: str, tmp_path: Path, state: dict) -> None:
     assert "global shape" in out and "tok_embeddings.weight" in out
 
 
-def run_verify(command: str, tmp_path: Path, state: dict) -> None:
+def run_verify(command: str, comment: str, tmp_path: Path, state: dict) -> None:
     """`python -m lightning_moe.verify parallel=...`: PASS (exit 0) for MoEGPT with the default data config."""
     run_dir = tmp_path / "verify"
     words = shlex.split(command)
@@ -204,7 +215,7 @@ def run_verify(command: str, tmp_path: Path, state: dict) -> None:
     assert report, "empty verify.json"
 
 
-def run_plan(command: str, tmp_path: Path, state: dict) -> None:
+def run_plan(command: str, comment: str, tmp_path: Path, state: dict) -> None:
     """`python -m lightning_moe.plan ...`: the ranked table, plan.json with every layout's sizes."""
     run_dir = tmp_path / "plan"
     out = _run([sys.executable, *shlex.split(command)[1:], f"hydra.run.dir={run_dir}"], tmp_path).stdout
@@ -216,7 +227,7 @@ def run_plan(command: str, tmp_path: Path, state: dict) -> None:
         assert f'"{dim}"' in text, f"plan.json has no {dim!r} key"
 
 
-HANDLERS: list[tuple[str, Callable[[str, Path, dict], None]]] = [
+HANDLERS: list[tuple[str, Callable[[str, str, Path, dict], None]]] = [
     (r"^make train\b", run_make_train),
     (r"^python -m lightning_moe\.train\b", run_train),
     (r"^python -m lightning_moe\.checkpoint inspect\b", run_checkpoint_inspect),
@@ -232,14 +243,14 @@ def state() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("block", "command"), COMMANDS, ids=[f"{b.source}:{b.line}:{c[:60]}" for b, c in COMMANDS])
-def test_readme_command(block: Block, command: str, tmp_path_factory: pytest.TempPathFactory, state: dict) -> None:
+@pytest.mark.parametrize(("block", "command", "comment"), COMMANDS, ids=[f"{b.source}:{b.line}:{c[:60]}" for b, c, _ in COMMANDS])
+def test_readme_command(block: Block, command: str, comment: str, tmp_path_factory: pytest.TempPathFactory, state: dict) -> None:
     for prefix, reason in NOT_RUN.items():
         if command.startswith(prefix):
             pytest.skip(f"not run: {reason}")
     handler = next((h for pattern, h in HANDLERS if re.match(pattern, command)), None)
     assert handler is not None, f"{block.source}:{block.line}: `{command}` has no handler in tests/test_readme.py: add one or a NOT_RUN entry"
-    handler(command, tmp_path_factory.mktemp("cmd"), state)
+    handler(command, comment, tmp_path_factory.mktemp("cmd"), state)
 
 
 # --- Python blocks --------------------------------------------------------------------------------
@@ -337,7 +348,7 @@ def test_readme_is_a_front_door() -> None:
 def test_every_block_has_a_runner() -> None:
     """Fast: each README command has a handler or a NOT_RUN reason, each Python block a check."""
     assert COMMANDS and PYTHON_BLOCKS
-    for block, command in COMMANDS:
+    for block, command, _ in COMMANDS:
         if not any(command.startswith(p) for p in NOT_RUN):
             assert any(re.match(p, command) for p, _ in HANDLERS), f"{block.source}:{block.line}: `{command}` has no handler"
     for block in PYTHON_BLOCKS:
