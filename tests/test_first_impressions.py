@@ -212,3 +212,22 @@ def test_lightnings_default_displays_become_ours_with_their_settings(tmp_path):
         expected = StepProgressBar if type(bar) is RichProgressBar else type(bar)
         assert type(trainer.progress_bar_callback) is expected and trainer.progress_bar_callback is bar
     assert bar.refresh_rate == 7
+
+
+def test_tp_outputs_own_their_storage_with_the_same_values_and_gradients():
+    """What keeps FSDP quiet: a view output comes back as no view, without a copy, same gradient."""
+    from lightning_moe.parallel.tensor_parallel import own_view_outputs
+
+    x = torch.randn(2, 3, requires_grad=True)
+    logits = (x * 3).view_as(x)  # DTensor.to_local() returns such a view
+    assert logits._base is not None
+    owned = own_view_outputs(torch.nn.Identity(), (), {"logits": logits, "other": 1})
+    assert owned["logits"]._base is None and owned["other"] == 1
+    assert owned["logits"].data_ptr() == logits.data_ptr()  # no copy
+    owned["logits"].pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, 18 * x.detach())
+    # An in-place change to what backward needs still raises, as it would on the view.
+    saved = x.sigmoid().view_as(x)
+    own_view_outputs(torch.nn.Identity(), (), saved).mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
