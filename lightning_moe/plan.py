@@ -1,7 +1,7 @@
 """Hydra entry point: ``python -m lightning_moe.plan [overrides]``: pick a layout for a cluster.
 
 Ranks every valid (tp, cp, ep, dp, pp) layout of a model preset on a cluster preset with the cost
-model of :mod:`lightning_moe.parallel.planner`, prints the top ones as a table (estimated step
+model of :mod:`lightning_moe.planner`, prints the top ones as a table (estimated step
 time, MFU, memory per GPU by part and per activation-checkpointing mode, bytes per step per
 dimension split intra/inter-node), lists the layouts that do not fit with the reason, and writes
 ``plan.json`` and ``plan.png`` (estimated time vs memory per layout, the chosen one marked) in the
@@ -30,7 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe.data.sampler import default_micro_batch_size
-from lightning_moe.parallel.planner import (
+from lightning_moe.planner import (
     CHECKPOINT_MODES,
     PARALLEL_DIMS,
     Cluster,
@@ -239,7 +239,7 @@ def dry_run(
     For each sampled rank (default: first, middle, last) the model is built on the meta device,
     parallelized with the real :func:`lightning_moe.parallelize` (FSDP2 included) on a mesh of
     ``layout.world_size`` ranks, and its local parameter shapes and bytes are compared with
-    :func:`lightning_moe.parallel.planner.rank_parameters`. Nothing is allocated; an invalid layout
+    :func:`lightning_moe.planner.rank_parameters`. Nothing is allocated; an invalid layout
     fails with the code's own error. ``num_layers`` overrides the model's depth (keep it a multiple
     of ``pp * pp_stages_per_rank``).
 

@@ -204,7 +204,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         (:func:`lightning_moe.parallel.planner.resolve_auto_layout` documents ``layout_options``)."""
         from lightning.pytorch.utilities import rank_zero_info
 
-        from lightning_moe.parallel.planner import resolve_auto_layout
+        from lightning_moe.planner import resolve_auto_layout
 
         try:
             best, runner_up = resolve_auto_layout(world_size, **dict(self.layout_options or {}))

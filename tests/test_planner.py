@@ -23,7 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lightning_moe.parallel.planner import (
+from lightning_moe.planner import (
     Cluster,
     Layout,
     ModelShape,
@@ -328,7 +328,7 @@ def test_auto_layout_takes_the_planners_best_for_the_world_size():
     import lightning.pytorch as pl
 
     from lightning_moe import MoE5DStrategy
-    from lightning_moe.parallel.planner import resolve_auto_layout
+    from lightning_moe.planner import resolve_auto_layout
 
     options = {"model": TINY, "cluster": OmegaConf.to_container(compose_plan("cluster=cpu_local").cluster),
                "seq_len": TINY_SEQ, "global_batch_size": TINY_GLOBAL_BATCH, "micro_batch_size": TINY_MICRO_BATCH}  # fmt: skip
@@ -346,7 +346,7 @@ def test_auto_layout_without_a_micro_batch_ranks_the_data_modules_default():
     """micro_batch_size=None (parallel=auto with the data config's null) is what the data modules
     run: default_micro_batch_size of the global batch, whatever the layout."""
     from lightning_moe.data.sampler import default_micro_batch_size
-    from lightning_moe.parallel.planner import resolve_auto_layout
+    from lightning_moe.planner import resolve_auto_layout
 
     options = {"model": TINY, "cluster": OmegaConf.to_container(compose_plan("cluster=cpu_local").cluster),
                "seq_len": TINY_SEQ, "global_batch_size": 32, "micro_batch_size": None}  # fmt: skip

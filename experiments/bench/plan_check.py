@@ -2,7 +2,7 @@
 
 Trains a small MoEGPT for a few steps under six 2-process layouts (dp2, tp2, tp2 with etp=1, cp2,
 ep2, pp2) with ``python -m lightning_moe.train``, reads each run's tokens/s (steps after the first),
-and compares the step times with :func:`lightning_moe.parallel.planner.estimate` on the
+and compares the step times with :func:`lightning_moe.planner.estimate` on the
 ``cpu_local`` cluster preset: Spearman rank correlation of the estimated vs measured step times
 (the issue asks for >= 0.7). Each layout runs ``REPEATS`` times, round-robin, and keeps its
 fastest run: on a shared machine other jobs' load changes a run's time by up to 3x. Takes about
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lightning_moe.parallel.planner import Cluster, Layout, ModelShape, estimate
+from lightning_moe.planner import Cluster, Layout, ModelShape, estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"vocab_size": 256, "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 256,

@@ -1,0 +1,60 @@
+"""Layout planner: a cost model that ranks every valid (tp, cp, ep, dp, pp) layout for a cluster.
+
+Pure Python (no process group, no tensors): everything is computed from the model's shape (the
+keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and the batch.
+
+- **Inputs** (:mod:`.model_shape`, :mod:`.cluster`, :mod:`.layout`): the model's shape and parameter
+  counts, the machine, and a candidate layout with the layers each pipeline rank holds.
+- **Parameters** (:mod:`.parameters`): the rank's parameter shards exactly as
+  ``lightning_moe.parallelize`` lays them out, and the FSDP2 units they are gathered in.
+- **FLOPs** (:mod:`.flops`) per token: attention projections, the attention core with its sequence
+  term (causal: half the score/value products), dense and expert SwiGLU GEMMs, the router and the
+  output layer; training = forward + 2 x forward (backward), plus the recomputed forward of the
+  chosen activation-checkpointing mode.
+- **Memory** (:mod:`.memory`) per rank: parameters, fp32 gradients and Adam states, FSDP's all-gather
+  buffers, and activations under each activation-checkpointing mode (``none``, ``selective``, ``full``).
+- **Communication** (:mod:`.communication`, :mod:`.groups`) bytes per optimizer step and rank for
+  every dimension, from the same collectives the code issues, each split into intra-node and
+  inter-node bytes by where the group's ranks sit (rank order tp-cp-ep-dp-pp).
+  :func:`accounted_comm_bytes` (:mod:`.accounting`) maps them onto the dims under which
+  :class:`~lightning_moe.callbacks.CommAccountingCallback` records them, for checks against runs.
+- **Time** (:mod:`.step_time`) per step: compute, the communication the code does not overlap, the
+  pipeline bubble and the optimizer update; :func:`estimate` gathers one layout's figures.
+- **Search** (:mod:`.search`): :func:`plan` estimates every valid layout and ranks those that fit;
+  :func:`resolve_auto_layout` serves ``MoE5DStrategy(layout="auto")``.
+
+Example::
+
+    from lightning_moe.planner import ModelShape, Cluster, plan
+    model = ModelShape.from_config({"hidden_size": 4096, "num_layers": 32, ...})
+    result = plan(256, model, Cluster.from_config(h100), seq_len=4096, global_batch_size=1024)
+    result.ranked[0].layout   # the fastest layout that fits
+"""
+
+from lightning_moe.planner.accounting import accounted_comm_bytes
+from lightning_moe.planner.cluster import Cluster
+from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records
+from lightning_moe.planner.dtypes import PRECISIONS
+from lightning_moe.planner.flops import flops_per_microbatch
+from lightning_moe.planner.groups import group_ranks, peer_split, ring_split
+from lightning_moe.planner.layout import PARALLEL_DIMS, Layout
+from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
+from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.parameters import (
+    chunk_size,
+    fsdp_units,
+    local_shape,
+    parameter_bytes_per_rank,
+    parameter_specs,
+    rank_parameters,
+)
+from lightning_moe.planner.search import Plan, enumerate_layouts, layout_problems, plan, resolve_auto_layout
+from lightning_moe.planner.step_time import Estimate, estimate
+
+__all__ = [
+    "CHECKPOINT_MODES", "PARALLEL_DIMS", "PRECISIONS", "Cluster", "CommRecord", "Estimate", "Layout", "Memory",
+    "ModelShape", "Plan", "accounted_comm_bytes", "chunk_size", "comm_bytes_by_dim", "comm_records",
+    "enumerate_layouts", "estimate", "flops_per_microbatch", "fsdp_units", "group_ranks", "layout_problems",
+    "local_shape", "memory_per_rank", "parameter_bytes_per_rank", "parameter_specs", "peer_split", "plan",
+    "rank_parameters", "resolve_auto_layout", "ring_split",
+]  # fmt: skip

@@ -1,0 +1,59 @@
+"""Communication as :class:`~lightning_moe.callbacks.CommAccountingCallback` records it: the planned
+bytes mapped onto the dims under which the callback counts them, for checks against real runs."""
+
+from __future__ import annotations
+
+from lightning_moe.planner.communication import CommRecord, comm_records
+from lightning_moe.planner.groups import group_spans
+from lightning_moe.planner.layout import MESH_ORDER, PARALLEL_DIMS, Layout
+from lightning_moe.planner.model_shape import ModelShape
+
+# lightning_moe.callbacks.comm_accounting._GROUP_DIMS: (mesh dims a group spans, dim it counts for).
+_ACCOUNTING_GROUP_DIMS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("dp", "ep", "cp"), "dp"), (("dp", "cp"), "dp"), (("dp", "ep"), "dp"), (("dp", "ep", "cp", "tp"), "dp"),
+    (("dp", "cp", "tp"), "dp"), (("dp",), "dp"), (("tp",), "tp"), (("cp", "tp"), "cp"), (("cp",), "cp"),
+    (("ep",), "ep"), (("ep", "tp"), "ep"), (("pp",), "pp"),
+)  # fmt: skip
+
+
+def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
+    """The dim :class:`~lightning_moe.callbacks.comm_accounting.GroupDims` gives ``rec``'s traffic.
+
+    A mesh group that spans every rank is torch's default group: it is looked up by its ranks
+    (the first matching entry of the accounting's table; a functional collective takes the first
+    that is not dp). Any other mesh group counts for dp when it includes dp, else for its first dim
+    of size > 1.
+    """
+    if rec.recorded_as is not None:
+        return rec.recorded_as
+    spans = group_spans(layout, rec.group)
+    busy = {d for d in MESH_ORDER if layout.size(d) > 1}
+    if busy and busy <= set(spans):  # the default group
+        matches = []
+        for spanned, dim in _ACCOUNTING_GROUP_DIMS:
+            if busy <= set(spanned) and dim not in matches:
+                matches.append(dim)
+        if not matches:
+            return "other"
+        if rec.functional:
+            return next((d for d in matches if d != "dp"), matches[0])
+        return matches[0]
+    names = ["dp" if d == "edp" else d for d in spans]
+    if "dp" in names or rec.group == "edp":
+        return "dp"
+    return next((d for d in names if layout.size(d) > 1), names[0])
+
+
+def accounted_comm_bytes(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> dict[str, float]:
+    """Bytes per optimizer step and rank, per dim, as ``comm/<dim>_bytes`` of
+    :class:`~lightning_moe.callbacks.CommAccountingCallback` records them (mean over ranks).
+
+    Example::
+
+        accounted_comm_bytes(shape, Layout(ep=2, microbatches=2), seq_len=32)["ep"]
+    """
+    out = {d: 0.0 for d in (*PARALLEL_DIMS, "other")}
+    for rec in comm_records(model, layout, seq_len, precision):
+        out[_accounted_dim(rec, layout)] += rec.bytes
+    return out
+

@@ -1,0 +1,222 @@
+"""Communication: every collective of one optimizer step, in bytes per rank, split intra/inter-node.
+
+From the same collectives the code issues, counted by the conventions of :mod:`lightning_moe.comm`
+(bytes a rank sends to its peers; an all-reduce counts ``2 (n-1)/n``), each split into intra-node
+and inter-node bytes by where the group's ranks sit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_moe.planner.cluster import Cluster
+from lightning_moe.planner.dtypes import (
+    ACTIVATION_BYTES,
+    FP32_BYTES,
+    FP64_BYTES,
+    FSDP_GATHER_BYTES,
+    FSDP_REDUCE_BYTES,
+    INT64_BYTES,
+)
+from lightning_moe.planner.groups import group_size, peer_split, ring_split
+from lightning_moe.planner.layout import PARALLEL_DIMS, Layout
+from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.parameters import fsdp_units
+
+# Lightning broadcasts an int64 "sigterm" flag from rank 0 at every training batch but the first of
+# an optimizer step (lightning.pytorch.loops.training_epoch_loop._broadcast_sigterm_tensor).
+SIGTERM_FLAG_BYTES = INT64_BYTES
+# The pipeline's mean loss is one fp32 broadcast from the last stage per pipeline step
+# (lightning_moe.parallel.pipeline.PipelineRunner.broadcast_mean).
+PIPELINE_LOSS_BYTES = FP32_BYTES
+
+
+def peer_chunks_bytes(chunk: int, n: int) -> int:
+    """Bytes a rank sends in an all-gather or reduce-scatter over ``n`` ranks of ``chunk`` bytes per
+    rank: one chunk to (or for) each of its ``n - 1`` peers."""
+    return chunk * (n - 1)
+
+
+def peer_share_bytes(whole: int, n: int) -> int:
+    """Bytes a rank sends in an all-gather, reduce-scatter or all-to-all over ``n`` ranks of a
+    ``whole`` tensor: the ``(n - 1) / n`` of it bound for its peers."""
+    return whole * (n - 1) // n
+
+
+def all_reduce_bytes(whole: int, n: int) -> int:
+    """Bytes a rank sends in a ring all-reduce of ``whole`` over ``n`` ranks: a reduce-scatter and an
+    all-gather, ``2 (n - 1) / n`` of it."""
+    return 2 * whole * (n - 1) // n
+
+
+@dataclass
+class CommRecord:
+    """Bytes one rank sends per optimizer step (mean over all ranks) for one kind of collective.
+
+    ``dim``: the parallel dimension it serves; ``group``: the group it runs on (:data:`GROUP_SPANS`);
+    ``recorded_as``: the dim :mod:`lightning_moe.comm`'s wrapper names (None: a ``torch.distributed``
+    or functional collective, attributed by its group); ``functional``: a DTensor (functional)
+    collective; ``pattern``: ``"spread"`` (to all peers) or ``"ring"``/``"chain"`` (to the next rank);
+    ``overlapped``: the code overlaps it with compute.
+    """
+
+    what: str
+    dim: str
+    group: str
+    bytes: float
+    calls: float
+    recorded_as: str | None = None
+    functional: bool = False
+    pattern: str = "spread"
+    overlapped: bool = False
+    routing_dependent: bool = False
+
+
+def _batches_per_step(layout: Layout) -> int:
+    """Lightning training batches per optimizer step (pp > 1: one grouped batch per pipeline step)."""
+    return layout.pipeline_steps if layout.pp > 1 else layout.microbatches
+
+
+def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> list[CommRecord]:
+    """Every collective of one optimizer step, bytes per rank averaged over all ranks.
+
+    Expert dispatch bytes assume balanced routing: each token slot lands on any ep rank with equal
+    probability, so ``(ep - 1) / ep`` of a rank's slots leave it (and as many arrive); dropless.
+    Everything else is deterministic. Sequence parallelism is on (the strategy's default).
+    """
+    a = ACTIVATION_BYTES[precision]
+    w = FSDP_GATHER_BYTES[precision]  # unsharded parameters (and their gradients) in FSDP's param dtype
+    h, s, b = model.hidden_size, seq_len, layout.micro_batch_size
+    tp, cp, ep, pp = layout.tp, layout.cp, layout.ep, layout.pp
+    m = layout.microbatches
+    records: list[CommRecord] = []
+    # Fractions of ranks holding the embedding / the output: pipeline ranks hold 1/pp of the world each.
+    first = 1.0 / pp
+    last = 1.0 / pp
+    layers_per_rank = model.num_layers / pp  # averaged over pipeline ranks
+    moe_per_rank = model.num_moe_layers / pp
+    dense_per_rank = (model.num_layers - model.num_moe_layers) / pp
+
+    def add(*args: Any, **kwargs: Any) -> None:
+        rec = CommRecord(*args, **kwargs)
+        if rec.bytes or rec.calls:
+            records.append(rec)
+
+    # Tokens of one micro-batch on a rank: sequence over cp, then sequence-parallel shard over tp.
+    seq_local = s // cp
+    act_full = b * seq_local * h * a  # one micro-batch's hidden states on a cp rank
+    # ---- tensor parallel (DTensor plan with sequence parallelism) ----
+    if tp > 1:
+        u = peer_share_bytes(act_full, tp)  # an all-gather or reduce-scatter of the hidden states
+        # embedding: reduce-scatter forward, all-gather backward (first stage)
+        add("embedding RS/AG", "tp", "tp", 2 * u * m * first, 2 * m * first, functional=True)
+        # attention input all-gather + wo reduce-scatter, and their backward
+        add("attention AG/RS", "tp", "tp", 4 * u * m * layers_per_rank, 4 * m * layers_per_rank, functional=True)
+        add("dense FFN AG/RS", "tp", "tp", 4 * u * m * dense_per_rank, 4 * m * dense_per_rank, functional=True)
+        # norm weights: Replicate DTensors whose Partial gradient is all-reduced (2 norms per layer, final norm)
+        norm = all_reduce_bytes(h * w, tp)
+        add("norm weight grad all-reduce", "tp", "tp", norm * m * (2 * layers_per_rank + last), m * (2 * layers_per_rank + last), functional=True)
+        # output: input all-gather (+ backward reduce-scatter), logits all-gather to Replicate
+        logits = peer_chunks_bytes(b * seq_local * (model.vocab_size // tp) * a, tp)
+        add("output AG/RS + logits AG", "tp", "tp", (2 * u + logits) * m * last, 3 * m * last, functional=True)
+        if layout.etp == tp and moe_per_rank:
+            # ExpertTensorParallelDispatcher: rows that reached this rank's experts are all-gathered over
+            # tp and the partial outputs reduce-scattered back (uneven all-to-alls), forward and backward;
+            # plus one all-gather of the int64 counts per local expert.
+            rows = b * seq_local // tp * model.top_k  # slots of this rank's tokens (balanced: as many arrive)
+            add("expert-TP row all-gather/reduce-scatter", "tp", "tp", 4 * peer_chunks_bytes(rows * h * a, tp) * m * moe_per_rank,
+                4 * m * moe_per_rank, recorded_as="tp", routing_dependent=ep > 1)
+            counts = peer_chunks_bytes((model.num_experts // ep) * INT64_BYTES, tp)
+            add("expert-TP counts all-gather", "tp", "tp", counts * m * moe_per_rank, m * moe_per_rank)
+    # ---- MoE statistics over the sequence group (cp x tp), recorded as "cp" ----
+    n_seq = cp * tp
+    if n_seq > 1 and moe_per_rank:
+        totals = all_reduce_bytes((2 * model.num_experts + 4) * FP32_BYTES, n_seq)
+        add("MoE statistics all-reduce", "cp", "sequence", totals * m * moe_per_rank, m * moe_per_rank, recorded_as="cp")
+        if model.load_balancing == "seq_aux_loss":
+            seq_totals = all_reduce_bytes(b * (2 * model.num_experts + 1) * FP32_BYTES, n_seq)
+            add("sequence aux-loss all-reduce", "cp", "sequence", seq_totals * m * moe_per_rank, m * moe_per_rank, recorded_as="cp")
+    # ---- context parallel: ring attention ----
+    if cp > 1:
+        kv_block = b * (model.num_kv_heads // tp) * seq_local * model.head_dim
+        # forward: cp-1 shifts of (K, V); backward: cp-1 shifts of (K, V) and cp shifts of fp32 (dK, dV)
+        per_attention = (2 * (cp - 1) * 2 * kv_block * a) + cp * 2 * kv_block * FP32_BYTES
+        add("ring attention K/V and dK/dV", "cp", "cp", per_attention * m * layers_per_rank,
+            (3 * cp - 2) * m * layers_per_rank, pattern="ring", overlapped=True)
+        if pp > 1:
+            # pipeline_batch all-reduces each sample's loss-token count (float64) over cp per pipeline step
+            samples = b * layout.pipeline_microbatches
+            add("loss-token count all-reduce", "cp", "cp", all_reduce_bytes(samples * FP64_BYTES, cp) * layout.pipeline_steps, layout.pipeline_steps)
+    # ---- expert parallel ----
+    if ep > 1 and moe_per_rank:
+        tokens = b * seq_local // tp  # each tp rank dispatches its sequence shard
+        slots = tokens * model.top_k
+        if model.dispatcher == "alltoall":
+            counts = peer_share_bytes(model.num_experts * INT64_BYTES, ep)
+            add("dispatch counts all-to-all", "ep", "ep", counts * m * moe_per_rank, m * moe_per_rank, recorded_as="ep")
+            leave = slots * (ep - 1) / ep
+            add("token dispatch/combine all-to-all", "ep", "ep", 4 * leave * h * a * m * moe_per_rank,
+                4 * m * moe_per_rank, recorded_as="ep", routing_dependent=True)
+        else:
+            gathered = peer_chunks_bytes(tokens * h * a, ep)
+            idx = peer_chunks_bytes(slots * INT64_BYTES, ep)
+            weights = peer_chunks_bytes(slots * FP32_BYTES, ep)
+            rs = peer_chunks_bytes(tokens * h * a, ep)
+            per_layer = 2 * gathered + idx + 2 * weights + 2 * rs
+            add("all-gather dispatcher", "ep", "ep", per_layer * m * moe_per_rank, 7 * m * moe_per_rank, recorded_as="ep")
+    # ---- data parallel: FSDP2 all-gathers (forward, and again in backward for non-root units) and
+    # reduce-scatters, once per micro-batch ----
+    for unit in fsdp_units(model, layout):
+        n = group_size(layout, unit.group)
+        if n == 1:
+            continue
+        shard = unit.padded_shard_numel * (n - 1)
+        gathers = (1 if unit.root else 2) * m
+        # pp = 1: gradients reduce-scatter after every micro-batch's backward; pp > 1: only in the
+        # last backward of the step (lightning_moe.parallel.pipeline's backward_maybe_with_nosync)
+        scatters = m if layout.pp == 1 else layout.pipeline_steps
+        frac = unit.ranks_fraction * unit.count
+        nbytes = (gathers * FSDP_GATHER_BYTES[precision] + scatters * FSDP_REDUCE_BYTES) * shard
+        add(f"FSDP {unit.name}", "dp", unit.group, nbytes * frac, (gathers + scatters) * frac, overlapped=True)
+    n_token = group_size(layout, "token")
+    if moe_per_rank and n_token > 1:
+        if model.load_balancing == "global_aux_loss":
+            add("global aux-loss counts", "dp", "token", all_reduce_bytes((model.num_experts + 1) * FP32_BYTES, n_token) * m * moe_per_rank,
+                m * moe_per_rank, recorded_as="dp")
+        if model.expert_bias:
+            add("expert-bias loads", "dp", "token", all_reduce_bytes(model.num_experts * FP32_BYTES, n_token) * moe_per_rank,
+                moe_per_rank, recorded_as="dp")
+    # ---- pipeline ----
+    if pp > 1:
+        v = layout.pp_stages_per_rank
+        boundary = b * seq_local // tp * h * a  # sequence-parallel shard of the hidden states
+        sends = 2 * (pp * v - 1) * m  # forward activations and backward gradients over every stage boundary
+        add("stage activations/gradients", "pp", "pp", boundary * sends / pp, sends / pp, pattern="chain")
+        steps = layout.pipeline_steps
+        add("mean-loss broadcast", "pp", "pp", PIPELINE_LOSS_BYTES * (pp - 1) / pp * steps, steps / pp)
+    # ---- Lightning's per-batch sigterm flag, broadcast from rank 0 over the world ----
+    world = layout.world_size
+    batches = _batches_per_step(layout)
+    if world > 1 and batches > 1:
+        add("Lightning sigterm flag", "dp", "world", (batches - 1) * SIGTERM_FLAG_BYTES * (world - 1) / world, (batches - 1) / world)
+    return records
+
+
+def record_split(rec: CommRecord, layout: Layout, cluster: Cluster) -> tuple[float, float]:
+    """``(intra, inter)`` fractions of ``rec``'s bytes that stay inside a node and that cross nodes."""
+    if rec.pattern == "spread":
+        return peer_split(layout, rec.group, cluster.gpus_per_node)
+    return ring_split(layout, rec.group, cluster.gpus_per_node, wrap=rec.pattern == "ring")
+
+
+def comm_bytes_by_dim(records: Iterable[CommRecord], layout: Layout, cluster: Cluster) -> dict[str, dict[str, float]]:
+    """``{dim: {"intra": bytes, "inter": bytes}}`` per optimizer step and rank."""
+    out = {d: {"intra": 0.0, "inter": 0.0} for d in PARALLEL_DIMS}
+    for rec in records:
+        intra, inter = record_split(rec, layout, cluster)
+        out[rec.dim]["intra"] += rec.bytes * intra
+        out[rec.dim]["inter"] += rec.bytes * inter
+    return out
+

@@ -1,0 +1,41 @@
+"""FLOPs: what one rank computes per micro-batch, by op kind, and what activation checkpointing adds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from lightning_moe.planner.layout import Layout
+from lightning_moe.planner.model_shape import ModelShape
+
+# Activation checkpointing cost in forward passes recomputed during backward: "full" recomputes the
+# whole layer forward (Chen et al. 2016, arXiv 1604.06174); "selective" recomputes the SwiGLU/expert
+# activation functions and the attention core only, Korthikanti et al. 2022 (arXiv 2205.05198, §5:
+# selective recompute costs ~2.7% of FLOPs for GPT-3): modelled as that fraction of one forward.
+RECOMPUTE_FORWARDS = {"none": 0.0, "selective": 0.08, "full": 1.0}
+
+
+def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers: Iterable[int], last: bool) -> dict[str, float]:
+    """Forward FLOPs one rank runs for one micro-batch, by op kind (``dense``, ``expert``, ``attention``).
+
+    GEMMs are ``2 x m x n x k``; the causal attention core computes half of ``QK^T`` and ``PV``
+    (``2 x 2 x s^2 x q_dim / 2`` per sample); expert tokens are balanced over ep ranks.
+    """
+    tp, cp = layout.tp, layout.cp
+    h = model.hidden_size
+    tokens = layout.micro_batch_size * seq_len / cp  # tokens on this cp rank (all tp ranks compute them)
+    out = {"dense": 0.0, "expert": 0.0, "attention": 0.0}
+    for i in layers:
+        out["dense"] += 2 * tokens * (h * model.q_dim + 2 * h * model.kv_dim + model.q_dim * h) / tp
+        # causal attention per sample: 2 (QK^T, PV) x 2 FLOP x s^2/2 x q_dim; cp ranks split it evenly (zigzag)
+        out["attention"] += 2 * layout.micro_batch_size * seq_len * seq_len * model.q_dim / tp / cp
+        if model.is_moe(i):
+            out["dense"] += 2 * tokens * h * model.num_experts / tp  # router on this rank's sequence shard
+            if model.shared_expert_hidden_size:
+                out["dense"] += 2 * tokens * 3 * h * model.shared_expert_hidden_size / tp
+            out["expert"] += 2 * tokens * model.top_k * 3 * h * model.moe_ffn_hidden_size / tp
+        else:
+            out["dense"] += 2 * tokens * 3 * h * model.ffn_hidden_size / tp
+    if last:
+        out["dense"] += 2 * tokens * h * model.vocab_size / tp
+    return out
+

@@ -1,0 +1,95 @@
+"""Group geometry: which global ranks a mesh group holds and how much of its traffic crosses nodes.
+
+Ranks are laid out in the mesh order (pp, dp, ep, cp, tp), row-major: tp neighbours share a node first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from functools import lru_cache
+
+from lightning_moe.planner.layout import MESH_ORDER, Layout
+
+# Mesh groups the code communicates on, as the mesh dims they span (lightning_moe.parallel.dims).
+GROUP_SPANS: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",),
+    "dense": ("dp", "ep", "cp"),          # dense_grad_mesh: FSDP of dense parameters
+    "token": ("dp", "ep", "cp", "tp"),    # token_mesh: router/shared expert under tp, expert-bias loads
+    "sequence": ("cp", "tp"),             # sequence_mesh: MoE statistics
+    "world": MESH_ORDER,
+}  # fmt: skip
+
+
+def group_spans(layout: Layout, group: str) -> tuple[str, ...]:
+    """Mesh dims ``group`` spans: a key of :data:`GROUP_SPANS`, or ``"edp"``, the experts' data-parallel
+    mesh, which takes tp in when experts are not tensor-parallel (etp = 1)."""
+    if group == "edp":
+        return ("dp", "cp", "tp") if layout.etp == 1 else ("dp", "cp")
+    return GROUP_SPANS[group]
+
+
+def group_ranks(layout: Layout, group: str, rank: int = 0) -> list[int]:
+    """Global ranks of ``rank``'s group ``group`` (a key of :data:`GROUP_SPANS` or ``"edp"``)."""
+    spanned = set(group_spans(layout, group))
+    coords = layout.coordinates(rank)
+    ranks = [0]
+    for dim in MESH_ORDER:
+        size = layout.size(dim)
+        ranks = [r * size + c for r in ranks for c in (range(size) if dim in spanned else [coords[dim]])]
+    return ranks
+
+
+def group_size(layout: Layout, group: str) -> int:
+    return math.prod(layout.size(d) for d in group_spans(layout, group))
+
+
+def peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, float]:
+    """``(intra, inter)`` fractions of the bytes a rank sends to its group peers (see :func:`_peer_split`)."""
+    return _peer_split(_mesh_only(layout), group, gpus_per_node)
+
+
+def _mesh_only(layout: Layout) -> Layout:
+    """The layout's mesh (sizes and etp), for caching what depends on nothing else."""
+    return Layout(layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.etp)
+
+
+@lru_cache(maxsize=4096)
+def _peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, float]:
+    """``(intra, inter)`` fractions of the bytes a rank sends to its group peers, traffic spread evenly
+    over the peers (all-to-all, ring all-gather/reduce-scatter payload), averaged over the group."""
+    ranks = group_ranks(layout, group)
+    n = len(ranks)
+    if n == 1:
+        return 1.0, 0.0
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
+    same = sum(c * (c - 1) for c in nodes.values()) / (n * (n - 1))
+    return same, 1.0 - same
+
+
+def ring_split(layout: Layout, group: str, gpus_per_node: int, wrap: bool = True) -> tuple[float, float]:
+    """``(intra, inter)`` fractions of point-to-point hops (see :func:`_ring_split`)."""
+    return _ring_split(_mesh_only(layout), group, gpus_per_node, wrap)
+
+
+@lru_cache(maxsize=4096)
+def _ring_split(layout: Layout, group: str, gpus_per_node: int, wrap: bool = True) -> tuple[float, float]:
+    """``(intra, inter)`` fractions of point-to-point hops ``rank -> next rank`` of a group (a ring when
+    ``wrap``, a pipeline chain otherwise) that stay inside a node."""
+    ranks = group_ranks(layout, group)
+    pairs = list(zip(ranks, ranks[1:] + (ranks[:1] if wrap else [])))
+    if not pairs:
+        return 1.0, 0.0
+    same = sum(a // gpus_per_node == b // gpus_per_node for a, b in pairs) / len(pairs)
+    return same, 1.0 - same
+
+
+def group_index(layout: Layout, group: str, coords: Mapping[str, int]) -> int:
+    """A rank's index in ``group`` from its mesh coordinates (lightning_moe.parallel.dims: flattened row-major)."""
+    index = 0
+    for d in group_spans(layout, group):
+        index = index * layout.size(d) + coords[d]
+    return index
+

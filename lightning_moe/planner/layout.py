@@ -1,0 +1,116 @@
+"""A candidate layout: the five sizes, its mesh coordinates and which layers each pipeline rank holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from lightning_moe.planner.model_shape import ModelShape
+
+PARALLEL_DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+MESH_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")  # lightning_moe.parallel.dims.MESH_DIM_NAMES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the five sizes, expert tensor parallel, micro-batch and pipeline schedule.
+
+    ``microbatches``: micro-batches per optimizer step on each data-parallel rank; under pp > 1 each
+    pipeline step runs ``pp_microbatches`` of them (0: all, one pipeline step per optimizer step).
+    ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+    pp: int = 1
+    etp: int = 1
+    micro_batch_size: int = 1
+    microbatches: int = 1
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1
+    pp_microbatches: int = 0
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches of one pipeline step (all of the optimizer step's unless set)."""
+        return self.pp_microbatches or self.microbatches
+
+    @property
+    def pipeline_steps(self) -> int:
+        """Pipeline steps (Lightning batches) per optimizer step under pp > 1."""
+        return max(1, self.microbatches // self.pipeline_microbatches)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.ep * self.dp * self.pp
+
+    def size(self, dim: str) -> int:
+        if dim == "edp":
+            return self.dp * self.cp * (self.tp if self.etp == 1 else 1)
+        return getattr(self, dim)
+
+    def label(self) -> str:
+        """Everything the estimate depends on besides the model and cluster, e.g.
+        ``tp8·ep8·dp2·pp8 mb1 1F1B pp_microbatches=32``: the sizes, ``etp1`` when experts are not
+        tensor-parallel, the micro-batch size and, under pp > 1, the schedule (``v2``: stages per
+        rank) and the micro-batches of one pipeline step (they set the bubble), so that two layouts
+        with different estimates never share a label."""
+        parts = [f"{d}{self.size(d)}" for d in PARALLEL_DIMS if self.size(d) > 1] or ["single"]
+        if self.tp > 1 and self.etp == 1:
+            parts.append("etp1")
+        text = "·".join(parts) + f" mb{self.micro_batch_size}"
+        if self.pp > 1:
+            text += f" {self.pp_schedule}" + (f"v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
+            text += f" pp_microbatches={self.pipeline_microbatches}"
+        return text
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {d: self.size(d) for d in PARALLEL_DIMS}
+        kwargs["etp"] = self.etp
+        if self.pp > 1:
+            kwargs.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pipeline_microbatches, pp_stages_per_rank=self.pp_stages_per_rank)
+        return kwargs
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of ``rank`` in the ``(pp, dp, ep, cp, tp)`` row-major mesh."""
+        coords: dict[str, int] = {}
+        for dim in reversed(MESH_ORDER):
+            size = self.size(dim)
+            coords[dim] = rank % size
+            rank //= size
+        return coords
+
+
+def stage_layers(model: ModelShape, layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """The layers of each pipeline stage, an equal share in order."""
+    return _split_layers(model.num_layers, layout.pp * layout.pp_stages_per_rank)
+
+
+@lru_cache(maxsize=1024)
+def _split_layers(num_layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
+    per = num_layers // stages
+    return tuple(tuple(range(s * per, (s + 1) * per)) for s in range(stages))
+
+
+def rank_layers(model: ModelShape, layout: Layout, pp_rank: int) -> tuple[int, ...]:
+    """The layers of every stage pipeline rank ``pp_rank`` runs, stage by stage."""
+    stages = stage_layers(model, layout)
+    return tuple(i for st in rank_stages(layout, pp_rank) for i in stages[st])
+
+
+def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
+    """Stages of pipeline rank ``pp_rank`` (loop placement, lightning_moe.parallel.pipeline.stage_ids)."""
+    return [pp_rank + k * layout.pp for k in range(layout.pp_stages_per_rank)]
+
+
+def holds_first_stage(layout: Layout, pp_rank: int) -> bool:
+    """Whether pipeline rank ``pp_rank`` runs the first stage (the embedding)."""
+    return 0 in rank_stages(layout, pp_rank)
+
+
+def holds_last_stage(layout: Layout, pp_rank: int) -> bool:
+    """Whether pipeline rank ``pp_rank`` runs the last stage (final norm, output and loss)."""
+    return layout.pp * layout.pp_stages_per_rank - 1 in rank_stages(layout, pp_rank)

@@ -1,0 +1,124 @@
+"""Memory per rank: parameter shards, fp32 gradients and Adam states, FSDP2's all-gather buffers,
+activations under each activation-checkpointing mode and the logits, on the busiest pipeline rank."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES
+from lightning_moe.planner.groups import group_size
+from lightning_moe.planner.layout import Layout, holds_last_stage, rank_layers
+from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.parameters import kind_counts, kind_of, local_shape, representative_specs
+
+CHECKPOINT_MODES: tuple[str, ...] = ("none", "selective", "full")
+
+
+def activation_bytes_per_layer(model: ModelShape, layout: Layout, seq_len: int, layer: int, mode: str, precision: str) -> float:
+    """Activations one layer keeps for backward, for one micro-batch, on one rank.
+
+    Counted tensor by tensor for this model (Korthikanti et al. 2022, arXiv 2205.05198, §4, for the
+    method): ``none`` keeps the norms' inputs and outputs, q/k/v, the attention output (flash-style
+    attention keeps only its fp32 log-sum-exp, no ``s^2`` term), SwiGLU's gate/up/product and, for
+    MoE, the router logits, the dispatched rows and their expert intermediates; ``selective`` drops
+    the SwiGLU intermediates and the attention internals (recomputed); ``full`` keeps only the layer
+    input. Sequence parallelism shards everything over tp.
+    """
+    a = ACTIVATION_BYTES[precision]
+    h = model.hidden_size
+    tokens = layout.micro_batch_size * seq_len / layout.cp / layout.tp  # this rank's token shard
+    if mode == "full":
+        return tokens * h * a
+    heads_local = model.num_heads / layout.tp
+    attention = tokens * a * (2 * h) + tokens * layout.tp * a * (h + (model.q_dim + 2 * model.kv_dim) / layout.tp + model.q_dim / layout.tp)
+    attention += tokens * layout.tp * heads_local * FP32_BYTES  # log-sum-exp
+    if mode == "selective":
+        attention = tokens * a * (2 * h) + tokens * layout.tp * a * (h + (model.q_dim + 2 * model.kv_dim) / layout.tp)
+    if model.is_moe(layer):
+        k, f = model.top_k, model.moe_ffn_hidden_size
+        rows = tokens * k  # dispatched rows per rank (balanced routing), before expert-TP gathering
+        expert_tp = layout.etp == layout.tp and layout.tp > 1
+        f_local = f / layout.tp if expert_tp else f
+        rows_local = rows * layout.tp if expert_tp else rows
+        ffn = tokens * a * 2 * h + tokens * FP32_BYTES * model.num_experts  # norm in/out, router logits
+        ffn += rows_local * a * 2 * h  # expert input and output rows
+        if mode == "none":
+            ffn += rows_local * a * 3 * f_local  # gate, up, product
+        if model.shared_expert_hidden_size:
+            ffn += tokens * a * (3 * model.shared_expert_hidden_size if mode == "none" else 0)
+    else:
+        ffn = tokens * a * 2 * h + tokens * layout.tp * a * h
+        if mode == "none":
+            ffn += tokens * layout.tp * a * 3 * model.ffn_hidden_size / layout.tp
+    return attention + ffn
+
+
+@dataclass
+class Memory:
+    """Bytes per rank on the busiest pipeline rank."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    fsdp_buffers: float
+    activations: dict[str, float]  # per checkpointing mode
+    logits: float
+
+    def total(self, mode: str) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.fsdp_buffers + self.activations[mode] + self.logits
+
+
+def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> tuple[Memory, int]:
+    """Memory of the pipeline rank that needs the most (``(memory, pp_rank)``)."""
+    best: tuple[Memory, int] | None = None
+    reps = representative_specs(model, layout)
+    # The busiest rank is the first (embedding, most micro-batches in flight) or the last (output, logits).
+    for pp_rank in sorted({0, layout.pp - 1}):
+        rank = pp_rank * (layout.world_size // layout.pp)
+        counts = kind_counts(model, layout, pp_rank)
+        params = 0.0
+        unit_sizes: dict[str, float] = {}
+        for spec in reps:
+            n = counts[kind_of(model, spec)]
+            if not n:
+                continue
+            params += n * math.prod(local_shape(spec, layout, rank, padded=True))
+            # FSDP2 unshards one unit and prefetches the next: two of the largest units, in the all-gather dtype.
+            if group_size(layout, spec.group) > 1:
+                unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + math.prod(local_shape(spec, layout, rank, fsdp=False))
+        buffers = 2 * max(unit_sizes.values(), default=0) * FSDP_GATHER_BYTES[precision]
+        layers = rank_layers(model, layout, pp_rank)
+        # micro-batches in flight on this rank: GPipe all of them, 1F1B up to pp - pp_rank,
+        # interleaved the 1F1B figure times (1 + (p-1)/(p v)) (Korthikanti et al. 2022, §4.2.3)
+        m, p, v = layout.pipeline_microbatches, layout.pp, layout.pp_stages_per_rank
+        if p == 1:
+            in_flight = 1.0
+        elif layout.pp_schedule == "GPipe":
+            in_flight = float(m)
+        else:
+            in_flight = float(min(m, p - pp_rank))
+            if layout.pp_schedule == "Interleaved1F1B":
+                in_flight *= 1 + (p - 1) / (p * v)
+        examples = {"moe": next((i for i in layers if model.is_moe(i)), None), "dense": next((i for i in layers if not model.is_moe(i)), None)}
+        per_layer = {
+            (kind, mode): activation_bytes_per_layer(model, layout, seq_len, i, mode, precision)
+            for kind, i in examples.items() if i is not None for mode in CHECKPOINT_MODES
+        }  # fmt: skip
+        acts = {
+            mode: in_flight * sum(counts[kind] * per_layer[(kind, mode)] for kind, i in examples.items() if i is not None)
+            for mode in CHECKPOINT_MODES
+        }
+        if layers:  # full recompute rebuilds one layer's activations at a time
+            acts["full"] += max(per_layer[(kind, "none")] for kind, i in examples.items() if i is not None)
+        logits = 0.0
+        if holds_last_stage(layout, pp_rank):
+            # logits in the compute dtype, their fp32 copy for the loss and its gradient
+            tokens = layout.micro_batch_size * seq_len / layout.cp
+            logits = tokens * model.vocab_size / layout.tp * (ACTIVATION_BYTES[precision] + 2 * FP32_BYTES)
+        mem = Memory(params * FP32_BYTES, params * FP32_BYTES, params * ADAM_STATE_BYTES, buffers, acts, logits)
+        if best is None or mem.total("none") > best[0].total("none"):
+            best = (mem, pp_rank)
+    assert best is not None
+    return best
+

@@ -1,0 +1,204 @@
+"""Parameters: every one of the model, sharded as ``lightning_moe.parallelize`` shards it on each rank.
+
+Tensor-parallel plan, experts ``Shard(0)`` over ep and their FFN dim over etp, then FSDP2's ``Shard(0)``
+of the local tensor over the dense/expert/token data-parallel meshes, padded as FSDP2 pads; and the
+FSDP2 units those parameters are gathered in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from lightning_moe.planner.dtypes import FP32_BYTES
+from lightning_moe.planner.groups import group_index, group_size
+from lightning_moe.planner.layout import Layout, holds_first_stage, holds_last_stage, rank_layers
+from lightning_moe.planner.model_shape import ModelShape
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def chunk_size(length: int, parts: int, index: int) -> int:
+    """Length of chunk ``index`` of ``torch.chunk(range(length), parts)`` (empty past the end).
+
+    FSDP2 and DTensor ``Shard`` both split by these semantics. Example: ``chunk_size(10, 4, 3) == 1``.
+    """
+    size = _ceil_div(length, parts)
+    return max(0, min(size, length - index * size))
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: global shape, tensor-parallel split (dim or None), expert split, FSDP unit."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # dim sharded over tp (DTensor Shard), None: replicated over tp
+    expert: bool  # Shard(0) over ep (and tp_dim over etp when etp = tp)
+    unit: str  # FSDP unit name
+    group: str  # FSDP mesh: "dense", "edp" or "token"
+    stage_part: str  # "layer:<i>", "first" or "last"
+
+    @property
+    def layer(self) -> int | None:
+        """The index of the layer the parameter belongs to (None: embedding, final norm, output)."""
+        return int(self.stage_part.split(":")[1]) if self.stage_part.startswith("layer:") else None
+
+
+@dataclass
+class FsdpUnit:
+    name: str
+    group: str
+    root: bool
+    padded_shard_numel: float  # per rank, summed over the unit's parameters
+    ranks_fraction: float  # fraction of all ranks holding one such unit (pipeline stages)
+    count: int = 1  # units of this kind in the model
+
+
+def parameter_specs(model: ModelShape, layout: Layout) -> list[ParamSpec]:
+    """Every parameter of the model with how ``lightning_moe.parallelize`` shards it."""
+    return list(_parameter_specs(model, layout.tp > 1, layout.etp == layout.tp))
+
+
+@lru_cache(maxsize=64)
+def _parameter_specs(model: ModelShape, tp_on: bool, etp_is_tp: bool) -> tuple[ParamSpec, ...]:
+    h, v = model.hidden_size, model.vocab_size
+    specs = [
+        ParamSpec("tok_embeddings.weight", (v, h), 0 if tp_on else None, False, "first", "dense", "first"),
+        ParamSpec("norm.weight", (h,), None, False, "last", "dense", "last"),
+        ParamSpec("output.weight", (v, h), 0 if tp_on else None, False, "last", "dense", "last"),
+    ]
+    etp = etp_is_tp and tp_on
+    for i in range(model.num_layers):
+        p, part = f"layers.{i}.", f"layer:{i}"
+        block = f"layer{i}"
+        specs += [
+            ParamSpec(p + "attention_norm.weight", (h,), None, False, block, "dense", part),
+            ParamSpec(p + "ffn_norm.weight", (h,), None, False, block, "dense", part),
+            ParamSpec(p + "attention.wq.weight", (model.q_dim, h), 0 if tp_on else None, False, block, "dense", part),
+            ParamSpec(p + "attention.wk.weight", (model.kv_dim, h), 0 if tp_on else None, False, block, "dense", part),
+            ParamSpec(p + "attention.wv.weight", (model.kv_dim, h), 0 if tp_on else None, False, block, "dense", part),
+            ParamSpec(p + "attention.wo.weight", (h, model.q_dim), 1 if tp_on else None, False, block, "dense", part),
+        ]
+        if model.is_moe(i):
+            e, f = model.num_experts, model.moe_ffn_hidden_size
+            side_unit, side_group = (f"layer{i}.router", "token") if tp_on else (block, "dense")
+            specs.append(ParamSpec(p + "feed_forward.router.weight", (e, h), None, False, side_unit, side_group, part))
+            if model.shared_expert_hidden_size:
+                fs = model.shared_expert_hidden_size
+                for name, shape in (("w1", (fs, h)), ("w3", (fs, h)), ("w2", (h, fs))):
+                    specs.append(ParamSpec(p + f"feed_forward.shared_expert.{name}.weight", shape, None, False, side_unit, side_group, part))
+            for name, shape, ffn_dim in (("w1", (e, h, f), 2), ("w3", (e, h, f), 2), ("w2", (e, f, h), 1)):
+                specs.append(ParamSpec(p + f"feed_forward.experts.{name}", shape, ffn_dim if etp else None, True, f"layer{i}.experts", "edp", part))
+        else:
+            f = model.ffn_hidden_size
+            for name, shape, dim in (("w1", (f, h), 0), ("w3", (f, h), 0), ("w2", (h, f), 1)):
+                specs.append(ParamSpec(p + f"feed_forward.{name}.weight", shape, dim if tp_on else None, False, block, "dense", part))
+    return tuple(specs)
+
+
+def local_shape(spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True, padded: bool = False) -> tuple[int, ...]:
+    """The shape of ``spec`` on ``rank``: ep and tp splits (DTensor chunks), then FSDP2's dim-0 chunk.
+
+    ``padded``: FSDP2's allocation (every rank holds ``ceil(dim0 / n)`` rows) instead of the chunk.
+    """
+    coords = layout.coordinates(rank)
+    shape = list(spec.shape)
+    if spec.expert:
+        shape[0] = chunk_size(shape[0], layout.ep, coords["ep"])
+    if spec.tp_dim is not None:
+        shape[spec.tp_dim] = chunk_size(shape[spec.tp_dim], layout.tp, coords["tp"])
+    if fsdp:
+        n = group_size(layout, spec.group)
+        if n > 1:
+            shape[0] = _ceil_div(shape[0], n) if padded else chunk_size(shape[0], n, group_index(layout, spec.group, coords))
+    return tuple(shape)
+
+
+def _rank_holds(spec: ParamSpec, model: ModelShape, layout: Layout, pp_rank: int) -> bool:
+    if spec.stage_part == "first":
+        return holds_first_stage(layout, pp_rank)
+    if spec.stage_part == "last":
+        return holds_last_stage(layout, pp_rank)
+    return spec.layer in rank_layers(model, layout, pp_rank)
+
+
+def representative_specs(model: ModelShape, layout: Layout) -> list[ParamSpec]:
+    """The embedding/norm/output specs and those of one MoE and one dense layer (all layers of a kind
+    shard alike): with :func:`kind_of` and :func:`kind_counts`, per-rank sums need no loop over every layer."""
+    moe = next((i for i in range(model.num_layers) if model.is_moe(i)), None)
+    dense = next((i for i in range(model.num_layers) if not model.is_moe(i)), None)
+    keep = {"first", "last", f"layer:{moe}", f"layer:{dense}"}
+    return [s for s in parameter_specs(model, layout) if s.stage_part in keep]
+
+
+def kind_of(model: ModelShape, spec: ParamSpec) -> str:
+    """``"first"``, ``"last"``, or the kind of the spec's layer: ``"moe"`` or ``"dense"``."""
+    if spec.layer is None:
+        return spec.stage_part
+    return "moe" if model.is_moe(spec.layer) else "dense"
+
+
+def kind_counts(model: ModelShape, layout: Layout, pp_rank: int) -> dict[str, int]:
+    """How many of each :func:`kind_of` pipeline rank ``pp_rank`` holds."""
+    layers = rank_layers(model, layout, pp_rank)
+    return {
+        "first": int(holds_first_stage(layout, pp_rank)),
+        "last": int(holds_last_stage(layout, pp_rank)),
+        "moe": sum(model.is_moe(i) for i in layers),
+        "dense": sum(not model.is_moe(i) for i in layers),
+    }
+
+
+def rank_parameters(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False) -> dict[str, tuple[int, ...]]:
+    """``{name: local shape}`` of every parameter ``rank`` holds (FSDP shards included).
+
+    Example::
+
+        rank_parameters(shape, Layout(tp=2, dp=2), rank=3)["layers.0.attention.wq.weight"]
+    """
+    pp_rank = layout.coordinates(rank)["pp"]
+    return {
+        spec.name: local_shape(spec, layout, rank, padded=padded)
+        for spec in parameter_specs(model, layout)
+        if _rank_holds(spec, model, layout, pp_rank)
+    }
+
+
+def parameter_bytes_per_rank(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False, dtype_bytes: int = FP32_BYTES) -> int:
+    """Bytes of the parameter shards ``rank`` holds (exact chunks, or FSDP2's padded allocation)."""
+    return dtype_bytes * sum(math.prod(shape) for shape in rank_parameters(model, layout, rank, padded=padded).values())
+
+
+def fsdp_units(model: ModelShape, layout: Layout) -> list[FsdpUnit]:
+    """FSDP2 units as ``apply_data_parallel`` wraps them: per block, experts, router (tp > 1), the root.
+
+    Under pp = 1 the whole module is the root unit (embedding, final norm, output), which FSDP does
+    not reshard after forward; under pp > 1 each of those children is a unit of its own and every
+    top-level unit (embedding, norm, output, each block) is first called on its own and becomes a
+    root. Experts and router units nest inside a block and never are. ``count``: units of that
+    kind in the whole model.
+    """
+    totals: dict[tuple[str, str], float] = {}
+    groups: dict[tuple[str, str], str] = {}
+    for spec in representative_specs(model, layout):
+        kind = kind_of(model, spec)
+        if kind in ("first", "last"):
+            name = spec.name if layout.pp > 1 else "root"
+        else:
+            name = spec.unit.split(".", 1)[1] if "." in spec.unit else "block"
+        key = (kind, name)
+        totals[key] = totals.get(key, 0) + math.prod(local_shape(spec, layout, rank=0, padded=True))
+        groups[key] = spec.group
+    counts = {"first": 1, "last": 1, "moe": model.num_moe_layers, "dense": model.num_layers - model.num_moe_layers}
+    units = []
+    for (kind, name), numel in totals.items():
+        if kind in ("first", "last") and name == "root" and any(u.name == "root" for u in units):
+            units[[u.name for u in units].index("root")].padded_shard_numel += numel  # type: ignore[misc]
+            continue
+        root = kind in ("first", "last") or (layout.pp > 1 and name == "block")
+        units.append(FsdpUnit(name, groups[(kind, name)], root, numel, 1.0 / layout.pp, counts[kind]))
+    return units
+

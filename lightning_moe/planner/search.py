@@ -1,0 +1,224 @@
+"""Search: every layout the code accepts for a world size, estimated and ranked by step time;
+``layout="auto"`` takes the first."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning_moe.planner.cluster import Cluster
+from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
+from lightning_moe.planner.layout import PARALLEL_DIMS, Layout
+from lightning_moe.planner.memory import CHECKPOINT_MODES
+from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.step_time import Estimate, estimate
+
+# Largest micro-batch the planner tries (samples); larger ones rarely fit at real sizes.
+MAX_MICRO_BATCH = 16
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batch_size: int) -> list[str]:
+    """Why the code would refuse ``layout`` (empty: valid). Mirrors the checks of the strategy,
+    ``parallelize``, the dispatchers, ring attention and the pipeline."""
+    problems = []
+    tp, cp, ep, dp, pp = (layout.size(d) for d in PARALLEL_DIMS)
+    if model.num_heads % tp or model.num_kv_heads % tp:
+        problems.append(f"tp={tp} does not divide num_heads={model.num_heads} and num_kv_heads={model.num_kv_heads}")
+    if model.num_moe_layers and model.num_experts % ep:
+        problems.append(f"ep={ep} does not divide num_experts={model.num_experts}")
+    if not model.num_moe_layers and ep > 1:
+        problems.append("ep > 1 without MoE layers")
+    if layout.etp == tp and tp > 1 and model.moe_ffn_hidden_size % tp:
+        problems.append(f"etp={tp} does not divide the expert ffn_hidden_size={model.moe_ffn_hidden_size}")
+    if cp > 1 and seq_len % (2 * cp):
+        problems.append(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp} (zigzag)")
+    if (seq_len // cp) % tp:
+        problems.append(f"seq_len/cp={seq_len // cp} is not divisible by tp={tp} (sequence parallelism)")
+    if global_batch_size % (dp * ep * layout.micro_batch_size):
+        problems.append(f"global_batch_size={global_batch_size} is not divisible by dp*ep*micro_batch_size")
+    stages = pp * layout.pp_stages_per_rank
+    if model.num_layers % stages:
+        problems.append(f"num_layers={model.num_layers} is not divisible by pp*stages_per_rank={stages}")
+    mp = layout.pipeline_microbatches
+    if pp > 1 and layout.pp_schedule in ("1F1B", "Interleaved1F1B") and mp < pp:
+        problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches per pipeline step, got {mp}")
+    if pp > 1 and layout.microbatches % mp:
+        problems.append(f"micro-batches per step {layout.microbatches} are not a multiple of pp_microbatches={mp}")
+    if layout.pp_schedule == "Interleaved1F1B" and pp > 1 and (layout.pp_stages_per_rank < 2 or mp % pp):
+        problems.append("Interleaved1F1B needs pp_stages_per_rank >= 2 and micro-batches divisible by pp")
+    return problems
+
+
+def enumerate_layouts(
+    world_size: int,
+    model: ModelShape,
+    seq_len: int,
+    global_batch_size: int,
+    *,
+    max_tp: int | None = None,
+    micro_batch_sizes: Iterable[int] | None = None,
+    schedules: Iterable[str] = ("1F1B", "Interleaved1F1B"),
+) -> Iterator[Layout]:
+    """Every layout the code accepts for ``world_size`` ranks (tp at most ``max_tp``, a node).
+
+    Under pp > 1 one pipeline step runs all micro-batches of the optimizer step.
+    """
+    for tp in _divisors(world_size):
+        if max_tp is not None and tp > max_tp:
+            continue
+        for cp in _divisors(world_size // tp):
+            for ep in _divisors(world_size // (tp * cp)):
+                for pp in _divisors(world_size // (tp * cp * ep)):
+                    dp = world_size // (tp * cp * ep * pp)
+                    if global_batch_size % (dp * ep):
+                        continue
+                    per_rank = global_batch_size // (dp * ep)
+                    sizes = [x for x in _divisors(per_rank) if x <= MAX_MICRO_BATCH] if micro_batch_sizes is None else [x for x in micro_batch_sizes if per_rank % x == 0]
+                    for etp in sorted({1, tp}):
+                        for mb in sizes:
+                            m = per_rank // mb
+                            options = [("1F1B", 1)] if pp == 1 else [(sch, 2 if sch == "Interleaved1F1B" else 1) for sch in schedules]
+                            for schedule, v in options:
+                                layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v)
+                                if not layout_problems(model, layout, seq_len, global_batch_size):
+                                    yield layout
+
+
+@dataclass
+class Plan:
+    """Ranked layouts that fit (fastest first) and the ones that do not (with the reason)."""
+
+    world_size: int
+    model: ModelShape
+    cluster: Cluster
+    seq_len: int
+    global_batch_size: int
+    ranked: list[Estimate]
+    rejected: list[Estimate]
+
+    @property
+    def best(self) -> Estimate:
+        return self.ranked[0]
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def plan(
+    world_size: int,
+    model: ModelShape,
+    cluster: Cluster,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    precision: str = "bf16-mixed",
+    checkpointing: str = "none",
+    memory_budget: float | None = None,
+    max_tp: int | None = None,
+    micro_batch_sizes: Iterable[int] | None = None,
+) -> Plan:
+    """Estimate every valid layout and rank those that fit by step time.
+
+    Raises ``ValueError`` (before any work) for bad arguments, when no layout is valid for
+    ``world_size``, and when ``memory_budget`` cannot hold the parameters, gradients and optimizer
+    states even fully sharded.
+
+    Example::
+
+        result = plan(256, shape, cluster, seq_len=4096, global_batch_size=1024)
+        print(result.best.layout.label(), result.best.step_time)
+    """
+    _check_positive("world_size", world_size)
+    _check_positive("seq_len", seq_len)
+    _check_positive("global_batch_size", global_batch_size)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is unknown: choose one of {PRECISIONS}")
+    if checkpointing not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpointing={checkpointing!r} is unknown: choose one of {CHECKPOINT_MODES}")
+    budget = cluster.memory_bytes - cluster.memory_reserve_bytes if memory_budget is None else float(memory_budget)
+    state_bytes = model.total_parameters() * (2 * FP32_BYTES + ADAM_STATE_BYTES) / world_size
+    if budget < state_bytes:
+        raise ValueError(
+            f"memory_budget {budget / 2**30:.2f} GiB per rank is smaller than the parameters, gradients and Adam"
+            f" states alone ({model.total_parameters() / 1e9:.2f}B parameters x 16 bytes / {world_size} ranks ="
+            f" {state_bytes / 2**30:.2f} GiB): raise memory_budget or world_size, or pick a smaller model"
+        )
+    max_tp = cluster.gpus_per_node if max_tp is None else max_tp
+    layouts = list(enumerate_layouts(world_size, model, seq_len, global_batch_size, max_tp=max_tp, micro_batch_sizes=micro_batch_sizes))
+    if not layouts:
+        raise ValueError(
+            f"no layout of world_size={world_size} is valid for {model.name} with seq_len={seq_len} and"
+            f" global_batch_size={global_batch_size}: world_size must factor into tp (dividing num_heads={model.num_heads}"
+            f" and num_kv_heads={model.num_kv_heads}, at most {max_tp}), ep (dividing num_experts={model.num_experts}),"
+            f" pp (dividing num_layers={model.num_layers}) and dp*ep dividing global_batch_size; change world_size"
+            " or global_batch_size"
+        )
+    estimates = [
+        estimate(model, layout, cluster, seq_len, global_batch_size, precision=precision, checkpointing=checkpointing, memory_budget=budget)
+        for layout in layouts
+    ]
+    ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory.total(checkpointing)))
+    rejected = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory.total(checkpointing))
+    return Plan(world_size, model, cluster, seq_len, global_batch_size, ranked, rejected)
+
+
+def _precision_of(precision: str | None) -> str:
+    """The planner's precision for a Lightning ``precision`` string (bf16 variants: ``bf16-mixed``)."""
+    return "bf16-mixed" if str(precision or "32-true").startswith("bf16") else "32-true"
+
+
+def resolve_auto_layout(
+    world_size: int,
+    *,
+    model: Mapping[str, Any] | ModelShape | None = None,
+    cluster: Mapping[str, Any] | Cluster | None = None,
+    seq_len: int | None = None,
+    global_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    precision: str | None = None,
+) -> tuple[Estimate, Estimate | None]:
+    """``MoE5DStrategy(layout="auto", layout_options={...})``: the best layout and the runner-up.
+
+    ``layout_options`` are this function's keyword arguments: ``model`` (MoEGPT arguments or a
+    :class:`ModelShape`), ``cluster`` (a cluster preset's keys or a :class:`Cluster`), ``seq_len``,
+    ``global_batch_size``, ``micro_batch_size`` (the data module's; None stands for what the data
+    modules make of None, :func:`~lightning_moe.data.sampler.default_micro_batch_size`, so that
+    layouts are ranked with the micro-batch that will run) and ``precision`` (Lightning's string).
+    ``conf/parallel/auto.yaml`` fills them from the run's config.
+
+    Example::
+
+        best, runner_up = resolve_auto_layout(4, model=cfg.model, cluster=cpu_local, seq_len=128, global_batch_size=16)
+        best.layout.strategy_kwargs()   # {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1}
+    """
+    missing = [k for k, v in (("model", model), ("cluster", cluster), ("seq_len", seq_len), ("global_batch_size", global_batch_size)) if v is None]
+    if missing:
+        raise ValueError(
+            f"layout='auto' needs layout_options {missing}: pass layout_options=dict(model=<MoEGPT arguments>,"
+            " cluster=<cluster preset keys>, seq_len=..., global_batch_size=...) or use parallel=auto with the CLI"
+        )
+    shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model, name="model")  # type: ignore[arg-type]
+    machine = cluster if isinstance(cluster, Cluster) else Cluster.from_config(cluster)  # type: ignore[arg-type]
+    if micro_batch_size is None:
+        # Imported here: the cost model stays free of the data modules' Lightning imports.
+        from lightning_moe.data.sampler import default_micro_batch_size
+
+        micro_batch_size = default_micro_batch_size(int(global_batch_size))  # type: ignore[arg-type]
+    result = plan(
+        world_size, shape, machine, seq_len=int(seq_len), global_batch_size=int(global_batch_size),  # type: ignore[arg-type]
+        precision=_precision_of(precision), micro_batch_sizes=[int(micro_batch_size)],
+    )  # fmt: skip
+    if not result.ranked:
+        smallest = result.rejected[0]
+        raise ValueError(
+            f"layout='auto': no layout of world_size={world_size} fits in memory ({smallest.layout.label()}: {smallest.reason});"
+            " add devices, shrink the batch or the model"
+        )
+    return result.ranked[0], (result.ranked[1] if len(result.ranked) > 1 else None)
