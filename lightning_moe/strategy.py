@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_moe.callbacks.console import use_lightning_moe_displays
 from lightning_moe._compat import materialize_distributed_module, optimizers_to_device, set_process_group_timeouts
 from lightning_moe.checkpoint.state import (
     PREVIOUS_SUFFIX,
@@ -243,6 +244,13 @@ class MoE5DStrategy(ModelParallelStrategy):
     def _precision_flag(self) -> str:
         """Lightning's precision flag (``"32-true"``, ``"bf16-mixed"``, ...) of the precision plugin."""
         return str(getattr(self.precision_plugin, "precision", "32-true"))
+
+    @override
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        # Before the callbacks' setup hooks: Lightning's default bar reads "Epoch 0/-2" and counts
+        # loader batches against max_steps; its default summary prints 0 FLOPs.
+        use_lightning_moe_displays(model.trainer)
 
     @override
     def setup_environment(self) -> None:

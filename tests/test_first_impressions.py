@@ -63,7 +63,6 @@ NOISE = {
 # The CLI config names Lightning's RichProgressBar (tests/test_hydra.py checks that type) and a
 # Trainer given no callbacks gets Lightning's: the bar counts steps once MoE5DStrategy.connect
 # calls use_lightning_moe_displays(model.trainer). Strict: these fail as soon as it does.
-PENDING_STRATEGY_SWAP = "MoE5DStrategy.connect does not call use_lightning_moe_displays yet (issue 27)"
 
 
 def _run(cmd: list[str], cwd: Path) -> str:
@@ -102,10 +101,6 @@ def test_make_train_prints_no_misleading_line(make_train_output):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=PENDING_STRATEGY_SWAP,
-)
 def test_make_train_progress_bar_counts_optimizer_steps(make_train_output):
     """4 micro-batches per optimizer step (16 samples, 2 per rank, 2 data ranks): the bar counts steps."""
     output, _ = make_train_output
@@ -143,10 +138,6 @@ def test_readme_example_prints_no_view_tensor_warning(readme_example_output):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason=PENDING_STRATEGY_SWAP,
-)
 def test_readme_example_progress_bar_counts_optimizer_steps(readme_example_output):
     assert "Epoch 0/-" not in readme_example_output
     assert any(re.match(r"Step\s+━+ 3/3 ", line) for line in _bar_lines(readme_example_output)), readme_example_output
