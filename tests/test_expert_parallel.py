@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from tests.conftest import get_pool
 from tests.dist_pool import layout
+from tests.reference_moe import expert_grad_block, reference_step
 
 WORLD = 4
 H, F, E, K, TOKENS = 16, 24, 8, 2, 12
@@ -62,29 +63,14 @@ def ep_layer_case(
     y = layer(x)
     (y * probe).sum().backward()
 
-    # Reference for the experts: only this rank's ep group sends tokens to this rank's experts.
     ep_peers = dist.get_process_group_ranks(dims.ep_group)
-    expert_reference = copy.deepcopy(reference)
-    for source in ep_peers:
-        xs, ps = _inputs(source, one_rank)
-        (expert_reference(xs) * ps).sum().backward()
-    # Reference for everything else: every micro-batch of the step, each a separate forward.
-    for source in range(world):
-        xs, ps = _inputs(source, one_rank)
-        xs.requires_grad_(True)
-        ys = reference(xs)
-        (ys * ps).sum().backward()
-        if source == rank:
-            ref_out, ref_grad_x = ys.detach(), xs.grad
-    report = {"out": (y.detach() - ref_out).abs().max().item(), "grad_x": (x.grad - ref_grad_x).abs().max().item()}
+    step = reference_step(reference, lambda source: _inputs(source, one_rank), rank, ep_peers, world)
+    report = {"out": (y.detach() - step.out).abs().max().item(), "grad_x": (x.grad - step.grad_x).abs().max().item()}
 
-    local = E // ep
     ep_rank = dims.ep_mesh.get_local_rank()
-    mine = slice(ep_rank * local, (ep_rank + 1) * local)
     for name in ("w1", "w2", "w3"):
         got = getattr(layer.experts, name).grad.to_local()
-        want = getattr(expert_reference.experts, name).grad[mine]
-        report[name] = (got - want).abs().max().item()
+        report[name] = (got - expert_grad_block(step.experts, name, ep_rank, ep)).abs().max().item()
     # The sum over ranks of the local router gradients equals the reference's over all micro-batches.
     router_grad = layer.router.weight.grad.clone()
     dist.all_reduce(router_grad)

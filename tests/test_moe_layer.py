@@ -2,114 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-import math
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe.moe import LocalDispatcher, MoELayer, TopKRouter, update_expert_biases
-
-H, FFN, E = 16, 24, 8
-ATOL = 1e-5
-
-
-def reference_sinkhorn(logits: torch.Tensor, iters: int = 3000) -> torch.Tensor:
-    """Alternate row/column normalisation of exp(logits) to marginals 1/T, 1/E (float64)."""
-    plan = torch.exp(logits.double() - logits.double().max())
-    num_tokens, num_experts = plan.shape
-    for _ in range(iters):
-        plan = plan / (plan.sum(1, keepdim=True) * num_tokens)
-        plan = plan / (plan.sum(0, keepdim=True) * num_experts)
-    return plan
-
-
-def reference_routing(layer: MoELayer, tokens: torch.Tensor) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Per token: the chosen experts and their gate weights, written from DESIGN section 3."""
-    router = layer.router
-    logits = tokens.float() @ router.weight.float().T
-    plan = reference_sinkhorn(logits.detach()) if router.use_sinkhorn and layer.training else None
-    routes = []
-    for t in range(tokens.shape[0]):
-        scores = torch.softmax(logits[t], -1) if router.score_func == "softmax" else torch.sigmoid(logits[t])
-        choice = (plan[t] if plan is not None else scores).detach().double().clone()
-        if router.use_expert_bias:
-            choice += router.expert_bias.double()
-        if router.num_groups is not None:
-            size = E // router.num_groups
-            group_scores = []
-            for g in range(router.num_groups):
-                members = sorted(choice[g * size : (g + 1) * size].tolist(), reverse=True)
-                group_scores.append(sum(members[:2]) if router.score_func == "sigmoid" else members[0])
-            best = sorted(range(router.num_groups), key=lambda g: -group_scores[g])[: router.group_topk]
-            for g in range(router.num_groups):
-                if g not in best:
-                    choice[g * size : (g + 1) * size] = float("-inf")
-        experts = sorted(range(E), key=lambda e: -choice[e].item())[: router.top_k]
-        weights = [scores[e] for e in experts]
-        if router.topk_norm:
-            total = sum(weights)
-            weights = [w / total for w in weights]
-        routes.append((experts, weights))
-    return routes
-
-
-def reference_keep(layer: MoELayer, routes: list) -> set[tuple[int, int]]:
-    """The (token, choice) slots each expert keeps under the capacity rule."""
-    k = layer.top_k
-    slots = [(t, j) for t in range(len(routes)) for j in range(k)]
-    if layer.capacity_factor is None:
-        return set(slots)
-    capacity = math.ceil(len(routes) * k / E * layer.capacity_factor - 1e-9)
-    kept = set()
-    for e in range(E):
-        mine = [(t, j) for t, j in slots if routes[t][0][j] == e]
-        if layer.drop_policy == "probs":
-            mine.sort(key=lambda s: (-routes[s[0]][1][s[1]].item(), s[0] * k + s[1]))
-        kept.update(mine[:capacity])
-    return kept
-
-
-def expert_ref(layer: MoELayer, e: int, xt: torch.Tensor) -> torch.Tensor:
-    ex = layer.experts
-    return (F.silu(xt @ ex.w1[e]) * (xt @ ex.w3[e])) @ ex.w2[e]
-
-
-def reference_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-    """Loop over tokens and their kept top-k experts: y_t = sum_j w_j expert_{i_j}(x_t) (+ shared)."""
-    tokens = x.reshape(-1, H)
-    routes = reference_routing(layer, tokens)
-    kept = reference_keep(layer, routes)
-    rows = []
-    for t, (experts, weights) in enumerate(routes):
-        row = torch.zeros(H)
-        for j, (e, w) in enumerate(zip(experts, weights)):
-            if (t, j) in kept:
-                row = row + w * expert_ref(layer, e, tokens[t])
-        if layer.shared_expert is not None:
-            s = layer.shared_expert
-            row = row + s.w2.weight @ (F.silu(s.w1.weight @ tokens[t]) * (s.w3.weight @ tokens[t]))
-        rows.append(row)
-    return torch.stack(rows).view(x.shape)
-
-
-def make_layer(seed: int = 0, **kwargs) -> MoELayer:
-    kwargs.setdefault("aux_loss_coeff", 0.0)
-    torch.manual_seed(seed)
-    layer = MoELayer(H, FFN, E, **kwargs)
-    with torch.no_grad():
-        layer.router.weight.mul_(3.0)  # confident routing: no near-ties between implementations
-        if layer.router.use_expert_bias:
-            layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, E))
-    return layer
-
-
-def grads(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
-    out = {name: p.grad.clone() for name, p in module.named_parameters()}
-    out["input"] = x.grad.clone()
-    return out
+from tests.reference_moe import ATOL, E, FFN, H, assert_layer_matches_reference, make_layer, reference_forward
 
 
 ROUTING_CASES = {
@@ -137,24 +35,8 @@ ROUTING_CASES = {
 @pytest.mark.parametrize("case", list(ROUTING_CASES))
 def test_layer_matches_per_token_reference(case, pad_rows):
     layer = make_layer(**ROUTING_CASES[case])
-    reference = copy.deepcopy(layer)
     layer.dispatcher = LocalDispatcher(E, pad_rows=pad_rows)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 12, H, generator=gen)
-    probe = torch.randn(2, 12, H, generator=gen)  # non-uniform upstream gradient
-
-    x_layer = x.clone().requires_grad_(True)
-    y = layer(x_layer)
-    (y * probe).sum().backward()
-    x_ref = x.clone().requires_grad_(True)
-    y_ref = reference_forward(reference, x_ref)
-    (y_ref * probe).sum().backward()
-
-    assert y.shape == x.shape
-    torch.testing.assert_close(y, y_ref, atol=ATOL, rtol=0)
-    got, want = grads(layer, x_layer), grads(reference, x_ref)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=ATOL, rtol=0, msg=f"{case}: gradient of {name}")
+    want = assert_layer_matches_reference(layer, case)
     # The gate weights depend on the router: its gradient must not be trivially zero (unless top-1 normalised).
     if not (layer.top_k == 1 and layer.router.topk_norm):
         assert want["router.weight"].abs().max() > 1e-4

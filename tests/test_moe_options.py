@@ -9,20 +9,24 @@ capacity) and under expert tensor parallelism.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from lightning_moe.moe import LocalDispatcher, MoELayer
 from tests.conftest import get_pool
 from tests.dist_pool import layout
-
-H, FFN, E = 16, 24, 8
-ATOL = 1e-5
+from tests.reference_moe import (
+    ATOL,
+    E,
+    FFN,
+    H,
+    assert_layer_matches_reference,
+    expert_grad_block,
+    make_layer,
+    reference_step,
+)
 
 OPTION_CASES = {
     "deepseek_v3": dict(score_func="sigmoid", expert_bias=True, load_balancing="none", num_groups=4, group_topk=2,
@@ -42,130 +46,15 @@ OPTION_CASES = {
 }
 
 
-def randomize_options(layer: MoELayer, seed: int = 7) -> MoELayer:
-    """Non-zero biases and gates (they start at zero), and confident routing."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        layer.router.weight.mul_(3.0)
-        if layer.router.use_expert_bias:
-            layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, layer.num_experts))
-        for name, p in layer.named_parameters():
-            if name in ("router.bias", "experts.b1", "experts.b3", "expert_output_bias.weight", "shared_expert_gate.weight"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    return layer
-
-
-def make_layer(seed: int = 0, num_experts: int = E, **kwargs) -> MoELayer:
-    kwargs.setdefault("aux_loss_coeff", 0.0)
-    torch.manual_seed(seed)
-    return randomize_options(MoELayer(H, FFN, num_experts, **kwargs))
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def reference_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-    """Loop over tokens and their kept top-k experts, written from DESIGN sections 3 and 8."""
-    router, ex = layer.router, layer.experts
-    num_experts, k = layer.num_experts, layer.top_k
-    tokens = x.reshape(-1, layer.hidden_size)
-    logits = tokens @ router.weight.T
-    if router.bias is not None:
-        logits = logits + router.bias
-    routes = []
-    for t in range(tokens.shape[0]):
-        scores = torch.softmax(logits[t], -1) if router.score_func == "softmax" else torch.sigmoid(logits[t])
-        choice = scores.detach().double().clone()
-        if router.use_expert_bias:
-            choice += router.expert_bias.double()
-        if router.num_groups is not None:
-            size = num_experts // router.num_groups
-            group_scores = []
-            for g in range(router.num_groups):
-                members = sorted(choice[g * size : (g + 1) * size].tolist(), reverse=True)
-                group_scores.append(sum(members[:2]) if router.score_func == "sigmoid" else members[0])
-            best = sorted(range(router.num_groups), key=lambda g: -group_scores[g])[: router.group_topk]
-            for g in range(router.num_groups):
-                if g not in best:
-                    choice[g * size : (g + 1) * size] = float("-inf")
-        experts = sorted(range(num_experts), key=lambda e: -choice[e].item())[:k]
-        weights = [scores[e] for e in experts]
-        if router.topk_norm:
-            total = sum(weights)
-            weights = [w / total for w in weights]
-        weights = [w * router.routed_scaling_factor for w in weights]
-        routes.append((experts, weights))
-    # Capacity: each expert keeps its best (or first) `capacity` slots.
-    kept = {(t, j) for t in range(len(routes)) for j in range(k)}
-    if layer.capacity_factor is not None:
-        capacity = math.ceil(len(routes) * k / num_experts * layer.capacity_factor - 1e-9)
-        kept = set()
-        for e in range(num_experts):
-            mine = [(t, j) for t in range(len(routes)) for j in range(k) if routes[t][0][j] == e]
-            if layer.drop_policy == "probs":
-                mine.sort(key=lambda s: (-routes[s[0]][1][s[1]].item(), s[0] * k + s[1]))
-            kept.update(mine[:capacity])
-    w1, w3, w2 = _full(ex.w1), _full(ex.w3), _full(ex.w2)
-    rows = []
-    for t, (experts, weights) in enumerate(routes):
-        xt = tokens[t]
-        row = torch.zeros(layer.hidden_size)
-        for j, (e, w) in enumerate(zip(experts, weights)):
-            if (t, j) not in kept:
-                continue
-            gate, up = xt @ w1[e], xt @ w3[e]
-            if ex.b1 is not None:
-                gate, up = gate + _full(ex.b1)[e], up + _full(ex.b3)[e]
-            if ex.activation == "swiglu":
-                hidden = F.silu(gate) * up
-            else:
-                g = torch.clamp(gate, max=ex.limit)
-                u = torch.clamp(up, min=-ex.limit, max=ex.limit)
-                hidden = (u + 1) * g * torch.sigmoid(ex.alpha * g)
-            out = hidden @ w2[e]
-            if layer.expert_output_bias is not None:
-                out = out + layer.expert_output_bias.weight[e]
-            row = row + w * out
-        if layer.shared_expert is not None:
-            s = layer.shared_expert
-            shared = s.w2.weight @ (F.silu(s.w1.weight @ xt) * (s.w3.weight @ xt))
-            if layer.shared_expert_gate is not None:
-                shared = torch.sigmoid(layer.shared_expert_gate.weight @ xt) * shared
-            row = row + shared
-        rows.append(row)
-    return torch.stack(rows).view(x.shape)
-
-
-def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.clone() for name, p in module.named_parameters()}
-
-
 @pytest.mark.parametrize("path", ["grouped_mm", "padded_rows", "bmm_fallback"])
 @pytest.mark.parametrize("case", list(OPTION_CASES))
 def test_options_match_per_token_reference(case, path):
     layer = make_layer(**OPTION_CASES[case])
-    reference = copy.deepcopy(layer)
     layer.dispatcher = LocalDispatcher(E, pad_rows=path == "padded_rows")
     if path == "bmm_fallback":
         layer.experts.use_grouped_mm = False
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 12, H, generator=gen)
-    probe = torch.randn(2, 12, H, generator=gen)
-
-    x_layer = x.clone().requires_grad_(True)
-    y = layer(x_layer)
-    (y * probe).sum().backward()
-    x_ref = x.clone().requires_grad_(True)
-    y_ref = reference_forward(reference, x_ref)
-    (y_ref * probe).sum().backward()
-
-    torch.testing.assert_close(y, y_ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(x_layer.grad, x_ref.grad, atol=ATOL, rtol=0)
-    got, want = _grads(layer), _grads(reference)
-    assert set(got) == set(want)
+    want = assert_layer_matches_reference(layer, case)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=ATOL, rtol=0, msg=f"{case}: gradient of {name}")
         # Every parameter of an option really takes part (a zero gradient would hide a missing term).
         assert want[name].abs().max() > 1e-6, f"{case}: {name} has no gradient"
 
@@ -225,7 +114,6 @@ DIST_OPTIONS = {
                         shared_expert_hidden_size=8, routed_scaling_factor=2.5),
 }
 EXPERT_PARAMS = ("w1", "w3", "w2", "b1", "b3")
-_FFN_DIM = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
 
 
 def _micro_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,11 +125,7 @@ def options_layer_case(option: str, tp: int, ep: int, etp: int, dispatcher: str,
                        pad_rows: bool) -> dict:
     """One rank: the parallel layer's output and gradients minus the reference's (max abs)."""
     from lightning_moe import parallelize
-    from lightning_moe.parallel import expert_parallel
 
-    # Until parallel/expert_parallel.py knows the expert bias names, shard them like the FFN dim.
-    for name, dim in _FFN_DIM.items():
-        expert_parallel._FFN_DIM.setdefault(name, dim)
     dims = layout(tp=tp, ep=ep, etp=etp)
     # The balancing losses of a micro-batch split over tp normalise by the whole micro-batch; the
     # reference of a capacity case runs each tp shard separately, so those cases leave them out.
@@ -253,7 +137,6 @@ def options_layer_case(option: str, tp: int, ep: int, etp: int, dispatcher: str,
     parallelize(layer, dims.mesh, data_parallel="none", sequence_parallel=False, etp=etp)
     layer.dispatcher.pad_rows = pad_rows
 
-    seq = 8
     tp_rank = dims.tp_mesh.get_local_rank()
     mine = dims.dp_ep_mesh.get_local_rank()
     x_full, probe = _micro_batch(mine)
@@ -263,34 +146,19 @@ def options_layer_case(option: str, tp: int, ep: int, etp: int, dispatcher: str,
 
     # With capacity, each tp rank's slice is routed (and capped) on its own: the reference runs
     # the slices separately. Dropless routing does not depend on the split.
-    pieces = tp if capacity_factor is not None else 1
-    cuts = [slice(t * seq // pieces, (t + 1) * seq // pieces) for t in range(pieces)]
     ep_rank = dims.ep_mesh.get_local_rank()
     ep_peers = [mine - ep_rank + e for e in range(ep)]
-    expert_reference = copy.deepcopy(reference)
-    for m in ep_peers:
-        xs, ps = _micro_batch(m)
-        for cut in cuts:
-            (expert_reference(xs[:, cut]) * ps[:, cut]).sum().backward()
-    for m in range(dims.dp_ep_mesh.size()):
-        xs, ps = _micro_batch(m)
-        xs.requires_grad_(True)
-        ys = torch.cat([reference(xs[:, cut]) for cut in cuts], dim=1)
-        (ys * ps).sum().backward()
-        if m == mine:
-            ref_out, ref_grad = ys.detach(), xs.grad
-    report = {"out": (y.detach() - ref_out).abs().max().item(), "grad_x": (x.grad - ref_grad).abs().max().item()}
-    local = E // ep
-    experts = slice(ep_rank * local, (ep_rank + 1) * local)
+    pieces = tp if capacity_factor is not None else 1
+    step = reference_step(reference, _micro_batch, mine, ep_peers, dims.dp_ep_mesh.size(), pieces=pieces)
+    report = {"out": (y.detach() - step.out).abs().max().item(), "grad_x": (x.grad - step.grad_x).abs().max().item()}
+    expert_tp = tp if etp == tp else 1
     for name in EXPERT_PARAMS:
         param = getattr(layer.experts, name)
         if param is None:
             continue
         got = param.grad.to_local()
-        want = getattr(expert_reference.experts, name).grad[experts]
-        if etp == tp and tp > 1:
-            want = want.chunk(tp, _FFN_DIM[name])[tp_rank]
-        else:
+        want = expert_grad_block(step.experts, name, ep_rank, ep, tp_rank, expert_tp)
+        if expert_tp == 1:
             dist.all_reduce(got, group=dims.tp_group)
         report[f"experts.{name}"] = (got - want).abs().max().item()
     ref_params = dict(reference.named_parameters())

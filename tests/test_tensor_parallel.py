@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from tests.conftest import get_pool
 from tests.dist_pool import layout
+from tests.reference_moe import expert_grad_block, reference_step
 
 H, F, E, K, SEQ = 16, 24, 8, 2, 8
 ATOL = 1e-5
@@ -59,19 +60,10 @@ def tp_layer_case(
     (y * probe).sum().backward()
     ep_bytes = torch.tensor(float(comm.snapshot().get("ep", {"bytes": 0})["bytes"]))
 
-    micro_batches = dims.dp_ep_mesh.size()
-    ep_peers = [mine - dims.ep_mesh.get_local_rank() + e for e in range(dims.ep)]
-    expert_reference = copy.deepcopy(reference)
-    for m in ep_peers:
-        xs, ps = _micro_batch(m)
-        (expert_reference(xs) * ps).sum().backward()
-    for m in range(micro_batches):
-        xs, ps = _micro_batch(m)
-        xs.requires_grad_(True)
-        ys = reference(xs)
-        (ys * ps).sum().backward()
-        if m == mine:
-            ref_out, ref_grad_x = ys.detach(), xs.grad
+    ep_rank = dims.ep_mesh.get_local_rank()
+    ep_peers = [mine - ep_rank + e for e in range(dims.ep)]
+    step = reference_step(reference, _micro_batch, mine, ep_peers, dims.dp_ep_mesh.size())
+    ref_out, ref_grad_x = step.out, step.grad_x
     if sequence_parallel:
         ref_out, ref_grad_x = ref_out[:, shard], ref_grad_x[:, shard]
     report = {
@@ -79,14 +71,11 @@ def tp_layer_case(
         "grad_x": (x.grad - ref_grad_x).abs().max().item(),
         "ep_bytes": ep_bytes.item(),
     }
-    local = E // ep
-    experts = slice(dims.ep_mesh.get_local_rank() * local, (dims.ep_mesh.get_local_rank() + 1) * local)
-    for name, ffn_dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+    expert_tp = tp if etp == tp else 1
+    for name in ("w1", "w3", "w2"):
         got = getattr(layer.experts, name).grad.to_local()
-        want = getattr(expert_reference.experts, name).grad[experts]
-        if etp == tp and tp > 1:
-            want = want.chunk(tp, ffn_dim)[tp_rank]
-        else:
+        want = expert_grad_block(step.experts, name, ep_rank, ep, tp_rank, expert_tp)
+        if expert_tp == 1:
             # Experts replicated over tp: each tp rank's gradient holds its own tokens only.
             dist.all_reduce(got, group=dims.tp_group)
         report[name] = (got - want).abs().max().item()

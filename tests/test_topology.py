@@ -16,14 +16,13 @@ Inter-node bytes are checked against the exact count the routing implies.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.conftest import get_pool
 from tests.dist_pool import layout
+from tests.reference_moe import expert_grad_block, reference_step
 
 WORLD = 4
 H, F, E, K = 16, 24, 8, 2
@@ -46,16 +45,6 @@ def _layer(**options):  # noqa: ANN202
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
-
-
-def _expert_grads(layer, ep_rank: int, ep: int, reference=None) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    local = E // ep
-    mine = slice(ep_rank * local, (ep_rank + 1) * local)
-    grads = {}
-    for name in ("w1", "w2", "w3"):
-        grad = getattr(layer.experts, name).grad
-        grads[name] = grad.to_local() if reference is None else grad[mine]
-    return grads
 
 
 def reference_case(ep: int, ranks_per_node: int, options: dict, reference_options: dict, expert_choice: bool = False) -> dict:
@@ -90,29 +79,19 @@ def reference_case(ep: int, ranks_per_node: int, options: dict, reference_option
         (ys * ps).sum().backward()
         me = ep_peers.index(rank)
         ref_out, ref_grad_x = ys[2 * me : 2 * me + 2].detach(), xs.grad[2 * me : 2 * me + 2]
+        reference_experts = reference
         dist.all_reduce(router_grad, group=dims.ep_group)
     else:
-        expert_reference = copy.deepcopy(reference)
-        for source in ep_peers:
-            xs, ps = _micro_batch(source)
-            (expert_reference(xs) * ps).sum().backward()
-        for source in range(world):
-            xs, ps = _micro_batch(source)
-            xs.requires_grad_(True)
-            ys = reference(xs)
-            (ys * ps).sum().backward()
-            if source == rank:
-                ref_out, ref_grad_x = ys.detach(), xs.grad
-        reference_experts = expert_reference
+        step = reference_step(reference, _micro_batch, rank, ep_peers, world)
+        ref_out, ref_grad_x, reference_experts = step.out, step.grad_x, step.experts
         dist.all_reduce(router_grad)
     report["out"] = _max_diff(y.detach(), ref_out)
     report["grad_x"] = _max_diff(x.grad, ref_grad_x)
     report["router"] = _max_diff(router_grad, reference.router.weight.grad)
     ep_rank = dims.ep_mesh.get_local_rank()
-    got = _expert_grads(layer, ep_rank, ep)
-    want = _expert_grads(reference if expert_choice else reference_experts, ep_rank, ep, reference=True)
-    for name in got:
-        report[name] = _max_diff(got[name], want[name])
+    for name in ("w1", "w2", "w3"):
+        got = getattr(layer.experts, name).grad.to_local()
+        report[name] = _max_diff(got, expert_grad_block(reference_experts, name, ep_rank, ep))
     if layer.shared_expert is not None:
         shared = layer.shared_expert.w1.weight.grad.clone()
         dist.all_reduce(shared, group=dims.ep_group if expert_choice else None)
