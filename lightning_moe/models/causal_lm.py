@@ -14,11 +14,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from lightning_moe.moe import update_expert_biases
+from lightning_moe.moe import MoELayer, update_expert_biases
 
 __all__ = ["CausalLMModule", "next_token_loss", "warmup_cosine_factor"]
 
@@ -68,6 +69,9 @@ class CausalLMModule(pl.LightningModule):
           warmup then cosine decay to `min_lr_ratio`, stepped every optimizer step;
         - `optimizer_step`: the expert-bias update of every `MoELayer` once per optimizer step
           (after all its micro-batches), unless the strategy does it itself (`MoE5DStrategy`).
+          Under another strategy's processes (e.g. DDP) the loads are summed over all of them
+          first, so every rank applies the same update (before, each rank used its own loads and
+          DDP's buffer broadcast kept rank 0's).
 
     Hyperparameters read from `self.hparams` (the subclass's `save_hyperparameters()`):
     `warmup_steps`, `max_steps` (None: the trainer's), `min_lr_ratio`, `weight_decay`, `betas` and
@@ -117,8 +121,18 @@ class CausalLMModule(pl.LightningModule):
         the loads of all its micro-batches were accumulated), unless the strategy does it itself
         (`MoE5DStrategy` does, for any module)."""
         super().optimizer_step(*args, **kwargs)
-        if not getattr(self.trainer.strategy, "updates_expert_biases", False):
+        if getattr(self.trainer.strategy, "updates_expert_biases", False):
+            return
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             update_expert_biases(self)
+            return
+        # Another strategy's processes (DDP, FSDP, ...): every rank's loads count. Summing over all
+        # processes is right whether they hold different samples or copies of the same ones (the
+        # rule only takes the sign of mean - load, which a common factor does not change).
+        for layer in self.modules():
+            if isinstance(layer, MoELayer):
+                group = layer.data_group if layer.data_group is not None else dist.group.WORLD
+                layer.router.update_expert_bias(group)
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW; weight decay on matrices (ndim >= 2: linear, router and expert weights) except
