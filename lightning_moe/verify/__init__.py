@@ -4,8 +4,11 @@
 - :func:`verify_layout` from Python; both return/print a :class:`VerifyReport`.
 
 Two real Lightning runs of the same seed and global batch, one process and the layout, each in
-its own processes; compared in fp32: the loss per step, every parameter's reduced gradient at
-step 1 and every parameter after the last step. On failure, step 1 is run again with forward hooks
+its own processes, cutting every step into the same micro-batches (the reference takes the
+layout's micro-batch size when its data module has a ``micro_batch_size`` argument); compared in
+fp32: the loss per step, every parameter's reduced gradient at step 1 and every parameter after the
+last step (less the part that step-1 gradient rounding explains through the optimizer). A FAIL
+that micro-batching or statistics spanning several ranks explain says so and names the fix. On failure, step 1 is run again with forward hooks
 on every module, whose outputs are reassembled to full tensors (DTensor, tensor-parallel shards,
 context-parallel zigzag, pipeline stages) and compared in execution order.
 """

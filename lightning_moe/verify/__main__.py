@@ -30,6 +30,7 @@ from lightning_moe.verify.runner import (
     LOCALIZE_MODES,
     Job,
     VerifyConfigError,
+    accepts_micro_batch_size,
     check_deterministic_build,
     check_processes,
     fingerprint,
@@ -83,6 +84,11 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
         model_class = hydra.utils.get_class(target) if target else None
     except Exception:
         model_class = None
+    try:
+        data_target = config["data"].get("_target_")
+        data_class = hydra.utils.get_class(data_target) if data_target else None
+    except Exception:
+        data_class = None
     return Job(
         single_body={"kind": "config", "config": single},
         layout_body={"kind": "config", "config": config},
@@ -98,6 +104,8 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
         model_name=str(target),
         notes=notes,
         fingerprint=fingerprint(model_class),
+        micro_batch_pin="config" if data_class is not None and accepts_micro_batch_size(data_class) else None,
+        data_setting="data.micro_batch_size",
     )
 
 

@@ -26,9 +26,12 @@ from lightning_moe.verify.compare import (
     RunData,
     VerifyReport,
     check_same_samples,
+    compare_micro_batching,
     compare_module_outputs,
     compare_runs,
     describe_error,
+    explain_batch_statistics,
+    explain_micro_batching,
     first_gradient_difference,
     localise,
 )
@@ -64,6 +67,10 @@ class Job:
     model_name: str = ""
     notes: list[str] = field(default_factory=list)
     fingerprint: str = ""
+    # How the single run's micro-batch size is set to the layout's: "config" (data.micro_batch_size),
+    # "factory" (datamodule_factory(micro_batch_size=...)) or None (the data module has no such argument).
+    micro_batch_pin: str | None = None
+    data_setting: str = "data.micro_batch_size"  # how the user sets the micro-batch size (named in fixes)
 
 
 # -- checks before any process starts --------------------------------------------------------------
@@ -184,6 +191,30 @@ def _single(job: Job, steps: int, record: bool) -> RunData:
     return data
 
 
+def accepts_micro_batch_size(factory: Any) -> bool:
+    """Whether ``factory`` (a data module class, function or partial) takes a ``micro_batch_size`` argument."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+    param = parameters.get("micro_batch_size")
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+
+
+def pinned_single_body(job: Job, micro_batch_size: int) -> dict[str, Any]:
+    """The single run's body with the layout's micro-batch size (see ``Job.micro_batch_pin``)."""
+    body = dict(job.single_body)
+    if job.micro_batch_pin == "config":
+        config = dict(body["config"])
+        config["data"] = {**config["data"], "micro_batch_size": micro_batch_size}
+        body["config"] = config
+    elif job.micro_batch_pin == "factory":
+        body["datamodule_kwargs"] = {"micro_batch_size": micro_batch_size}
+    else:
+        raise ValueError("this job's data module has no micro_batch_size argument to pin")
+    return body
+
+
 def _checked(data: RunData, what: str) -> RunData:
     returncode = getattr(data, "returncode", 0)
     if data.errors or returncode != 0 or not data.ranks:
@@ -198,6 +229,7 @@ def run_job(job: Job) -> VerifyReport:
     record = job.localize == "always"
     single = _single(job, job.steps, record)
     layout = _launch(job, job.layout_body, job.layout_devices, job.out_dir / "layout", job.steps, record)
+    single = _same_micro_batching(job, single, layout, record)
     report = _report(job, single, layout)
     if not report.passed and job.localize != "never" and report.error is None and report.first_difference is None:
         if not record:
@@ -210,8 +242,36 @@ def run_job(job: Job) -> VerifyReport:
             localise(single, layout, report)
     if not report.passed and report.first_difference is None:
         report.first_difference = first_gradient_difference(report)
+    routing = single.routing or layout.routing
+    explain_micro_batching(report, routing, job.micro_batch_pin, job.data_setting)
+    explain_batch_statistics(report, routing)
     report.write_json(job.out_dir / "verify.json")
     return report
+
+
+def _same_micro_batching(job: Job, single: RunData, layout: RunData, record: bool) -> RunData:
+    """The single run again with the layout's micro-batch size when the two runs' differ.
+
+    Batch-level statistics (the load-balancing loss, capacity, ...) are taken per micro-batch, so
+    the reference must cut each step into the same micro-batches as the layout. With the library's
+    data modules they already agree (their default micro-batch does not depend on the layout); a
+    data module whose micro-batch follows the layout gets its ``micro_batch_size`` argument set on
+    the single run. Changes ``job.single_body`` so that a localisation re-run uses it too.
+    """
+    if layout.errors or not layout.ranks:
+        return single
+    mismatch = compare_micro_batching(single, layout)
+    if mismatch is None or job.micro_batch_pin is None:
+        return single
+    size = mismatch["layout_micro_batch_size"]
+    if size is None or size == mismatch["single_micro_batch_size"]:
+        return single  # the same size grouped otherwise: setting the size cannot help (reported)
+    job.single_body = pinned_single_body(job, size)
+    job.notes.append(
+        f"the one-process reference runs with the layout's micro-batch size {size}: with its own"
+        f" ({mismatch['single']} per step, against {mismatch['layout']}) batch-level statistics would differ"
+    )
+    return _single(job, job.steps, record)
 
 
 def _report(job: Job, single: RunData, layout: RunData) -> VerifyReport:
@@ -237,11 +297,13 @@ def _report(job: Job, single: RunData, layout: RunData) -> VerifyReport:
         report.passed = False
         report.notes.append(samples)
         report.first_difference = samples
-    elif single.ranks[0].get("forward") and layout.ranks[0].get("forward") is not None:
+        return report
+    if single.ranks[0].get("forward") and layout.ranks[0].get("forward") is not None:
         if report.passed:
             report.modules = compare_module_outputs(single, layout, job.rtol)
         else:
             localise(single, layout, report)
+    report.micro_batching = compare_micro_batching(single, layout)
     return report
 
 
@@ -282,6 +344,11 @@ def verify_layout(
     notebooks and pytest work). The factories must be picklable: classes, module-level functions
     or ``functools.partial`` of them; factories defined in your script are found by loading the
     script again in the workers, so keep the call under ``if __name__ == "__main__":``.
+
+    The one-process reference cuts every step into the layout's micro-batches: when they differ
+    (a data module whose micro-batch follows the layout), it runs again with
+    ``datamodule_factory(micro_batch_size=<the layout's>)``; a factory without that argument gets
+    a FAIL that says micro-batching explains it, and the fix.
 
     Returns a :class:`VerifyReport`: ``report.passed``, ``print(report)`` for the table,
     ``report.first_difference`` on failure. ``out_dir`` (default: a fresh temporary folder) gets the
@@ -354,6 +421,8 @@ def verify_layout(
         cache_dir=Path(cache_dir) if cache_dir is not None else None, timeout_s=timeout_s, main_file=main_file,
         model_name=getattr(module_factory, "__qualname__", type(module_factory).__name__), notes=notes,
         fingerprint=fingerprint(module_factory),
+        micro_batch_pin="factory" if accepts_micro_batch_size(datamodule_factory) else None,
+        data_setting="micro_batch_size of datamodule_factory",
     )
     report = run_job(job)
     if verbose:
@@ -361,4 +430,5 @@ def verify_layout(
     return report
 
 
-__all__ = ["LOCALIZE_MODES", "VerifyConfigError", "check_deterministic_build", "check_processes", "run_job", "verify_layout"]
+__all__ = ["LOCALIZE_MODES", "VerifyConfigError", "accepts_micro_batch_size", "check_deterministic_build", "check_processes",
+           "pinned_single_body", "run_job", "verify_layout"]

@@ -3,8 +3,9 @@
 Lightning's process launcher re-executes this command line for ranks 1..N-1, so every rank reads
 the same spec. Each rank writes ``rank<r>.pt`` into the run directory at the end of training: its
 mesh coordinates, the input ids of its batches, the module order of step 1 and, on the rank that
-leads its pipeline stage (coordinate 0 in dp, ep, cp and tp), the step-1 gradients and the final
-parameters gathered to full tensors. With ``record_forward`` every rank also keeps each module's
+leads its pipeline stage (coordinate 0 in dp, ep, cp and tp), the initial parameters, the step-1
+gradients and the final parameters gathered to full tensors, and the routing settings of its MoE
+layers. With ``record_forward`` every rank also keeps each module's
 output and first input at step 1. A rank that fails writes ``error_rank<r>.json`` with the modules
 it was inside.
 """
@@ -130,6 +131,8 @@ def _recorder_class() -> type:
             self.summary = summary
             self.batches: dict[int, list[torch.Tensor]] = defaultdict(list)
             self.grads: dict[str, torch.Tensor | None] | None = None
+            self.initial: dict[str, torch.Tensor] | None = None
+            self.routing: dict[str, dict[str, Any]] = {}
             self.stack: list[str] = []
             self.start_order: dict[str, None] = {}
             self.end_order: dict[str, None] = {}
@@ -167,6 +170,17 @@ def _recorder_class() -> type:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.dropout = disable_dropout(pl_module)
             self.coords, self.sizes = mesh_coordinates(trainer)
+            # The starting point: the comparison of the final parameters needs each element's
+            # update, to tell optimizer rounding noise from a real difference (compare.py).
+            keep = self._leads_stage()
+            initial = {}
+            with torch.no_grad():
+                for name, param in pl_module.named_parameters():
+                    value = _full(param)  # a collective under DTensor: every rank takes part
+                    if keep:
+                        initial[name] = value
+            self.initial = initial if keep else None
+            self.routing = routing_settings(pl_module)
             pipelined = self.sizes["pp"] > 1
             for name, module in pl_module.named_modules():
                 self.types[name] = _type_name(module)
@@ -231,6 +245,8 @@ def _recorder_class() -> type:
                 "types": self.types,
                 "dropout": self.dropout,
                 "losses": list(self.summary.losses) if trainer.is_global_zero else None,
+                "initial": self.initial,
+                "routing": self.routing,
                 "grads": self.grads if keep else None,
                 "final": final if keep else None,
                 "forward": dict(self.calls) if self.record_forward else None,
@@ -252,6 +268,23 @@ def _recorder_class() -> type:
             (self.out_dir / f"error_rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
 
     return VerifyRecorder
+
+
+# Attributes of an MoE layer that decide over which tokens its routing statistics are taken.
+ROUTING_ATTRS = ("load_balancing", "aux_loss_coeff", "routing", "capacity_factor")
+
+
+def routing_settings(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """``{module name: {attr: value}}`` for every submodule with a ``load_balancing`` setting (MoE layers).
+
+    Verification names them when a difference comes from batch-level routing statistics.
+    """
+    found = {}
+    for name, sub in module.named_modules():
+        if isinstance(getattr(sub, "load_balancing", None), str):
+            found[name] = {a: getattr(sub, a) for a in ROUTING_ATTRS
+                           if isinstance(getattr(sub, a, None), (str, int, float))}
+    return found
 
 
 def _type_name(module: nn.Module) -> str:
@@ -306,7 +339,8 @@ def _build(spec: dict[str, Any], callbacks: list[Any]) -> tuple[Any, Any, Any]:
     else:
         from lightning_moe.strategy import MoE5DStrategy
 
-        datamodule = spec["datamodule_factory"]()
+        # The runner pins the reference's micro-batch size to the layout's through this argument.
+        datamodule = spec["datamodule_factory"](**spec.get("datamodule_kwargs", {}))
         model = spec["module_factory"]()
         strategy = MoE5DStrategy(**spec["strategy_kwargs"])
         kwargs = dict(spec["trainer_kwargs"])

@@ -74,12 +74,11 @@ class ColwiseOutputProjection(L.Callback):
             return
         from torch.distributed.tensor.parallel import ColwiseParallel
 
-        from tests.scripts.verify_models import UserMoELM
+        from tests.scripts.user_moe_module import UserMoELM
 
         original = UserMoELM.tensor_parallel_plan
 
-        def plan(self, sequence_parallel: bool = True) -> dict:  # noqa: ANN001
-            styles = original(self, sequence_parallel=sequence_parallel)
-            return {k: ColwiseParallel() if k.endswith("attn.out") else v for k, v in styles.items()}
+        def plan(self) -> dict:  # noqa: ANN001
+            return {k: ColwiseParallel() if k.endswith("attn.out_proj") else v for k, v in original(self).items()}
 
         UserMoELM.tensor_parallel_plan = plan

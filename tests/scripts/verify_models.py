@@ -1,91 +1,22 @@
-"""Modules for tests/test_verify.py (built by `python -m lightning_moe.verify` through `model._target_`).
+"""Modules for tests/test_verify.py (built by `python -m lightning_moe.verify` through `model._target_`
+and `data._target_`; the user module is tests/scripts/user_moe_module.py's).
 
-- `UserMoELM`: a user's own LightningModule unlike MoEGPT: its own attention through
-  F.scaled_dot_product_attention, LayerNorms, learned positions, an MoELayer per block and a
-  tensor-parallel plan without SequenceParallel styles (Colwise q/k/v, Rowwise output projection).
 - `DropoutGPT`: MoEGPT with dropout after the embeddings (verification must turn it off).
 - `UnseededGPT`: MoEGPT whose configure_model draws from an unseeded generator.
+- `LayoutBatchDataModule`: a data module whose default micro-batch follows the layout (verification
+  must give the reference the layout's), and `UnsizedLayoutBatchDataModule`, the same without a
+  `micro_batch_size` argument (verification must say that micro-batching explains the FAIL).
 """
 
 from __future__ import annotations
 
 import os
 
-import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from lightning_moe.data import ByteTextDataModule
 from lightning_moe.models import MoEGPT
-from lightning_moe.moe import MoELayer
-
-
-class UserAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.head_dim = hidden // heads
-        self.num_heads = heads
-        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.out = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s = x.shape[:2]
-        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(attn.transpose(1, 2).reshape(b, s, -1))
-
-
-class UserBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int, num_experts: int, ffn: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(hidden)
-        self.attn = UserAttention(hidden, heads)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.moe = MoELayer(hidden, ffn, num_experts, top_k=2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.moe(self.ln2(x))
-
-
-class UserMoELM(L.LightningModule):
-    def __init__(self, vocab_size: int = 256, hidden_size: int = 32, num_heads: int = 4, num_layers: int = 2,
-                 num_experts: int = 4, ffn_hidden_size: int = 32, max_seq_len: int = 32, lr: float = 3e-3) -> None:
-        super().__init__()
-        self.lr = lr
-        self.embed = nn.Embedding(vocab_size, hidden_size)
-        self.pos = nn.Embedding(max_seq_len, hidden_size)
-        self.blocks = nn.ModuleList(UserBlock(hidden_size, num_heads, num_experts, ffn_hidden_size) for _ in range(num_layers))
-        self.norm = nn.LayerNorm(hidden_size)
-        self.head = nn.Linear(hidden_size, vocab_size, bias=False)
-
-    def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict:
-        plan = {}
-        for i in range(len(self.blocks)):
-            for name in ("q", "k", "v"):
-                plan[f"blocks.{i}.attn.{name}"] = ColwiseParallel()
-            plan[f"blocks.{i}.attn.out"] = RowwiseParallel()
-        return plan
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids) + self.pos(position_ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
-
-    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        ids = batch["input_ids"]
-        positions = batch.get("position_ids")
-        if positions is None:
-            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        logits = self(ids, positions)
-        per_token = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="none")
-        count = batch.get("loss_token_count", per_token.numel())
-        return per_token.sum() / count
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
 class DropoutGPT(MoEGPT):
@@ -104,3 +35,29 @@ class UnseededGPT(MoEGPT):
         generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
         with torch.no_grad():
             self.output.weight.normal_(0.0, 0.02, generator=generator)
+
+
+class LayoutBatchDataModule(ByteTextDataModule):
+    """ByteTextDataModule whose ``micro_batch_size=None`` is one micro-batch per rank and step
+    (``global_batch_size // (dp*ep*pp_microbatches)``, the library's default before it became
+    layout-independent): each layout cuts the steps into other micro-batches."""
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.requested_micro_batch_size is None:
+            strategy = self.trainer.strategy
+            replicas = int((getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1})["num_replicas"])
+            per_step = int(getattr(strategy, "microbatches_per_step", 1))
+            self.requested_micro_batch_size = self.global_batch_size // (replicas * per_step)
+        super().setup(stage)
+
+
+class UnsizedLayoutBatchDataModule(LayoutBatchDataModule):
+    """The same without a ``micro_batch_size`` argument: verification cannot give the one-process
+    reference the layout's micro-batches."""
+
+    def __init__(self, path: str | None = None, seq_len: int = 128, global_batch_size: int = 16,
+                 max_corpus_bytes: int = 4_000_000, val_fraction: float = 0.05, cache_dir: str | None = None,
+                 seed: int = 1234, num_workers: int = 0) -> None:
+        super().__init__(path=path, seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=None,
+                         max_corpus_bytes=max_corpus_bytes, val_fraction=val_fraction, cache_dir=cache_dir, seed=seed,
+                         num_workers=num_workers)
