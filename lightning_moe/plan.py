@@ -159,8 +159,7 @@ def plot_plan(result: Plan, path: Path, checkpointing: str = "none") -> Path:
     if result.ranked:
         best = result.ranked[0]
         ax.scatter([best.memory.total(checkpointing) / GIB], [best.step_time], s=120, marker="*", c="tab:red", label=f"chosen: {best.layout.label()}")
-    budget = result.cluster.memory_bytes - result.cluster.memory_reserve_bytes
-    ax.axvline(budget / GIB, color="tab:red", linestyle=":", linewidth=1, label="memory budget")
+    ax.axvline(result.cluster.memory_budget / GIB, color="tab:red", linestyle=":", linewidth=1, label="memory budget")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("memory per GPU (GiB, estimated)")

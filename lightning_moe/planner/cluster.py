@@ -62,3 +62,8 @@ class Cluster:
                 raise ValueError(f"cluster.{key}={getattr(cluster, key)} must be > 0")
         return cluster
 
+    @property
+    def memory_budget(self) -> float:
+        """Bytes per GPU a layout may use: the memory less the reserve."""
+        return self.memory_bytes - self.memory_reserve_bytes
+

@@ -44,20 +44,20 @@ def group_size(layout: Layout, group: str) -> int:
     return math.prod(layout.size(d) for d in group_spans(layout, group))
 
 
-def peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, float]:
-    """``(intra, inter)`` fractions of the bytes a rank sends to its group peers (see :func:`_peer_split`)."""
-    return _peer_split(_mesh_only(layout), group, gpus_per_node)
-
-
 def _mesh_only(layout: Layout) -> Layout:
-    """The layout's mesh (sizes and etp), for caching what depends on nothing else."""
+    """The layout's mesh (sizes and etp): the splits below depend on nothing else, so they are cached
+    on it, shared by every micro-batch and schedule variant of a mesh."""
     return Layout(layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.etp)
+
+
+def peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, float]:
+    """``(intra, inter)`` fractions of the bytes a rank sends to its group peers, traffic spread evenly
+    over the peers (all-to-all, ring all-gather/reduce-scatter payload), averaged over the group."""
+    return _peer_split(_mesh_only(layout), group, gpus_per_node)
 
 
 @lru_cache(maxsize=4096)
 def _peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, float]:
-    """``(intra, inter)`` fractions of the bytes a rank sends to its group peers, traffic spread evenly
-    over the peers (all-to-all, ring all-gather/reduce-scatter payload), averaged over the group."""
     ranks = group_ranks(layout, group)
     n = len(ranks)
     if n == 1:
@@ -70,14 +70,13 @@ def _peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, 
 
 
 def ring_split(layout: Layout, group: str, gpus_per_node: int, wrap: bool = True) -> tuple[float, float]:
-    """``(intra, inter)`` fractions of point-to-point hops (see :func:`_ring_split`)."""
+    """``(intra, inter)`` fractions of point-to-point hops ``rank -> next rank`` of a group (a ring when
+    ``wrap``, a pipeline chain otherwise) that stay inside a node and that cross nodes."""
     return _ring_split(_mesh_only(layout), group, gpus_per_node, wrap)
 
 
 @lru_cache(maxsize=4096)
 def _ring_split(layout: Layout, group: str, gpus_per_node: int, wrap: bool = True) -> tuple[float, float]:
-    """``(intra, inter)`` fractions of point-to-point hops ``rank -> next rank`` of a group (a ring when
-    ``wrap``, a pipeline chain otherwise) that stay inside a node."""
     ranks = group_ranks(layout, group)
     pairs = list(zip(ranks, ranks[1:] + (ranks[:1] if wrap else [])))
     if not pairs:

@@ -106,6 +106,13 @@ def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
     return [pp_rank + k * layout.pp for k in range(layout.pp_stages_per_rank)]
 
 
+def edge_pp_ranks(layout: Layout) -> list[int]:
+    """The first and the last pipeline rank, one of which is the busiest: the first holds the embedding
+    and the most micro-batches in flight, the last the output and its logits; middle ranks hold as
+    many layers and neither."""
+    return sorted({0, layout.pp - 1})
+
+
 def holds_first_stage(layout: Layout, pp_rank: int) -> bool:
     """Whether pipeline rank ``pp_rank`` runs the first stage (the embedding)."""
     return 0 in rank_stages(layout, pp_rank)

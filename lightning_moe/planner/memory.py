@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES
 from lightning_moe.planner.groups import group_size
-from lightning_moe.planner.layout import Layout, holds_last_stage, rank_layers
+from lightning_moe.planner.layout import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import kind_counts, kind_of, local_shape, representative_specs
 
@@ -73,8 +73,7 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
     """Memory of the pipeline rank that needs the most (``(memory, pp_rank)``)."""
     best: tuple[Memory, int] | None = None
     reps = representative_specs(model, layout)
-    # The busiest rank is the first (embedding, most micro-batches in flight) or the last (output, logits).
-    for pp_rank in sorted({0, layout.pp - 1}):
+    for pp_rank in edge_pp_ranks(layout):
         rank = pp_rank * (layout.world_size // layout.pp)
         counts = kind_counts(model, layout, pp_rank)
         params = 0.0

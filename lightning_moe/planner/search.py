@@ -142,7 +142,7 @@ def plan(
         raise ValueError(f"precision={precision!r} is unknown: choose one of {PRECISIONS}")
     if checkpointing not in CHECKPOINT_MODES:
         raise ValueError(f"checkpointing={checkpointing!r} is unknown: choose one of {CHECKPOINT_MODES}")
-    budget = cluster.memory_bytes - cluster.memory_reserve_bytes if memory_budget is None else float(memory_budget)
+    budget = cluster.memory_budget if memory_budget is None else float(memory_budget)
     state_bytes = model.total_parameters() * (2 * FP32_BYTES + ADAM_STATE_BYTES) / world_size
     if budget < state_bytes:
         raise ValueError(

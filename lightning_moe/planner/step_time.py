@@ -16,7 +16,7 @@ from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, record_split
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES
 from lightning_moe.planner.flops import RECOMPUTE_FORWARDS, flops_per_microbatch
-from lightning_moe.planner.layout import PARALLEL_DIMS, Layout, holds_last_stage, rank_layers
+from lightning_moe.planner.layout import PARALLEL_DIMS, Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
 
@@ -85,6 +85,56 @@ class Estimate:
         return out
 
 
+def microbatch_compute_seconds(model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int, checkpointing: str) -> float:
+    """Seconds the busiest pipeline rank computes one micro-batch: forward, backward (2x) and the
+    recomputed forward of ``checkpointing``, each op kind at its efficiency of the peak; slowed down
+    when more ranks run than compute at once (``cluster.concurrent_ranks``)."""
+    peak = cluster.peak_flops
+    worst = 0.0
+    for pp_rank in edge_pp_ranks(layout):
+        layers = rank_layers(model, layout, pp_rank)
+        f = flops_per_microbatch(model, layout, seq_len, layers, holds_last_stage(layout, pp_rank))
+        passes = 3.0 + RECOMPUTE_FORWARDS[checkpointing]  # forward + backward (2x) + recompute
+        t = passes * (
+            f["dense"] / (peak * cluster.gemm_efficiency)
+            + f["expert"] / (peak * cluster.grouped_gemm_efficiency)
+            + f["attention"] / (peak * cluster.attention_efficiency)
+        )
+        worst = max(worst, t)
+    slowdown = 1.0
+    if cluster.concurrent_ranks:
+        slowdown = max(1.0, layout.world_size / cluster.concurrent_ranks)
+    return worst * slowdown
+
+
+def record_seconds(rec: CommRecord, layout: Layout, cluster: Cluster) -> float:
+    """Seconds ``rec``'s collectives take: its bytes over the bandwidth of the tiers it crosses, plus
+    the latency of each call (and ring attention's work around each shift)."""
+    intra, inter = record_split(rec, layout, cluster)
+    bw_intra = cluster.intra_node_bandwidth * cluster.comm_efficiency
+    bw_inter = cluster.inter_node_bandwidth * cluster.comm_efficiency
+    if rec.pattern == "spread" and inter > 0 and rec.dim != "ep":
+        # ring collectives over a group that spans nodes run at the slowest link's pace
+        seconds = rec.bytes / bw_inter
+    else:
+        # all-to-all and point-to-point use both tiers at once
+        seconds = max(rec.bytes * intra / bw_intra, rec.bytes * inter / bw_inter)
+    seconds += rec.calls * cluster.collective_latency
+    if rec.pattern == "ring":  # ring attention's per-block work around each shift
+        seconds += rec.calls * cluster.ring_step_overhead
+    return seconds
+
+
+def pipeline_bubble(layout: Layout) -> float:
+    """The pipeline bubble's share of a step: ``(p - 1) / (m + p - 1)`` for ``m`` micro-batches per
+    pipeline step, ``(p - 1) / v`` in place of ``p - 1`` under the interleaved schedule."""
+    m, p, v = layout.pipeline_microbatches, layout.pp, layout.pp_stages_per_rank
+    if p == 1:
+        return 0.0
+    bubble_units = (p - 1) / v if layout.pp_schedule == "Interleaved1F1B" else (p - 1)
+    return bubble_units / (m + bubble_units)
+
+
 def estimate(
     model: ModelShape,
     layout: Layout,
@@ -103,53 +153,19 @@ def estimate(
         est = estimate(shape, Layout(tp=2, ep=2, dp=2, microbatches=4), cluster, seq_len=4096, global_batch_size=16)
         est.step_time, est.memory.total("none"), est.comm["ep"]
     """
-    peak = cluster.peak_flops
-    # compute per micro-batch on the busiest pipeline rank
-    worst = 0.0
-    for pp_rank in sorted({0, layout.pp - 1}):  # middle ranks hold as many layers and no embedding/output
-        layers = rank_layers(model, layout, pp_rank)
-        f = flops_per_microbatch(model, layout, seq_len, layers, holds_last_stage(layout, pp_rank))
-        passes = 3.0 + RECOMPUTE_FORWARDS[checkpointing]  # forward + backward (2x) + recompute
-        t = passes * (
-            f["dense"] / (peak * cluster.gemm_efficiency)
-            + f["expert"] / (peak * cluster.grouped_gemm_efficiency)
-            + f["attention"] / (peak * cluster.attention_efficiency)
-        )
-        worst = max(worst, t)
-    slowdown = 1.0
-    if cluster.concurrent_ranks:
-        slowdown = max(1.0, layout.world_size / cluster.concurrent_ranks)
-    t_compute_mb = worst * slowdown
-    m, p, v = layout.pipeline_microbatches, layout.pp, layout.pp_stages_per_rank
     records = comm_records(model, layout, seq_len, precision)
     exposed = overlapped = 0.0
     for rec in records:
-        intra, inter = record_split(rec, layout, cluster)
-        bw_intra = cluster.intra_node_bandwidth * cluster.comm_efficiency
-        bw_inter = cluster.inter_node_bandwidth * cluster.comm_efficiency
-        if rec.pattern == "spread" and inter > 0 and rec.dim != "ep":
-            # ring collectives over a group that spans nodes run at the slowest link's pace
-            seconds = rec.bytes / bw_inter
-        else:
-            # all-to-all and point-to-point use both tiers at once
-            seconds = max(rec.bytes * intra / bw_intra, rec.bytes * inter / bw_inter)
-        seconds += rec.calls * cluster.collective_latency
-        if rec.pattern == "ring":  # ring attention's per-block work around each shift
-            seconds += rec.calls * cluster.ring_step_overhead
         if rec.overlapped:
-            overlapped += seconds
+            overlapped += record_seconds(rec, layout, cluster)
         else:
-            exposed += seconds
-    compute = t_compute_mb * layout.microbatches
+            exposed += record_seconds(rec, layout, cluster)
+    compute = microbatch_compute_seconds(model, layout, cluster, seq_len, checkpointing) * layout.microbatches
     # FSDP and ring traffic hide behind compute (where the backend runs them asynchronously);
     # what does not fit is exposed
     hidden_capacity = compute if cluster.fsdp_overlap else 0.0
     exposed_total = exposed + max(0.0, overlapped - hidden_capacity)
-    if p > 1:
-        bubble_units = (p - 1) / v if layout.pp_schedule == "Interleaved1F1B" else (p - 1)
-        bubble = bubble_units / (m + bubble_units)
-    else:
-        bubble = 0.0
+    bubble = pipeline_bubble(layout)
     busy = compute + exposed_total
     step_core = busy / (1.0 - bubble) if bubble < 1 else float("inf")
     mem, pp_rank = memory_per_rank(model, layout, seq_len, precision)
@@ -157,8 +173,8 @@ def estimate(
     optimizer_time = params_local * OPTIMIZER_HBM_BYTES_PER_PARAM / cluster.hbm_bandwidth
     step = step_core + optimizer_time
     tokens = global_batch_size * seq_len
-    mfu = model.model_flops_per_token(seq_len) * tokens / step / (peak * layout.world_size)
-    budget = cluster.memory_bytes - cluster.memory_reserve_bytes if memory_budget is None else memory_budget
+    mfu = model.model_flops_per_token(seq_len) * tokens / step / (cluster.peak_flops * layout.world_size)
+    budget = cluster.memory_budget if memory_budget is None else memory_budget
     total = mem.total(checkpointing)
     fits = total <= budget
     reason = "" if fits else (
