@@ -55,10 +55,11 @@ def all_reduce_bytes(whole: int, n: int) -> int:
 class CommRecord:
     """Bytes one rank sends per optimizer step (mean over all ranks) for one kind of collective.
 
-    ``dim``: the parallel dimension it serves; ``group``: the group it runs on (:data:`GROUP_SPANS`);
-    ``recorded_as``: the dim :mod:`lightning_moe.comm`'s wrapper names (None: a ``torch.distributed``
-    or functional collective, attributed by its group); ``functional``: a DTensor (functional)
-    collective; ``pattern``: ``"spread"`` (to all peers) or ``"ring"``/``"chain"`` (to the next rank);
+    ``dim``: the parallel dimension it serves; ``group``: the group it runs on (a key of
+    :data:`~lightning_moe.planner.groups.GROUP_SPANS` or ``"edp"``); ``recorded_as``: the dim
+    :mod:`lightning_moe.comm`'s wrapper names (None: a ``torch.distributed`` or functional
+    collective, attributed by its group); ``functional``: a DTensor (functional) collective;
+    ``pattern``: ``"spread"`` (to all peers) or ``"ring"``/``"chain"`` (to the next rank);
     ``overlapped``: the code overlaps it with compute.
     """
 
