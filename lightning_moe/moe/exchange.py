@@ -67,8 +67,6 @@ def _decode(payload: torch.Tensor, wire: str | None, dtype: torch.dtype) -> torc
     return (quantized.float() * scale).to(dtype)
 
 
-
-
 @dataclass
 class Exchange:
     """One all-to-all in flight (forward and, later, its backward)."""
