@@ -18,8 +18,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_moe.callbacks.console import use_lightning_moe_displays
 from lightning_moe._compat import materialize_distributed_module, optimizers_to_device, set_process_group_timeouts
+from lightning_moe.callbacks.console import use_lightning_moe_displays
 from lightning_moe.checkpoint.state import (
     PREVIOUS_SUFFIX,
     STAGING_SUFFIX,
@@ -28,6 +28,7 @@ from lightning_moe.checkpoint.state import (
     optimizer_state_dict,
     read_metadata,
     rescale_batch_progress,
+    rewind_epoch_cut_short,
     resolve_checkpoint_path,
     rng_state,
     set_rng_state,
@@ -572,6 +573,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         of the same model resumes it on the same curve.
         """
         assert self.lightning_module is not None
+        rewind_epoch_cut_short(checkpoint)
         checkpoint[STATE_KEY] = {
             "layout": {name: getattr(self.parallel_dims, name) for name in ("tp", "cp", "ep", "dp", "pp", "etp")},
             "accumulate_grad_batches": self.lightning_module.trainer.accumulate_grad_batches,

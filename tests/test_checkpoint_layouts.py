@@ -199,3 +199,39 @@ def test_moegpt_without_a_mixtral_equivalent_is_refused():
                    moe={"num_experts": 4, "ffn_hidden_size": 32, "shared_expert_hidden_size": 32})
     with pytest.raises(ValueError, match=r"does not map exactly onto Mixtral: moe_layer_freq=2 leaves dense layers.*a shared expert"):
         moegpt_to_mixtral(model)
+
+
+def _fit_loop_state(*, epoch_closed: bool, last_batch: bool) -> dict:
+    """The counters Lightning saves after 12 training batches of one epoch (3 steps of 4 batches)."""
+
+    def progress(done: int, running: int) -> dict:
+        counters = {"ready": done, "started": done, "processed": done, "completed": running}
+        return {"total": dict(counters), "current": dict(counters)}
+
+    epoch_done = 1 if epoch_closed else 0
+    epochs = progress(1, epoch_done)
+    for scope in ("total", "current"):
+        epochs[scope]["processed"] = epoch_done
+    return {
+        "epoch": epoch_done,
+        "loops": {"fit_loop": {
+            "epoch_progress": epochs,
+            "epoch_loop.batch_progress": {**progress(12, 12 if epoch_closed else 11), "is_last_batch": last_batch},
+            "epoch_loop.state_dict": {"_batches_that_stepped": 3 if epoch_closed else 2},
+            "state_dict": {"combined_loader": [{"epoch": epoch_done, "samples_consumed": 24}]},
+        }},
+    }
+
+
+def test_a_checkpoint_saved_when_max_steps_cuts_the_epoch_reads_as_saved_at_that_step():
+    """ModelCheckpoint's last.ckpt at the end of a max_steps run resumes in the same epoch, at the next sample."""
+    from lightning_moe.checkpoint import rewind_epoch_cut_short
+
+    at_train_end = _fit_loop_state(epoch_closed=True, last_batch=False)
+    rewind_epoch_cut_short(at_train_end)
+    assert at_train_end == _fit_loop_state(epoch_closed=False, last_batch=False)
+    # Saved at the step itself, or after the epoch ran out of data: left as Lightning wrote it.
+    for state in (_fit_loop_state(epoch_closed=False, last_batch=False), _fit_loop_state(epoch_closed=True, last_batch=True)):
+        unchanged = _fit_loop_state(epoch_closed=state["epoch"] == 1, last_batch=state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"])
+        rewind_epoch_cut_short(state)
+        assert state == unchanged

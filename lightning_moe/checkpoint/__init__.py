@@ -5,7 +5,9 @@ from lightning_moe.checkpoint.state import (
     load_safely,
     read_metadata,
     rescale_batch_progress,
+    rewind_epoch_cut_short,
     saved_model_shapes,
 )
 
-__all__ = ["check_model_matches", "load_safely", "read_metadata", "rescale_batch_progress", "saved_model_shapes"]
+__all__ = ["check_model_matches", "load_safely", "read_metadata", "rescale_batch_progress", "rewind_epoch_cut_short",
+           "saved_model_shapes"]

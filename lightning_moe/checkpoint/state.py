@@ -95,6 +95,38 @@ def _to_tuples(value: Any) -> Any:
     return tuple(_to_tuples(v) for v in value) if isinstance(value, list) else value
 
 
+def rewind_epoch_cut_short(checkpoint: MutableMapping[str, Any]) -> None:
+    """Make a checkpoint saved after ``max_steps`` (or a stop) cut an epoch short read as saved at that step, in place.
+
+    Lightning closes the epoch when training stops mid-epoch, so the checkpoint that
+    ``ModelCheckpoint`` writes at the end of training records the next epoch: resumed, it would
+    start that epoch's sample order and leave the uninterrupted curve. Its counters become those
+    of a checkpoint saved in the last step's ``on_train_batch_end``, which resumes in the same
+    epoch at the next sample. An epoch that ran out of data (its last batch seen) is left closed.
+    """
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    if not fit or "epoch_progress" not in fit or "epoch_loop.batch_progress" not in fit:
+        return
+    epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
+    closed = epochs["current"]["completed"] == epochs["current"]["started"] > 0
+    batch_finished = batches["current"]["completed"] == batches["current"]["processed"] > 0
+    if not closed or not batch_finished or batches.get("is_last_batch", True):
+        return
+    for scope in ("total", "current"):
+        epochs[scope]["completed"] -= 1
+        epochs[scope]["processed"] -= 1
+        batches[scope]["completed"] -= 1
+    loop_state = fit.get("epoch_loop.state_dict", {})
+    if "_batches_that_stepped" in loop_state:
+        loop_state["_batches_that_stepped"] -= 1
+    epoch = epochs["current"]["completed"]
+    for loader_state in fit.get("state_dict", {}).get("combined_loader") or []:
+        if isinstance(loader_state, dict) and "samples_consumed" in loader_state:
+            loader_state["epoch"] = epoch
+    if "epoch" in checkpoint:
+        checkpoint["epoch"] = epoch
+
+
 def rescale_batch_progress(loops: MutableMapping[str, Any], old_accumulate: int, new_accumulate: int) -> None:
     """Translate the fit loop's batch counters to another accumulation count, in place.
 
