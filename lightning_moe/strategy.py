@@ -115,7 +115,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         compile: compile each transformer block with ``torch.compile`` after parallelization (see
             :mod:`lightning_moe.parallel.compile`).
         layout, layout_options: ``"auto"`` replaces the sizes above by the layout planner's best for
-            the world size (``layout_options``: see ``lightning_moe.parallel.planner.resolve_auto_layout``).
+            the world size (``layout_options``: see ``lightning_moe.planner.resolve_auto_layout``).
     """
 
     strategy_name = "moe5d"
@@ -203,7 +203,7 @@ class MoE5DStrategy(ModelParallelStrategy):
     # -- launch and mesh ---------------------------------------------------------------------------
     def _apply_auto_layout(self, world_size: int) -> None:
         """``layout="auto"``: the planner's best layout for ``world_size`` replaces the sizes given
-        (:func:`lightning_moe.parallel.planner.resolve_auto_layout` documents ``layout_options``)."""
+        (:func:`lightning_moe.planner.resolve_auto_layout` documents ``layout_options``)."""
         from lightning.pytorch.utilities import rank_zero_info
 
         from lightning_moe.planner import resolve_auto_layout
