@@ -164,9 +164,6 @@ def test_moe_modules_import_no_cycle():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_moe.moe."):
                 found.add(node.module.split(".")[2])
         imports[path.stem] = found - {path.stem}
-    # dispatcher.build_dispatcher forwards to the layer's until parallel/expert_parallel.py imports
-    # it from lightning_moe.moe; the forwarder and this exception go together.
-    imports["dispatcher"] -= {"layer"}
 
     def reachable(start: str) -> set[str]:
         seen, todo = set(), [start]

@@ -346,10 +346,3 @@ class LocalDispatcher:
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         return unpermute_and_combine(expert_output, topk_weights, ctx)
 
-
-def build_dispatcher(*args: Any, **kwargs: Any) -> Dispatcher:
-    """:func:`lightning_moe.moe.layer.build_dispatcher`, imported at call time: kept here only until
-    ``lightning_moe/parallel/expert_parallel.py`` imports it from :mod:`lightning_moe.moe`."""
-    from lightning_moe.moe.layer import build_dispatcher as build
-
-    return build(*args, **kwargs)

@@ -7,8 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_moe.moe import MoELayer
-from lightning_moe.moe.dispatcher import build_dispatcher
+from lightning_moe.moe import MoELayer, build_dispatcher
 from lightning_moe.moe.ep_dispatcher import ExpertTensorParallelDispatcher
 from lightning_moe.parallel.dims import ParallelDims
 
