@@ -47,6 +47,7 @@ __all__ = [
     "check_pipeline_config",
     "check_pipeline_split",
     "concat_batches",
+    "is_inferring_shapes",
     "pipeline_batch",
     "pipeline_stage_modules",
     "scale_gradient",
@@ -349,6 +350,14 @@ def scale_gradient(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 _INFERRING = False
+
+
+def is_inferring_shapes() -> bool:
+    """True while a pipeline stage runs its shape-inference forward (not a real micro-batch).
+
+    Hooks that record or count forwards (verify, metrics) skip that pass.
+    """
+    return _INFERRING
 
 
 @functools.cache

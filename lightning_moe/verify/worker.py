@@ -299,8 +299,9 @@ def _type_name(module: nn.Module) -> str:
 
 def _inferring() -> bool:
     """True while a pipeline stage runs its shape-inference forward (not a real micro-batch)."""
-    pipeline = sys.modules.get("lightning_moe.parallel.pipeline")
-    return bool(getattr(pipeline, "_INFERRING", False))
+    from lightning_moe.parallel.pipeline import is_inferring_shapes
+
+    return is_inferring_shapes()
 
 
 # -- building and running ------------------------------------------------------------------------
