@@ -206,7 +206,10 @@ class ExpertTensorParallelDispatcher:
         tp, local = self.tp_size, self.num_local_experts
         counts = inner.tokens_per_local_expert.to(torch.int64)
         all_counts = torch.empty(tp * local, dtype=torch.int64, device=counts.device)
-        dist.all_gather_into_tensor(all_counts, counts, group=self.group)
+        # torch 2.13 deprecates all_gather_into_tensor (a FutureWarning per rank) for all_gather_single,
+        # the same call, which older releases lack; looked up per call so the comm accounting sees it.
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        gather(all_counts, counts, group=self.group)
         all_counts = all_counts.view(tp, local)
         rows_per_rank = all_counts.sum(1).tolist()
         gathered = comm.all_gather_uneven_autograd(inner.expert_input, rows_per_rank, self.group, "tp")
