@@ -13,9 +13,6 @@ re-executes sys.argv): one single-process run and one two-process run serve ever
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,24 +20,15 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.conftest import close_pools  # noqa: E402
+from tests.hf_runs import ROOT, run_script  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "hf_defaults.py"
 REL = 1e-5
 
 
 def _run(run: str, out: Path, world: int) -> None:
-    close_pools()  # the run's processes get the cores to themselves
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    launcher = [sys.executable]
-    if world > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    cmd = [*launcher, str(SCRIPT), run, str(out)]
     # cwd: Lightning's default root dir for anything a user's defaults write.
-    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_script(SCRIPT, [run, str(out)], world, cwd=out)
 
 
 @pytest.fixture(scope="module")

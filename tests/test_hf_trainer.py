@@ -20,6 +20,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import close_pools  # noqa: E402
+from tests.hf_runs import run_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "hf_train.py"
@@ -29,18 +30,11 @@ REL = 1e-5
 
 
 def _run(layout: dict, out: Path, save_hf: bool, families: tuple[str, ...]) -> None:
-    close_pools()  # the run's processes get the cores to themselves
     world = 1
     for size in layout.values():
         world *= size
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_FAMILIES=",".join(families))
-    launcher = [sys.executable]
-    if world > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    cmd = [*launcher, str(SCRIPT), json.dumps(layout), str(out), *(["--save-hf"] if save_hf else [])]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    args = [json.dumps(layout), str(out), *(["--save-hf"] if save_hf else [])]
+    run_script(SCRIPT, args, world, env={"HF_FAMILIES": ",".join(families)}, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -33,22 +33,9 @@ from lightning_moe.data import ByteTextDataModule
 from lightning_moe.hf import TINY_CONFIGS, HFMoEModule
 from lightning_moe.moe import MoELayer
 
+from hf_train import LossRecorder  # the script's folder is on sys.path (run as a script or by torchrun)
+
 STEPS = 3
-
-
-class LossRecorder(L.Callback):
-    """The mean loss of every optimizer step (step outputs are already divided by the accumulation
-    count, so they add up over a step's micro-batches; data-parallel ranks are averaged)."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-        value = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
-        step = batch_idx // trainer.accumulate_grad_batches
-        if step == len(self.losses):
-            self.losses.append(0.0)
-        self.losses[step] += value
 
 
 class LoadRecorder(L.Callback):
