@@ -152,6 +152,8 @@ def run_make_train(command: str, comment: str, tmp_path: Path, state: dict) -> N
     summary = _check_train_run(out, run_dir, ["parallel=ep2"])  # the README: ep2 unless ARGS picks a layout
     assert _layout_line(out) == {"tp": 1, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1}
     assert len(summary["losses"]) == STEPS
+    # The final loss and tokens/s (the run summary's wording is the first-impressions test's business).
+    assert re.search(r"final loss\D+\d+\.\d+.*\btokens/s", out), out[-2000:]
     # The bytes each rank sent per optimizer step: ep for the all-to-all, dp for FSDP.
     assert re.search(r"^\s*communication per optimizer step and rank: .*\bep [\d.]+ MB.*\bdp [\d.]+ MB", out, re.M), out[-2000:]
     assert str(run_dir / "summary.json") in out
