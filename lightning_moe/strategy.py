@@ -34,6 +34,7 @@ from lightning_moe.checkpoint.state import (
     set_rng_state,
 )
 from lightning_moe.cp import context_parallel_attention
+from lightning_moe.layout import LAYOUT_KEYS
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
 from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing, check_activation_checkpointing
 from lightning_moe.parallel.compile import apply_compile
@@ -214,7 +215,7 @@ class MoE5DStrategy(ModelParallelStrategy):
             raise MisconfigurationException(str(err)) from err
         chosen = best.layout.strategy_kwargs()
         self.parallel_dims = ParallelDims(
-            **{d: chosen[d] for d in ("tp", "cp", "ep", "dp", "pp", "etp")}, ranks_per_node=self.parallel_dims.ranks_per_node
+            **{d: chosen[d] for d in LAYOUT_KEYS}, ranks_per_node=self.parallel_dims.ranks_per_node
         )
         self.pp_schedule = chosen.get("pp_schedule", "1F1B")
         self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
@@ -575,7 +576,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         rewind_epoch_cut_short(checkpoint)
         checkpoint[STATE_KEY] = {
-            "layout": {name: getattr(self.parallel_dims, name) for name in ("tp", "cp", "ep", "dp", "pp", "etp")},
+            "layout": {name: getattr(self.parallel_dims, name) for name in LAYOUT_KEYS},
             "accumulate_grad_batches": self.lightning_module.trainer.accumulate_grad_batches,
             "rng": rng_state(),
         }

@@ -40,11 +40,11 @@ from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.cp import check_seq_len
 from lightning_moe.data import resolve_batch_layout
+from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.parallel.parallelize import check_layout
 from lightning_moe.strategy import check_unreduced_replicas
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-_PARALLEL_SIZES = ("tp", "cp", "ep", "dp", "pp")
 
 
 def devices_per_node(parallel: DictConfig, num_nodes: int = 1) -> int:
@@ -55,7 +55,7 @@ def devices_per_node(parallel: DictConfig, num_nodes: int = 1) -> int:
 
         devices_per_node(OmegaConf.create({"ep": 2, "dp": 2}))  # 4
     """
-    sizes = [parallel.get(name, 1) for name in _PARALLEL_SIZES]
+    sizes = [parallel.get(name, 1) for name in PARALLEL_DIMS]
     world_size = math.prod(size if isinstance(size, int) else 1 for size in sizes)
     if world_size % num_nodes:
         raise ValueError(

@@ -39,23 +39,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_moe import comm
 from lightning_moe._compat import funcol, pipeline_p2p_batcher, resolve_process_group
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
+from lightning_moe.layout import ACCOUNTED_EXPERT_DIMS, ACCOUNTED_GROUPS, PARALLEL_DIMS
 
-DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 OTHER = "other"  # collectives on a process group that is none of the dims' (e.g. a user's own group)
-_ROWS: tuple[str, ...] = (*DIMS, OTHER)  # rows of the per-step counters
+_ROWS: tuple[str, ...] = (*PARALLEL_DIMS, OTHER)  # rows of the per-step counters
 # Bytes the ep dispatchers sent to ranks on other nodes (a part of "ep", recorded by
 # lightning_moe.moe.exchange): logged as comm/ep_internode_bytes, not added to the total.
 INTERNODE = "ep_internode"
 _ALL_ROWS: tuple[str, ...] = (*_ROWS, INTERNODE)
-
-# Mesh dims a group spans -> the dimension its traffic counts for. Data-parallel gradient groups
-# come first: a group that is also another dim's (ep alone makes dp x ep the ep ranks) carries
-# FSDP's gradient reduction, which is dp traffic.
-_GROUP_DIMS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("dp", "ep", "cp"), "dp"), (("dp", "cp"), "dp"), (("dp", "ep"), "dp"), (("dp", "ep", "cp", "tp"), "dp"),
-    (("dp", "cp", "tp"), "dp"), (("dp",), "dp"), (("tp",), "tp"), (("cp", "tp"), "cp"), (("cp",), "cp"),
-    (("ep",), "ep"), (("ep", "tp"), "ep"), (("pp",), "pp"),
-)  # fmt: skip
 
 # Calls from these modules are not counted: lightning_moe.comm records its own calls under the dim
 # it names, and torch's collective modules call one another (a deprecated alias, a wrapper).
@@ -157,8 +148,8 @@ class GroupDims:
         """The dim of ``group``'s traffic; ``functional``: the call is a functional collective."""
         description = getattr(group, "group_desc", "")
         if description.startswith("mesh_"):
-            parts = ["dp" if p == "edp" else "tp" if p == "etp" else p for p in description[len("mesh_") :].split("_")]
-            if all(p in DIMS for p in parts):
+            parts = [ACCOUNTED_EXPERT_DIMS.get(p, p) for p in description[len("mesh_") :].split("_")]
+            if all(p in PARALLEL_DIMS for p in parts):
                 if "dp" in parts:
                     return "dp"
                 return next((p for p in parts if self.sizes.get(p, 1) > 1), parts[0])
@@ -187,7 +178,7 @@ def group_dims(parallel_dims: Any) -> GroupDims:
     if coordinate is None:  # this rank is not in the mesh
         return GroupDims(sizes=sizes)
     by_ranks: dict[frozenset[int], tuple[str, ...]] = {}
-    for spanned, dim in _GROUP_DIMS:
+    for spanned, dim in ACCOUNTED_GROUPS:
         index = tuple(slice(None) if name in spanned else c for name, c in zip(names, coordinate))
         ranks = frozenset(mesh.mesh[index].flatten().tolist())
         if dim not in by_ranks.get(ranks, ()):
@@ -397,7 +388,7 @@ class CommAccountingCallback(OptimizerStepCallback):
         self._steps += 1
         metrics: dict[str, float] = {}
         for name, (nbytes, calls) in zip(_ROWS, per_rank.tolist()):
-            if name in DIMS or calls:
+            if name in PARALLEL_DIMS or calls:
                 metrics[f"comm/{name}_bytes"] = nbytes
                 metrics[f"comm/{name}_calls"] = calls
         metrics["comm/total_bytes"] = float(per_rank[: len(_ROWS), 0].sum())
@@ -421,7 +412,7 @@ class CommAccountingCallback(OptimizerStepCallback):
             "comm": {
                 name: {"bytes": nbytes, "calls": calls}
                 for name, (nbytes, calls) in zip(_ROWS, mean)
-                if name in DIMS or calls
+                if name in PARALLEL_DIMS or calls
             }
         }
         if mean[len(_ROWS)][1]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -12,11 +13,20 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe._compat import flatten_mesh
+from lightning_moe.layout import (
+    DENSE_GROUPS,
+    EXPERT_MESH_DIMS,
+    LAYOUT_KEYS,
+    MESH_DIMS,
+    expert_group_spans,
+    expert_view_order,
+    size_problems,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
+MESH_DIM_NAMES: tuple[str, ...] = MESH_DIMS  # the public name (lightning_moe.parallel) of the full mesh's dims
 _DIMS_ATTR = "_lightning_moe_parallel_dims"
 
 
@@ -63,8 +73,7 @@ class ParallelDims:
             raise ValueError(f"dp={self.dp!r} must be an integer >= 1, or -1 to infer it from the world size")
         if self.etp is None:
             self.etp = self.tp
-        if self.etp not in (1, self.tp):
-            raise ValueError(f"etp={self.etp} must be 1 or equal to tp={self.tp} (expert tensor parallel size)")
+        self._raise_size_problems()
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be an integer >= 1 (or None: devices per node)")
 
@@ -72,21 +81,17 @@ class ParallelDims:
     def non_dp_size(self) -> int:
         return self.tp * self.cp * self.ep * self.pp
 
+    def _raise_size_problems(self, world_size: int | None = None) -> None:
+        """``ValueError`` with the first of :func:`lightning_moe.layout.size_problems` for these sizes."""
+        problems = size_problems(self.tp, self.cp, self.ep, self.dp, self.pp, self.etp, world_size=world_size)
+        if problems:
+            raise ValueError(problems[0])
+
     def validate(self, world_size: int) -> None:
         """Infer ``dp`` if needed and check that the product of the sizes equals ``world_size``."""
+        self._raise_size_problems(world_size)
         if self.dp == -1:
-            if world_size % self.non_dp_size:
-                raise ValueError(
-                    f"world_size {world_size} is not divisible by tp*cp*ep*pp = {self.tp}*{self.cp}*{self.ep}*{self.pp}"
-                    f" = {self.non_dp_size}: change devices/num_nodes or the parallel sizes"
-                )
             self.dp = world_size // self.non_dp_size
-        product = self.non_dp_size * self.dp
-        if product != world_size:
-            raise ValueError(
-                f"world_size {world_size} != tp*cp*ep*dp*pp = {self.tp}*{self.cp}*{self.ep}*{self.dp}*{self.pp}"
-                f" = {product}: set devices*num_nodes to {product} or change the parallel sizes"
-            )
         self._check_nodes()
 
     @property
@@ -95,7 +100,12 @@ class ParallelDims:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp, self.ep, self.cp, self.tp)
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    def _ranks_in_order(self, order: tuple[str, ...]) -> torch.Tensor:
+        """Global ranks in the full mesh, its dims permuted to ``order`` (a permutation of the mesh dims)."""
+        ranks = torch.arange(self.world_size).view(self.shape)
+        return ranks.permute(*(MESH_DIMS.index(d) for d in order))
 
     # -- nodes ------------------------------------------------------------------------------------
     @property
@@ -110,8 +120,7 @@ class ParallelDims:
 
     def _ep_group_ranks(self) -> torch.Tensor:
         """``[groups, ep]``: the global ranks of every ep group, one row per (pp, dp, cp, tp) coordinate."""
-        ranks = torch.arange(self.world_size).view(self.shape)  # (pp, dp, ep, cp, tp)
-        return ranks.permute(0, 1, 3, 4, 2).reshape(-1, self.ep)
+        return self._ranks_in_order((*(d for d in MESH_DIMS if d != "ep"), "ep")).reshape(-1, self.ep)
 
     def _check_nodes(self) -> None:
         """``ranks_per_node`` divides the world size, every ep group splits into equal node blocks, and
@@ -237,8 +246,11 @@ class ParallelDims:
             raise RuntimeError("ParallelDims.build_mesh(device_type) must run before the meshes are used")
         return self._mesh
 
-    def _flatten(self, dims: tuple[str, ...], name: str) -> DeviceMesh:
-        return flatten_mesh(self.mesh[dims], name)
+    def _dense_group_mesh(self, group: str) -> DeviceMesh:
+        """The dense view's ``group`` (:data:`lightning_moe.layout.DENSE_GROUPS`) as one flattened mesh dim,
+        named after the dims it spans (comm accounting reads the name)."""
+        spans = DENSE_GROUPS[group]
+        return flatten_mesh(self.mesh[spans], "_".join(spans))
 
     # Dense view -----------------------------------------------------------------------------------
     @property
@@ -256,17 +268,17 @@ class ParallelDims:
     @cached_property
     def dp_ep_mesh(self) -> DeviceMesh:
         """Ranks that load different samples (dp x ep)."""
-        return self._flatten(("dp", "ep"), "dp_ep")
+        return self._dense_group_mesh("dp_ep")
 
     @cached_property
     def dense_grad_mesh(self) -> DeviceMesh:
         """Gradient reduction of dense parameters: dp x ep x cp."""
-        return self._flatten(("dp", "ep", "cp"), "dp_ep_cp")
+        return self._dense_group_mesh("dense_grad")
 
     @cached_property
     def sequence_mesh(self) -> DeviceMesh:
         """Ranks that split the tokens of one micro-batch: cp x tp (tp ranks hold sequence shards)."""
-        return self._flatten(("cp", "tp"), "cp_tp")
+        return self._dense_group_mesh("sequence")
 
     @cached_property
     def token_mesh(self) -> DeviceMesh:
@@ -274,7 +286,7 @@ class ParallelDims:
 
         Parameters replicated over tp that see only their rank's tokens (the router) reduce here.
         """
-        return self._flatten(("dp", "ep", "cp", "tp"), "dp_ep_cp_tp")
+        return self._dense_group_mesh("token")
 
     # Expert view ----------------------------------------------------------------------------------
     @property
@@ -291,12 +303,10 @@ class ParallelDims:
         """
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = torch.arange(self.world_size).view(self.shape)  # (pp, dp, ep, cp, tp)
-        if self.etp == self.tp:
-            ranks = ranks.permute(0, 1, 3, 2, 4).reshape(self.pp, self.dp * self.cp, self.ep, self.tp)
-        else:
-            ranks = ranks.permute(0, 1, 3, 4, 2).reshape(self.pp, self.dp * self.cp * self.tp, self.ep, 1)
-        return DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "etp"))
+        spans = expert_group_spans(self.tp, self.etp)  # pp, not among them, is a dim of both views
+        shape = [math.prod(getattr(self, d) for d in spans.get(name, (name,))) for name in EXPERT_MESH_DIMS]
+        ranks = self._ranks_in_order(expert_view_order(self.tp, self.etp)).reshape(shape)
+        return DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
     @property
     def expert_mesh(self) -> DeviceMesh:
@@ -371,4 +381,4 @@ class ParallelDims:
 
     def as_dict(self) -> dict[str, int]:
         """The layout as written to ``summary.json``."""
-        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp, "etp": int(self.etp or self.tp)}
+        return {d: int(getattr(self, d)) for d in LAYOUT_KEYS}

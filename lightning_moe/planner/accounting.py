@@ -3,17 +3,11 @@ bytes mapped onto the dims under which the callback counts them, for checks agai
 
 from __future__ import annotations
 
+from lightning_moe.layout import ACCOUNTED_GROUPS, MESH_DIMS, PARALLEL_DIMS
 from lightning_moe.planner.communication import CommRecord, comm_records
 from lightning_moe.planner.groups import group_spans
-from lightning_moe.planner.layout import MESH_ORDER, PARALLEL_DIMS, Layout
+from lightning_moe.planner.layout import Layout
 from lightning_moe.planner.model_shape import ModelShape
-
-# lightning_moe.callbacks.comm_accounting._GROUP_DIMS: (mesh dims a group spans, dim it counts for).
-_ACCOUNTING_GROUP_DIMS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("dp", "ep", "cp"), "dp"), (("dp", "cp"), "dp"), (("dp", "ep"), "dp"), (("dp", "ep", "cp", "tp"), "dp"),
-    (("dp", "cp", "tp"), "dp"), (("dp",), "dp"), (("tp",), "tp"), (("cp", "tp"), "cp"), (("cp",), "cp"),
-    (("ep",), "ep"), (("ep", "tp"), "ep"), (("pp",), "pp"),
-)  # fmt: skip
 
 
 def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
@@ -27,10 +21,10 @@ def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
     if rec.recorded_as is not None:
         return rec.recorded_as
     spans = group_spans(layout, rec.group)
-    busy = {d for d in MESH_ORDER if layout.size(d) > 1}
+    busy = {d for d in MESH_DIMS if layout.size(d) > 1}
     if busy and busy <= set(spans):  # the default group
         matches = []
-        for spanned, dim in _ACCOUNTING_GROUP_DIMS:
+        for spanned, dim in ACCOUNTED_GROUPS:
             if busy <= set(spanned) and dim not in matches:
                 matches.append(dim)
         if not matches:
@@ -38,10 +32,9 @@ def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
         if rec.functional:
             return next((d for d in matches if d != "dp"), matches[0])
         return matches[0]
-    names = ["dp" if d == "edp" else d for d in spans]
-    if "dp" in names or rec.group == "edp":
+    if "dp" in spans:  # a data-parallel gradient group, edp included
         return "dp"
-    return next((d for d in names if layout.size(d) > 1), names[0])
+    return next((d for d in spans if layout.size(d) > 1), spans[0])
 
 
 def accounted_comm_bytes(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Group geometry: which global ranks a mesh group holds and how much of its traffic crosses nodes.
 
 Ranks are laid out in the mesh order (pp, dp, ep, cp, tp), row-major: tp neighbours share a node first.
+The groups are those of :mod:`lightning_moe.layout`, the spans ``ParallelDims`` builds its meshes from.
 """
 
 from __future__ import annotations
@@ -9,23 +10,26 @@ import math
 from collections.abc import Mapping
 from functools import lru_cache
 
-from lightning_moe.planner.layout import MESH_ORDER, Layout
+from lightning_moe.layout import DENSE_GROUPS, MESH_DIMS, expert_group_spans
+from lightning_moe.planner.layout import Layout
 
-# Mesh groups the code communicates on, as the mesh dims they span (lightning_moe.parallel.dims).
+# Mesh groups the code communicates on, as the mesh dims they span: the single dims, the dense
+# view's groups the cost model charges (dense: FSDP of dense parameters; token: router and shared
+# expert under tp, expert-bias loads; sequence: MoE statistics) and every rank.
 GROUP_SPANS: dict[str, tuple[str, ...]] = {
-    "tp": ("tp",), "cp": ("cp",), "ep": ("ep",), "pp": ("pp",),
-    "dense": ("dp", "ep", "cp"),          # dense_grad_mesh: FSDP of dense parameters
-    "token": ("dp", "ep", "cp", "tp"),    # token_mesh: router/shared expert under tp, expert-bias loads
-    "sequence": ("cp", "tp"),             # sequence_mesh: MoE statistics
-    "world": MESH_ORDER,
-}  # fmt: skip
+    **{dim: (dim,) for dim in MESH_DIMS},
+    "dense": DENSE_GROUPS["dense_grad"],
+    "token": DENSE_GROUPS["token"],
+    "sequence": DENSE_GROUPS["sequence"],
+    "world": MESH_DIMS,
+}
 
 
 def group_spans(layout: Layout, group: str) -> tuple[str, ...]:
     """Mesh dims ``group`` spans: a key of :data:`GROUP_SPANS`, or ``"edp"``, the experts' data-parallel
     mesh, which takes tp in when experts are not tensor-parallel (etp = 1)."""
     if group == "edp":
-        return ("dp", "cp", "tp") if layout.etp == 1 else ("dp", "cp")
+        return expert_group_spans(layout.tp, layout.etp)["edp"]
     return GROUP_SPANS[group]
 
 
@@ -34,7 +38,7 @@ def group_ranks(layout: Layout, group: str, rank: int = 0) -> list[int]:
     spanned = set(group_spans(layout, group))
     coords = layout.coordinates(rank)
     ranks = [0]
-    for dim in MESH_ORDER:
+    for dim in MESH_DIMS:
         size = layout.size(dim)
         ranks = [r * size + c for r in ranks for c in (range(size) if dim in spanned else [coords[dim]])]
     return ranks

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from lightning_moe.layout import MESH_DIMS, PARALLEL_DIMS, expert_group_spans
 from lightning_moe.planner.model_shape import ModelShape
-
-PARALLEL_DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
-MESH_ORDER: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")  # lightning_moe.parallel.dims.MESH_DIM_NAMES
 
 
 @dataclass(frozen=True)
@@ -48,8 +47,10 @@ class Layout:
         return self.tp * self.cp * self.ep * self.dp * self.pp
 
     def size(self, dim: str) -> int:
-        if dim == "edp":
-            return self.dp * self.cp * (self.tp if self.etp == 1 else 1)
+        """A mesh dim's size, or an expert-view group's (``edp``, ``etp``): the product of the dims it spans."""
+        spans = expert_group_spans(self.tp, self.etp).get(dim)
+        if spans is not None:
+            return math.prod(getattr(self, d) for d in spans)
         return getattr(self, dim)
 
     def label(self) -> str:
@@ -77,7 +78,7 @@ class Layout:
     def coordinates(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of ``rank`` in the ``(pp, dp, ep, cp, tp)`` row-major mesh."""
         coords: dict[str, int] = {}
-        for dim in reversed(MESH_ORDER):
+        for dim in reversed(MESH_DIMS):
             size = self.size(dim)
             coords[dim] = rank % size
             rank //= size

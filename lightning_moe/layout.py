@@ -1,0 +1,134 @@
+"""Layout truth, torch-free: the dim names, the groups of each view and the rules a layout's sizes obey.
+
+Everything that reasons about a layout (``ParallelDims``, the strategy, the planner, comm
+accounting, ``train.check_config``) reads it from here, so that a new dim or view is taught once.
+
+Ranks vary fastest in tp and slowest in pp (Megatron's ``tp-cp-ep-dp-pp``: tp stays on a node's
+fast links, pp crosses nodes); as a row-major mesh that is ``(pp, dp, ep, cp, tp)``. One mesh is
+seen two ways: the dense view (attention, norms, embeddings) and the expert view (routed experts),
+whose data-parallel group mixes dims on both sides of ep.
+"""
+
+from __future__ import annotations
+
+import math
+
+# The full mesh's dims, slowest-varying first (row-major DeviceMesh order).
+MESH_DIMS: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
+# The same dims fastest-varying first: the order sizes are written in (``tp*cp*ep*dp*pp``).
+PARALLEL_DIMS: tuple[str, ...] = tuple(reversed(MESH_DIMS))
+# A layout as a strategy takes it and summary.json records it: the five sizes and expert tensor parallel.
+LAYOUT_KEYS: tuple[str, ...] = (*PARALLEL_DIMS, "etp")
+
+# Dense-view groups beyond the single dims, as the mesh dims each spans (in mesh order).
+DENSE_GROUPS: dict[str, tuple[str, ...]] = {
+    "dp_ep": ("dp", "ep"),                # ranks that load different samples
+    "dense_grad": ("dp", "ep", "cp"),     # gradient reduction of dense parameters
+    "sequence": ("cp", "tp"),             # ranks that split the tokens of one micro-batch
+    "token": ("dp", "ep", "cp", "tp"),    # every rank holding different tokens of one step
+}  # fmt: skip
+
+# The expert view as a mesh of its own, slowest first: expert data parallel, ep, expert tensor parallel.
+EXPERT_MESH_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "etp")
+
+
+def expert_tensor_parallel(tp: int, etp: int | None) -> bool:
+    """Whether experts are split over the tp ranks (``etp`` left unset means ``etp = tp``)."""
+    return etp is None or etp == tp
+
+
+def expert_group_spans(tp: int, etp: int | None) -> dict[str, tuple[str, ...]]:
+    """The expert view's groups as the full mesh's dims they span.
+
+    ``edp`` takes in every dim the experts are replicated over: dp and cp, and tp as well when the
+    experts are not tensor-parallel (``etp = 1``), in which case ``etp`` spans no dim.
+    """
+    if expert_tensor_parallel(tp, etp):
+        return {"edp": ("dp", "cp"), "ep": ("ep",), "etp": ("tp",)}
+    return {"edp": ("dp", "cp", "tp"), "ep": ("ep",), "etp": ()}
+
+
+def expert_view_order(tp: int, etp: int | None) -> tuple[str, ...]:
+    """The full mesh's dims reordered so that, read row-major, they give the ranks of
+    ``(pp, edp, ep, etp)``: edp's dims, then ep, then etp's."""
+    spans = expert_group_spans(tp, etp)
+    return ("pp", *spans["edp"], *spans["ep"], *spans["etp"])
+
+
+# Groups whose traffic comm accounting charges to a dim: (mesh dims the group spans, the dim).
+# Data-parallel gradient groups come first: a group that is also another dim's (ep alone makes
+# dp x ep the ep ranks) carries FSDP's gradient reduction, which is dp traffic.
+ACCOUNTED_GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (DENSE_GROUPS["dense_grad"], "dp"), (("dp", "cp"), "dp"), (DENSE_GROUPS["dp_ep"], "dp"),
+    (DENSE_GROUPS["token"], "dp"), (("dp", "cp", "tp"), "dp"), (("dp",), "dp"), (("tp",), "tp"),
+    (DENSE_GROUPS["sequence"], "cp"), (("cp",), "cp"), (("ep",), "ep"), (("ep", "tp"), "ep"), (("pp",), "pp"),
+)  # fmt: skip
+# Expert-view mesh dims and the dim their traffic is charged to.
+ACCOUNTED_EXPERT_DIMS: dict[str, str] = {"edp": "dp", "etp": "tp"}
+
+
+def size_problems(
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    dp: int = -1,
+    pp: int = 1,
+    etp: int | None = None,
+    *,
+    world_size: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    num_experts: int | None = None,
+    seq_len: int | None = None,
+    global_batch_size: int | None = None,
+    micro_batch_size: int = 1,
+    pp_microbatches: int = 1,
+) -> list[str]:
+    """Why a layout's sizes do not fit (empty: they do), each problem naming its fix.
+
+    ``dp=-1`` is inferred from ``world_size``; facts left at None are not checked.
+    ``pp_microbatches`` counts only under pp > 1 (micro-batches one pipeline step runs).
+
+    Example::
+
+        size_problems(ep=4, dp=1, world_size=4, num_experts=6)
+        # ['num_experts 6 is not divisible by ep 4: choose ep dividing num_experts']
+    """
+    problems = []
+    if not expert_tensor_parallel(tp, etp) and etp != 1:
+        problems.append(f"etp={etp} must be 1 or equal to tp={tp} (expert tensor parallel size)")
+    non_dp = tp * cp * ep * pp
+    if world_size is not None and dp == -1 and world_size % non_dp:
+        problems.append(
+            f"world_size {world_size} is not divisible by tp*cp*ep*pp = {tp}*{cp}*{ep}*{pp}"
+            f" = {non_dp}: change devices/num_nodes or the parallel sizes"
+        )
+    elif world_size is not None and dp != -1 and non_dp * dp != world_size:
+        product = non_dp * dp
+        problems.append(
+            f"world_size {world_size} != tp*cp*ep*dp*pp = {tp}*{cp}*{ep}*{dp}*{pp}"
+            f" = {product}: set devices*num_nodes to {product} or change the parallel sizes"
+        )
+    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if count is not None and count % tp:
+            problems.append(f"{name}={count} is not divisible by tp={tp}: choose tp dividing {name}")
+    if num_experts is not None and num_experts % ep:
+        problems.append(f"num_experts {num_experts} is not divisible by ep {ep}: choose ep dividing num_experts")
+    if seq_len is not None and cp > 1 and seq_len % (2 * cp):
+        problems.append(
+            f"seq_len {seq_len} not divisible by 2*cp = {2 * cp}: zigzag context parallelism with "
+            f"cp = {cp} needs seq_len % {2 * cp} == 0; pad or crop the sequence"
+        )
+    if global_batch_size is not None and dp != -1:
+        factors = [("micro_batch_size", micro_batch_size), ("dp_ep", dp * ep)]
+        if pp > 1 and pp_microbatches > 1:
+            factors.append(("pp_microbatches", pp_microbatches))
+        per_step = math.prod(size for _, size in factors)
+        if global_batch_size % per_step:
+            names = "*".join(name for name, _ in factors)
+            product = "*".join(str(size) for _, size in factors)
+            problems.append(
+                f"global_batch_size {global_batch_size} not divisible by {names} = {product} = {per_step}:"
+                f" make global_batch_size a multiple of {per_step} or change micro_batch_size"
+            )
+    return problems

@@ -1,0 +1,106 @@
+"""lightning_moe.layout is the one source of layout truth: torch-free, and what ParallelDims and the
+planner build their groups from."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+import lightning_moe.layout as layout
+from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.planner import Layout, group_ranks
+
+
+def test_layout_imports_no_torch() -> None:
+    """Loaded on its own (the package's __init__ imports torch), layout.py pulls in no torch."""
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('layout', {str(Path(layout.__file__))!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "assert 'torch' not in sys.modules, 'lightning_moe/layout.py imports torch'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dim_orders() -> None:
+    assert layout.MESH_DIMS == ("pp", "dp", "ep", "cp", "tp")
+    assert layout.PARALLEL_DIMS == ("tp", "cp", "ep", "dp", "pp")
+    assert layout.LAYOUT_KEYS == ("tp", "cp", "ep", "dp", "pp", "etp")
+
+
+@pytest.mark.parametrize(
+    ("tp", "etp", "edp", "etp_span", "order"),
+    [
+        (2, None, ("dp", "cp"), ("tp",), ("pp", "dp", "cp", "ep", "tp")),
+        (2, 2, ("dp", "cp"), ("tp",), ("pp", "dp", "cp", "ep", "tp")),
+        (2, 1, ("dp", "cp", "tp"), (), ("pp", "dp", "cp", "tp", "ep")),
+        (1, 1, ("dp", "cp"), ("tp",), ("pp", "dp", "cp", "ep", "tp")),
+    ],
+)
+def test_expert_view(tp: int, etp: int | None, edp: tuple[str, ...], etp_span: tuple[str, ...], order: tuple[str, ...]) -> None:
+    spans = layout.expert_group_spans(tp, etp)
+    assert (spans["edp"], spans["ep"], spans["etp"]) == (edp, ("ep",), etp_span)
+    assert layout.expert_view_order(tp, etp) == order
+
+
+@pytest.mark.parametrize(
+    ("sizes", "facts", "expected"),
+    [
+        (dict(tp=2, etp=3), {}, r"etp=3 must be 1 or equal to tp=2 (expert tensor parallel size)"),
+        (dict(ep=2), dict(world_size=3), "world_size 3 is not divisible by tp*cp*ep*pp = 1*1*2*1 = 2"),
+        (dict(ep=2, dp=2), dict(world_size=3), "world_size 3 != tp*cp*ep*dp*pp = 1*1*2*2*1 = 4"),
+        (dict(tp=2, dp=1), dict(num_kv_heads=1), "num_kv_heads=1 is not divisible by tp=2"),
+        (dict(ep=4, dp=1), dict(num_experts=6), "num_experts 6 is not divisible by ep 4"),
+        (dict(cp=2, dp=1), dict(seq_len=30), "seq_len 30 not divisible by 2*cp = 4"),
+        (dict(dp=2), dict(global_batch_size=12, micro_batch_size=4), "global_batch_size 12 not divisible by micro_batch_size*dp_ep = 4*2 = 8"),
+        (dict(pp=2, dp=1), dict(global_batch_size=6, micro_batch_size=2, pp_microbatches=2),
+         "global_batch_size 6 not divisible by micro_batch_size*dp_ep*pp_microbatches = 2*1*2 = 4"),
+    ],
+)  # fmt: skip
+def test_size_problems_name_the_fix(sizes: dict, facts: dict, expected: str) -> None:
+    problems = layout.size_problems(**sizes, **facts)
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_valid_sizes_have_no_problems() -> None:
+    facts = dict(world_size=16, num_heads=8, num_kv_heads=2, num_experts=8, seq_len=64, global_batch_size=32)
+    assert layout.size_problems(tp=2, cp=2, ep=2, dp=1, pp=2, etp=1, **facts, pp_microbatches=2) == []
+
+
+LAYOUTS = [
+    dict(tp=2, ep=2, dp=2),
+    dict(tp=2, cp=2, ep=2, etp=1),
+    dict(cp=2, ep=2, pp=2),
+    dict(tp=2, dp=2, pp=2, etp=1),
+]
+# ParallelDims' mesh of each group the planner charges traffic to.
+MESHES = {"tp": "tp_mesh", "cp": "cp_mesh", "ep": "ep_mesh", "pp": "pp_mesh", "dense": "dense_grad_mesh",
+          "token": "token_mesh", "sequence": "sequence_mesh", "edp": "edp_mesh"}  # fmt: skip
+
+
+@pytest.mark.parametrize("sizes", LAYOUTS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_parallel_dims_meshes_match_planner_groups(sizes: dict[str, int]) -> None:
+    """Every group of ParallelDims' two views holds the ranks, in order, that the planner's group of
+    the same name does, seen from the first and the last rank (torch's fake process group)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without a process group")
+    world = 8
+    planned = Layout(**{**sizes, "dp": sizes.get("dp", 1), "etp": sizes.get("etp", sizes.get("tp", 1))})
+    assert planned.world_size == world
+    for rank in (0, world - 1):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            dims = ParallelDims(**{k: v for k, v in sizes.items() if k != "dp"}, dp=sizes.get("dp", 1))
+            dims.build_mesh("cpu")
+            for group, mesh in MESHES.items():
+                ranks = getattr(dims, mesh).mesh.flatten().tolist()
+                assert ranks == group_ranks(planned, group, rank), (group, rank)
+            assert dims.expert_mesh.mesh.shape == (planned.ep, planned.size("etp"))
+        finally:
+            dist.destroy_process_group()
