@@ -79,6 +79,7 @@ def size_problems(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     num_experts: int | None = None,
+    expert_ffn_hidden_size: int | None = None,
     seq_len: int | None = None,
     global_batch_size: int | None = None,
     micro_batch_size: int = 1,
@@ -114,6 +115,11 @@ def size_problems(
             problems.append(f"{name}={count} is not divisible by tp={tp}: choose tp dividing {name}")
     if num_experts is not None and num_experts % ep:
         problems.append(f"num_experts {num_experts} is not divisible by ep {ep}: choose ep dividing num_experts")
+    expert_tp = expert_tensor_parallel(tp, etp) and tp > 1
+    if expert_ffn_hidden_size is not None and expert_tp and expert_ffn_hidden_size % tp:
+        problems.append(
+            f"expert ffn_hidden_size {expert_ffn_hidden_size} is not divisible by etp={tp}: choose etp=1 or a divisible size"
+        )
     if seq_len is not None and cp > 1 and seq_len % (2 * cp):
         problems.append(
             f"seq_len {seq_len} not divisible by 2*cp = {2 * cp}: zigzag context parallelism with "

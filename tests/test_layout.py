@@ -104,3 +104,15 @@ def test_parallel_dims_meshes_match_planner_groups(sizes: dict[str, int]) -> Non
             assert dims.expert_mesh.mesh.shape == (planned.ep, planned.size("etp"))
         finally:
             dist.destroy_process_group()
+
+
+def test_planner_refuses_what_the_rules_refuse() -> None:
+    """The planner's layout_problems starts from the same rules, in the same words."""
+    from lightning_moe.planner import ModelShape, layout_problems
+
+    model = ModelShape(num_heads=8, num_kv_heads=2, num_experts=6, moe_ffn_hidden_size=30)
+    planned = Layout(tp=2, ep=4, dp=1, micro_batch_size=2, microbatches=1)
+    facts = dict(num_heads=8, num_kv_heads=2, num_experts=6, expert_ffn_hidden_size=30, seq_len=32, global_batch_size=6)
+    expected = layout.size_problems(tp=2, ep=4, dp=1, etp=1, micro_batch_size=2, **facts)
+    assert len(expected) == 2  # experts over ep, batch over micro_batch_size*dp_ep
+    assert layout_problems(model, planned, seq_len=32, global_batch_size=6)[:2] == expected

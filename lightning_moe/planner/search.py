@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_moe.layout import size_problems
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
 from lightning_moe.planner.layout import PARALLEL_DIMS, Layout
@@ -23,32 +24,28 @@ def _divisors(n: int) -> list[int]:
 
 
 def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batch_size: int) -> list[str]:
-    """Why the code would refuse ``layout`` (empty: valid). Mirrors the checks of the strategy,
-    ``parallelize``, the dispatchers, ring attention and the pipeline."""
-    problems = []
+    """Why the code would refuse ``layout`` (empty: valid): the layout rules
+    (:func:`lightning_moe.layout.size_problems`) for this model and batch, then what only a shape
+    tells (sequence parallel shards, experts without MoE layers) and the pipeline's own checks."""
     tp, cp, ep, dp, pp = (layout.size(d) for d in PARALLEL_DIMS)
-    if model.num_heads % tp or model.num_kv_heads % tp:
-        problems.append(f"tp={tp} does not divide num_heads={model.num_heads} and num_kv_heads={model.num_kv_heads}")
-    if model.num_moe_layers and model.num_experts % ep:
-        problems.append(f"ep={ep} does not divide num_experts={model.num_experts}")
+    mp = layout.pipeline_microbatches
+    problems = size_problems(
+        tp, cp, ep, dp, pp, layout.etp,
+        num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+        num_experts=model.num_experts if model.num_moe_layers else None,
+        expert_ffn_hidden_size=model.moe_ffn_hidden_size,
+        seq_len=seq_len, global_batch_size=global_batch_size,
+        micro_batch_size=layout.micro_batch_size, pp_microbatches=mp,
+    )  # fmt: skip
     if not model.num_moe_layers and ep > 1:
         problems.append("ep > 1 without MoE layers")
-    if layout.etp == tp and tp > 1 and model.moe_ffn_hidden_size % tp:
-        problems.append(f"etp={tp} does not divide the expert ffn_hidden_size={model.moe_ffn_hidden_size}")
-    if cp > 1 and seq_len % (2 * cp):
-        problems.append(f"seq_len={seq_len} is not divisible by 2*cp={2 * cp} (zigzag)")
     if (seq_len // cp) % tp:
         problems.append(f"seq_len/cp={seq_len // cp} is not divisible by tp={tp} (sequence parallelism)")
-    if global_batch_size % (dp * ep * layout.micro_batch_size):
-        problems.append(f"global_batch_size={global_batch_size} is not divisible by dp*ep*micro_batch_size")
     stages = pp * layout.pp_stages_per_rank
     if model.num_layers % stages:
         problems.append(f"num_layers={model.num_layers} is not divisible by pp*stages_per_rank={stages}")
-    mp = layout.pipeline_microbatches
     if pp > 1 and layout.pp_schedule in ("1F1B", "Interleaved1F1B") and mp < pp:
         problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches per pipeline step, got {mp}")
-    if pp > 1 and layout.microbatches % mp:
-        problems.append(f"micro-batches per step {layout.microbatches} are not a multiple of pp_microbatches={mp}")
     if layout.pp_schedule == "Interleaved1F1B" and pp > 1 and (layout.pp_stages_per_rank < 2 or mp % pp):
         problems.append("Interleaved1F1B needs pp_stages_per_rank >= 2 and micro-batches divisible by pp")
     return problems
