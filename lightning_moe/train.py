@@ -38,9 +38,8 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
-from lightning_moe.cp import check_seq_len
 from lightning_moe.data import resolve_batch_layout
-from lightning_moe.layout import PARALLEL_DIMS
+from lightning_moe.layout import PARALLEL_DIMS, size_problems
 from lightning_moe.parallel.parallelize import check_layout
 from lightning_moe.strategy import check_unreduced_replicas
 
@@ -209,8 +208,9 @@ def check_config(cfg: DictConfig) -> None:
         resolve_batch_layout(
             data.global_batch_size, data.get("micro_batch_size"), dims.dp * dims.ep, strategy.microbatches_per_step
         )
-    if dims.cp > 1 and "seq_len" in data:
-        check_seq_len(data.seq_len, dims.cp)
+    problems = size_problems(*(getattr(dims, d) for d in PARALLEL_DIMS), dims.etp, seq_len=data.get("seq_len"))
+    if problems:
+        raise ValueError(problems[0])
     try:
         with torch.device("meta"):
             model = hydra.utils.instantiate(cfg.model)
