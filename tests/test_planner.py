@@ -23,6 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lightning_moe.layout import LAYOUT_KEYS, PARALLEL_DIMS
 from lightning_moe.planner import (
     Cluster,
     Layout,
@@ -130,11 +131,11 @@ def test_mixtral_on_256_h100_plans_in_seconds_and_writes_its_outputs(tmp_path, c
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["layouts"] and saved["rejected"]
     best = saved["layouts"][0]
-    assert math.prod(best[d] for d in ("tp", "cp", "ep", "dp", "pp")) == 256
+    assert math.prod(best[d] for d in PARALLEL_DIMS) == 256
     assert best["step_time_s"] == min(e["step_time_s"] for e in saved["layouts"])
     assert all(not e["fits"] and e["reason"] for e in saved["rejected"])
     assert set(best["memory_bytes"]["activations"]) == {"none", "selective", "full"}
-    assert set(best["comm_bytes"]) == {"tp", "cp", "ep", "dp", "pp"}
+    assert set(best["comm_bytes"]) == set(PARALLEL_DIMS)
     assert (tmp_path / "plan.png").stat().st_size > 1000
     assert out["model"] == "mixtral_8x7b"
 
@@ -288,7 +289,7 @@ def _measured_comm(run_dir: Path, parallel: str) -> dict[str, float]:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("comm/dp_bytes")]
     last = rows[-1]
-    return {d: float(last[f"comm/{d}_bytes"]) for d in ("tp", "cp", "ep", "dp", "pp")}
+    return {d: float(last[f"comm/{d}_bytes"]) for d in PARALLEL_DIMS}
 
 
 # cp2_tp2 and pp2_ep2 (4 processes each) cover every dim between them: tp (DTensor plan and expert
@@ -309,7 +310,7 @@ def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, paralle
     the router, so it must lie within 25% of it (and never above every slot leaving)."""
     measured = _measured_comm(tmp_path / parallel, parallel)
     cfg = compose_plan("model=tiny", f"parallel={parallel}").parallel
-    sizes = {d: cfg.get(d) for d in ("tp", "cp", "ep", "dp", "pp")}
+    sizes = {d: cfg.get(d) for d in PARALLEL_DIMS}
     world = math.prod(v if isinstance(v, int) else 1 for v in sizes.values())  # dp "auto": 1
     lay = layout_from_parallel(cfg, world, TINY_GLOBAL_BATCH, TINY_MICRO_BATCH)
     shape = ModelShape.from_config(TINY)
@@ -337,8 +338,8 @@ def test_auto_layout_takes_the_planners_best_for_the_world_size():
     strategy = MoE5DStrategy(layout="auto", layout_options=options)
     pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_checkpointing=False)
     dims = strategy.parallel_dims
-    assert {d: getattr(dims, d) for d in ("tp", "cp", "ep", "dp", "pp", "etp")} == {
-        d: v for d, v in best.layout.strategy_kwargs().items() if d in ("tp", "cp", "ep", "dp", "pp", "etp")
+    assert {d: getattr(dims, d) for d in LAYOUT_KEYS} == {
+        d: v for d, v in best.layout.strategy_kwargs().items() if d in LAYOUT_KEYS
     }
 
 
