@@ -15,7 +15,8 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
   buffers, and activations under each activation-checkpointing mode (``none``, ``selective``, ``full``).
 - **Communication** (:mod:`.communication`, :mod:`.groups`) bytes per optimizer step and rank for
   every dimension, from the same collectives the code issues, each split into intra-node and
-  inter-node bytes by where the group's ranks sit (rank order tp-cp-ep-dp-pp).
+  inter-node bytes by where the group's ranks sit (rank order tp-cp-ep-dp-pp). Dim names, group
+  spans and the size rules come from :mod:`lightning_moe.layout`, as ``ParallelDims``' meshes do.
   :func:`accounted_comm_bytes` (:mod:`.accounting`) maps them onto the dims under which
   :class:`~lightning_moe.callbacks.CommAccountingCallback` records them, for checks against runs.
 - **Time** (:mod:`.step_time`) per step: compute, the communication the code does not overlap, the
@@ -31,13 +32,14 @@ Example::
     result.ranked[0].layout   # the fastest layout that fits
 """
 
+from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.accounting import accounted_comm_bytes
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records
 from lightning_moe.planner.dtypes import PRECISIONS
 from lightning_moe.planner.flops import flops_per_microbatch
 from lightning_moe.planner.groups import group_ranks, peer_split, ring_split
-from lightning_moe.planner.layout import PARALLEL_DIMS, Layout
+from lightning_moe.planner.layout import Layout
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import (

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import (
     ACTIVATION_BYTES,
@@ -21,7 +22,7 @@ from lightning_moe.planner.dtypes import (
     INT64_BYTES,
 )
 from lightning_moe.planner.groups import group_size, peer_split, ring_split
-from lightning_moe.planner.layout import PARALLEL_DIMS, Layout
+from lightning_moe.planner.layout import Layout
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import fsdp_units
 

@@ -7,10 +7,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_moe.layout import size_problems
+from lightning_moe.layout import PARALLEL_DIMS, size_problems
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
-from lightning_moe.planner.layout import PARALLEL_DIMS, Layout
+from lightning_moe.planner.layout import Layout
 from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.step_time import Estimate, estimate
