@@ -12,6 +12,7 @@ whose data-parallel group mixes dims on both sides of ep.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 
 # The full mesh's dims, slowest-varying first (row-major DeviceMesh order).
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
@@ -65,6 +66,26 @@ ACCOUNTED_GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
 )  # fmt: skip
 # Expert-view mesh dims and the dim their traffic is charged to.
 ACCOUNTED_EXPERT_DIMS: dict[str, str] = {"edp": "dp", "etp": "tp"}
+
+
+def accounted_dim(spans: Sequence[str], sizes: Mapping[str, int]) -> str | None:
+    """The dim comm accounting charges a mesh group's traffic to, from the dims it spans (either view's):
+    ``dp`` when it includes dp or edp (gradient reduction), else its first dim of size > 1 (its first
+    when all are 1). None when a name is none of the dims (a mesh of the user's own)."""
+    dims = [ACCOUNTED_EXPERT_DIMS.get(d, d) for d in spans]
+    if not all(d in PARALLEL_DIMS for d in dims):
+        return None
+    if "dp" in dims:
+        return "dp"
+    return next((d for d in dims if sizes.get(d, 1) > 1), dims[0])
+
+
+def accounted_shared_dim(dims: Sequence[str], functional: bool) -> str:
+    """The dim charged for a rank set that several :data:`ACCOUNTED_GROUPS` share (``dims`` in table
+    order), as when a mesh dim spans every rank and reuses the default group: the first, which is
+    FSDP's gradient reduction when dp is among them; a functional collective (DTensor's, which FSDP
+    never issues) takes the first other than dp."""
+    return next((d for d in dims if d != "dp"), dims[0]) if functional else dims[0]
 
 
 def size_problems(

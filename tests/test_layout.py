@@ -116,3 +116,24 @@ def test_planner_refuses_what_the_rules_refuse() -> None:
     expected = layout.size_problems(tp=2, ep=4, dp=1, etp=1, micro_batch_size=2, **facts)
     assert len(expected) == 2  # experts over ep, batch over micro_batch_size*dp_ep
     assert layout_problems(model, planned, seq_len=32, global_batch_size=6)[:2] == expected
+
+
+@pytest.mark.parametrize(
+    ("spans", "sizes", "charged"),
+    [
+        (("dp", "ep", "cp"), {"dp": 1, "ep": 2, "cp": 2}, "dp"),  # gradient reduction, whatever else it spans
+        (("edp",), {}, "dp"),
+        (("cp", "tp"), {"cp": 1, "tp": 2}, "tp"),  # the first dim that is more than one rank
+        (("cp", "tp"), {"cp": 1, "tp": 1}, "cp"),
+        (("ep", "etp"), {"ep": 1, "tp": 2}, "tp"),
+        (("ep", "node"), {"ep": 2}, None),  # not a mesh of the dims
+    ],
+)
+def test_accounted_dim(spans: tuple[str, ...], sizes: dict[str, int], charged: str | None) -> None:
+    assert layout.accounted_dim(spans, sizes) == charged
+
+
+def test_a_shared_rank_set_is_charged_to_gradient_reduction_unless_functional() -> None:
+    assert layout.accounted_shared_dim(("dp", "ep"), functional=False) == "dp"
+    assert layout.accounted_shared_dim(("dp", "ep"), functional=True) == "ep"
+    assert layout.accounted_shared_dim(("dp",), functional=True) == "dp"

@@ -39,7 +39,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_moe import comm
 from lightning_moe._compat import funcol, pipeline_p2p_batcher, resolve_process_group
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
-from lightning_moe.layout import ACCOUNTED_EXPERT_DIMS, ACCOUNTED_GROUPS, PARALLEL_DIMS
+from lightning_moe.layout import ACCOUNTED_GROUPS, PARALLEL_DIMS, accounted_dim, accounted_shared_dim
 
 OTHER = "other"  # collectives on a process group that is none of the dims' (e.g. a user's own group)
 _ROWS: tuple[str, ...] = (*PARALLEL_DIMS, OTHER)  # rows of the per-step counters
@@ -148,13 +148,11 @@ class GroupDims:
         """The dim of ``group``'s traffic; ``functional``: the call is a functional collective."""
         description = getattr(group, "group_desc", "")
         if description.startswith("mesh_"):
-            parts = [ACCOUNTED_EXPERT_DIMS.get(p, p) for p in description[len("mesh_") :].split("_")]
-            if all(p in PARALLEL_DIMS for p in parts):
-                if "dp" in parts:
-                    return "dp"
-                return next((p for p in parts if self.sizes.get(p, 1) > 1), parts[0])
+            dim = accounted_dim(description[len("mesh_") :].split("_"), self.sizes)
+            if dim is not None:
+                return dim
         dims = self.by_ranks.get(frozenset(dist.get_process_group_ranks(group)), (OTHER,))
-        return next((d for d in dims if d != "dp"), dims[0]) if functional else dims[0]
+        return accounted_shared_dim(dims, functional)
 
 
 def group_dims(parallel_dims: Any) -> GroupDims:

@@ -3,7 +3,7 @@ bytes mapped onto the dims under which the callback counts them, for checks agai
 
 from __future__ import annotations
 
-from lightning_moe.layout import ACCOUNTED_GROUPS, MESH_DIMS, PARALLEL_DIMS
+from lightning_moe.layout import ACCOUNTED_GROUPS, MESH_DIMS, PARALLEL_DIMS, accounted_dim, accounted_shared_dim
 from lightning_moe.planner.communication import CommRecord, comm_records
 from lightning_moe.planner.groups import group_spans
 from lightning_moe.planner.layout import Layout
@@ -27,14 +27,8 @@ def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
         for spanned, dim in ACCOUNTED_GROUPS:
             if busy <= set(spanned) and dim not in matches:
                 matches.append(dim)
-        if not matches:
-            return "other"
-        if rec.functional:
-            return next((d for d in matches if d != "dp"), matches[0])
-        return matches[0]
-    if "dp" in spans:  # a data-parallel gradient group, edp included
-        return "dp"
-    return next((d for d in spans if layout.size(d) > 1), spans[0])
+        return accounted_shared_dim(matches, rec.functional) if matches else "other"
+    return accounted_dim(spans, {d: layout.size(d) for d in MESH_DIMS}) or "other"
 
 
 def accounted_comm_bytes(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> dict[str, float]:
