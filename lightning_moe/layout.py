@@ -56,6 +56,24 @@ def expert_view_order(tp: int, etp: int | None) -> tuple[str, ...]:
     return ("pp", *spans["edp"], *spans["ep"], *spans["etp"])
 
 
+def rank_coordinates(sizes: Mapping[str, int], rank: int) -> dict[str, int]:
+    """``rank``'s coordinate on each mesh dim (``sizes``: each mesh dim's size), the mesh row-major."""
+    coords: dict[str, int] = {}
+    for dim in reversed(MESH_DIMS):
+        coords[dim], rank = rank % sizes[dim], rank // sizes[dim]
+    return coords
+
+
+def spanned_ranks(sizes: Mapping[str, int], spans: Sequence[str], rank: int) -> list[int]:
+    """Global ranks of ``rank``'s group over the mesh dims ``spans``, in the group's order (its dims
+    row-major in mesh order, as a flattened DeviceMesh dim holds them)."""
+    coords = rank_coordinates(sizes, rank)
+    ranks = [0]
+    for dim in MESH_DIMS:
+        ranks = [r * sizes[dim] + c for r in ranks for c in (range(sizes[dim]) if dim in spans else [coords[dim]])]
+    return ranks
+
+
 # Groups whose traffic comm accounting charges to a dim: (mesh dims the group spans, the dim).
 # Data-parallel gradient groups come first: a group that is also another dim's (ep alone makes
 # dp x ep the ep ranks) carries FSDP's gradient reduction, which is dp traffic.

@@ -98,6 +98,8 @@ def test_parallel_dims_meshes_match_planner_groups(sizes: dict[str, int]) -> Non
         try:
             dims = ParallelDims(**{k: v for k, v in sizes.items() if k != "dp"}, dp=sizes.get("dp", 1))
             dims.build_mesh("cpu")
+            coords = layout.rank_coordinates(planned.mesh_sizes(), rank)
+            assert list(dims.mesh.get_coordinate()) == [coords[d] for d in layout.MESH_DIMS]
             for group, mesh in MESHES.items():
                 ranks = getattr(dims, mesh).mesh.flatten().tolist()
                 assert ranks == group_ranks(planned, group, rank), (group, rank)

@@ -28,7 +28,7 @@ def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
             if busy <= set(spanned) and dim not in matches:
                 matches.append(dim)
         return accounted_shared_dim(matches, rec.functional) if matches else "other"
-    return accounted_dim(spans, {d: layout.size(d) for d in MESH_DIMS}) or "other"
+    return accounted_dim(spans, layout.mesh_sizes()) or "other"
 
 
 def accounted_comm_bytes(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> dict[str, float]:

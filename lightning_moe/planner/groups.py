@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from functools import lru_cache
 
-from lightning_moe.layout import DENSE_GROUPS, MESH_DIMS, expert_group_spans
+from lightning_moe.layout import DENSE_GROUPS, MESH_DIMS, expert_group_spans, spanned_ranks
 from lightning_moe.planner.layout import Layout
 
 # Mesh groups the code communicates on, as the mesh dims they span: the single dims, the dense
@@ -35,13 +35,7 @@ def group_spans(layout: Layout, group: str) -> tuple[str, ...]:
 
 def group_ranks(layout: Layout, group: str, rank: int = 0) -> list[int]:
     """Global ranks of ``rank``'s group ``group`` (a key of :data:`GROUP_SPANS` or ``"edp"``)."""
-    spanned = set(group_spans(layout, group))
-    coords = layout.coordinates(rank)
-    ranks = [0]
-    for dim in MESH_DIMS:
-        size = layout.size(dim)
-        ranks = [r * size + c for r in ranks for c in (range(size) if dim in spanned else [coords[dim]])]
-    return ranks
+    return spanned_ranks(layout.mesh_sizes(), group_spans(layout, group), rank)
 
 
 def group_size(layout: Layout, group: str) -> int:

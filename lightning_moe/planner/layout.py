@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from lightning_moe.layout import MESH_DIMS, PARALLEL_DIMS, expert_group_spans
+from lightning_moe.layout import MESH_DIMS, PARALLEL_DIMS, expert_group_spans, rank_coordinates
 from lightning_moe.planner.model_shape import ModelShape
 
 
@@ -77,12 +77,11 @@ class Layout:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of ``rank`` in the ``(pp, dp, ep, cp, tp)`` row-major mesh."""
-        coords: dict[str, int] = {}
-        for dim in reversed(MESH_DIMS):
-            size = self.size(dim)
-            coords[dim] = rank % size
-            rank //= size
-        return coords
+        return rank_coordinates(self.mesh_sizes(), rank)
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """Each mesh dim's size."""
+        return {dim: self.size(dim) for dim in MESH_DIMS}
 
 
 def stage_layers(model: ModelShape, layout: Layout) -> tuple[tuple[int, ...], ...]:
