@@ -120,6 +120,15 @@ def test_expert_bias_routing_is_layout_invariant(tmp_path, single_bias_losses, p
 
 
 @pytest.mark.slow
+def test_sinkhorn_routing_balances_the_whole_micro_batch_under_cp_and_tp(tmp_path_factory):
+    """cp2 x tp2 shard each sequence over 4 ranks; Sinkhorn still balances the micro-batch's tokens."""
+    sinkhorn = ["model.moe.load_balancing=sinkhorn"]
+    single = run_cli(tmp_path_factory.mktemp("single_sinkhorn") / "run", "parallel=single", *sinkhorn)
+    sharded = run_cli(tmp_path_factory.mktemp("cp2_tp2_sinkhorn") / "run", "parallel=cp2_tp2", *sinkhorn)
+    _assert_same_curve(sharded["losses"], single["losses"])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name,overrides,layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, single_losses, name, overrides, layout):
     summary = run_cli(tmp_path / name, *overrides)

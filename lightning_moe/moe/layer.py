@@ -264,7 +264,7 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, self.hidden_size)
         if self.routing == "expert_choice":
             self._expert_choice_capacity(tokens.shape[0] * self.ep_size)  # bad settings fail before any work
-        routing = self.router(tokens)
+        routing = self.router(tokens, self.sequence_group)
         keep = None
         if self.routing == "expert_choice":
             routing, keep = self._expert_choice(routing)

@@ -9,6 +9,9 @@ probability sums whose sum over the group is the full loss.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+
+from lightning_moe import comm
 
 __all__ = [
     "MoEAuxLossAutoScaler",
@@ -96,7 +99,9 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sinkhorn(logits: torch.Tensor, tol: float = 1e-4, max_iters: int = 100) -> torch.Tensor:
+def sinkhorn(
+    logits: torch.Tensor, tol: float = 1e-4, max_iters: int = 100, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Sinkhorn-Knopp normalisation of ``exp(logits) [T, E]`` (Megatron's routing, no gradient).
 
     Returns ``d0[:, None] * exp(logits) * d1[None, :]`` whose columns sum to ``1/E`` and rows to
@@ -105,22 +110,39 @@ def sinkhorn(logits: torch.Tensor, tol: float = 1e-4, max_iters: int = 100) -> t
     peaked logits converge slowly; after ``max_iters`` the rows are only approximately balanced,
     which is all routing needs.
 
+    ``group``: the ranks that hold the other tokens of the same micro-batch (cp x tp shards). The
+    column sums, the token count, the max and the stopping test are reduced over it, so each rank
+    gets its rows of the plan of the whole micro-batch, as one process would.
+
     Example::
 
         plan = sinkhorn(torch.randn(16, 4))
         plan.sum(1)  # ~ 1/16 everywhere;  plan.sum(0) ~ 1/4 everywhere
     """
+    distributed = group is not None and dist.get_world_size(group) > 1
+    logits = logits.float()
+    peak = logits.max()
+    num_tokens = logits.new_tensor(float(logits.shape[0]))
+    if distributed:
+        comm.all_reduce_(peak, group, "cp", op=dist.ReduceOp.MAX)
+        comm.all_reduce_(num_tokens, group, "cp")
     # Subtracting the max changes no ratio (the scalings absorb it) and keeps exp finite.
-    cost = torch.exp(logits.float() - logits.float().max())
-    num_tokens, num_experts = cost.shape
+    cost = torch.exp(logits - peak)
+    num_experts = cost.shape[1]
     eps = 1e-8
     d1 = torch.ones(num_experts, device=cost.device, dtype=cost.dtype)
     cost_d1 = cost @ d1
     for _ in range(max_iters):
         d0 = 1.0 / (num_tokens * (cost_d1 + eps))
-        d1 = 1.0 / (num_experts * (d0 @ cost + eps))  # columns now sum to 1/E exactly
+        column_sums = d0 @ cost
+        if distributed:
+            comm.all_reduce_(column_sums, group, "cp")
+        d1 = 1.0 / (num_experts * (column_sums + eps))  # columns now sum to 1/E exactly
         cost_d1 = cost @ d1
-        if (num_tokens * d0 * cost_d1 - 1.0).abs().max().item() < tol:
+        error = (num_tokens * d0 * cost_d1 - 1.0).abs().max() if cost.shape[0] else cost.new_zeros(())
+        if distributed:
+            comm.all_reduce_(error, group, "cp", op=dist.ReduceOp.MAX)
+        if error.item() < tol:
             break
     return d0.unsqueeze(1) * cost * d1.unsqueeze(0)
 

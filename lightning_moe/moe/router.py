@@ -122,8 +122,12 @@ class TopKRouter(nn.Module):
                 self._buffers[name] = old.to(new.device)
         return self
 
-    def forward(self, x: torch.Tensor) -> RouterOutput:
-        """Route ``x [T, H]``; fp32 (fp64 for fp64 inputs) whatever an enclosing autocast says."""
+    def forward(self, x: torch.Tensor, sequence_group: dist.ProcessGroup | None = None) -> RouterOutput:
+        """Route ``x [T, H]``; fp32 (fp64 for fp64 inputs) whatever an enclosing autocast says.
+
+        ``sequence_group``: the ranks holding the micro-batch's other tokens (cp x tp shards), over
+        which Sinkhorn balances, as one process balances the whole micro-batch.
+        """
         if self.max_nodes_per_token is not None and self.max_nodes_per_token > 1 and self.num_nodes is None:
             raise ValueError(
                 f"max_nodes_per_token={self.max_nodes_per_token} exceeds the 1 node the experts live on: set num_nodes"
@@ -145,7 +149,7 @@ class TopKRouter(nn.Module):
         # Loads count while grad is enabled (training), not in evaluation under no_grad.
         accumulate_load = self.use_expert_bias and torch.is_grad_enabled()
         with torch.no_grad():
-            choice = sinkhorn(logits) if self.use_sinkhorn and self.training else scores
+            choice = sinkhorn(logits, group=sequence_group) if self.use_sinkhorn and self.training else scores
             if self.use_expert_bias:
                 choice = choice + self.expert_bias
             if self.num_groups is not None:
