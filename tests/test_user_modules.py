@@ -143,7 +143,7 @@ def test_every_preset_passes_the_offline_check_with_default_configs(preset):
     "overrides,message",
     [
         (["parallel=pp2", "model.num_layers=3"], r"3 layers cannot be split evenly into pp\*pp_stages_per_rank = 2"),
-        (["parallel=pp2", "data.global_batch_size=7"], r"global_batch_size 7 not divisible by dp_ep\*pp_microbatches = 1\*2 = 2"),
+        (["parallel=pp2", "data.global_batch_size=7"], r"global_batch_size 7 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 1\*1\*2 = 2 \(the default, 1 on every layout\)"),
         (["parallel=pp2", "data.micro_batch_size=4", "data.global_batch_size=12"],
          r"not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 4\*1\*2 = 8"),
         (["parallel=ep4", "model.moe.num_experts=6"], r"num_experts 6 is not divisible by ep 4"),
