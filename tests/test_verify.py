@@ -29,7 +29,7 @@ from tests.conftest import close_pools
 DATA = ["logger=none", "++trainer.gradient_clip_val=0.05", "data.seq_len=32", "data.max_corpus_bytes=200000"]
 MOEGPT = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.moe.num_experts=4",
           "model.moe.ffn_hidden_size=32"]
-# The README's user module: its own attention through SDPA, LayerNorms, learned positions, a TP plan
+# The user module of docs/own-module.md: its own attention through SDPA, LayerNorms, learned positions, a TP plan
 # without SequenceParallel styles, MoE layers with DeepSeek-V3-style expert bias and a shared expert,
 # lr 1e-2 (Adam turns the rounding noise of near-zero gradients into visible differences in weights).
 USER = ["~model", "+model._target_=tests.scripts.user_moe_module.UserMoELM"]

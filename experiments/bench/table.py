@@ -1,4 +1,4 @@
-"""Plain-text tables for benchmark output (also pasted into README)."""
+"""Plain-text tables for benchmark output (also pasted into docs/benchmarks.md)."""
 
 from __future__ import annotations
 

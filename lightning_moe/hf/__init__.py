@@ -1,6 +1,6 @@
 """Hugging Face MoE models under lightning-moe (optional extra ``[hf]``: transformers >= 5).
 
-The only part of lightning-moe that imports ``transformers``; see shared/DESIGN.md section 8.
+The only part of lightning-moe that imports ``transformers``; see docs/hf.md.
 
 - :func:`convert_moe_blocks`: swap each sparse-MoE block of a transformers causal LM for an
   equal :class:`~lightning_moe.moe.MoELayer` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3,

@@ -75,7 +75,7 @@ class MoELayer(nn.Module):
     Each token goes to ``top_k`` of ``num_experts`` experts chosen by ``router`` (fp32 math);
     ``y = sum_k w_k * expert_{i_k}(x)`` (+ the shared expert). Parameters: ``router.weight [E, H]``,
     ``experts.w1/w3 [E, H, F]``, ``experts.w2 [E, F, H]`` and, with ``shared_expert_hidden_size``,
-    ``shared_expert.w1/w3/w2`` (``nn.Linear``). See shared/DESIGN.md section 3.
+    ``shared_expert.w1/w3/w2`` (``nn.Linear``). See docs/moe-layer.md.
 
     Load balancing (``load_balancing``): ``"aux_loss"`` (Switch, ``coeff * E * sum_i f_i P_i``),
     ``"seq_aux_loss"`` (the same per sequence, averaged; the sequence is the second-last dim of
@@ -91,7 +91,7 @@ class MoELayer(nn.Module):
     ``aux_loss``, ``z_loss``, ``dropped_fraction``, ``router_entropy``; reduced over
     ``sequence_group`` when it is set.
 
-    Options real models need (shared/DESIGN.md section 8):
+    Options real models need (docs/hf.md):
 
     - ``routed_scaling_factor``: the routed gate weights are multiplied by it after the top-k
       normalisation (DeepSeek-V3: 2.5).
@@ -107,7 +107,7 @@ class MoELayer(nn.Module):
       sigmoid(alpha * g)`` with ``g = clamp(gate, max=L)``, ``alpha = swiglu_alpha`` (1.702) and
       ``L = swiglu_limit`` (7.0).
 
-    Topology-aware expert parallelism (shared/DESIGN.md section 11; README "Scaling across nodes"):
+    Topology-aware expert parallelism (docs/scaling.md):
 
     - ``max_nodes_per_token``/``num_nodes``: node-limited routing. The experts live on ``num_nodes``
       nodes in contiguous blocks (under ep, ``None`` takes the node count of the ep group from

@@ -1,4 +1,4 @@
-"""A user's own MoE LightningModule, unlike MoEGPT, trained under MoE5DStrategy (the README's example).
+"""A user's own MoE LightningModule, unlike MoEGPT, trained under MoE5DStrategy (docs/own-module.md's tested example).
 
 Its own attention (biased q/k/v/out projections through ``F.scaled_dot_product_attention``),
 LayerNorms, learned positions, a ``blocks`` ModuleList, ``MoELayer`` FFNs with DeepSeek-V3-style
