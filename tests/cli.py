@@ -13,6 +13,18 @@ from tests.conftest import close_pools
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A tiny model on a small corpus; the data layout's micro-batch is left at its default.
+TINY_MODEL = [
+    "data.seq_len=32",
+    "data.global_batch_size=8",
+    "data.max_corpus_bytes=200000",
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.moe.num_experts=4",
+    "model.moe.ffn_hidden_size=32",
+]
+
 # A tiny model and a short run: enough steps for layouts to drift apart if anything is wrong.
 TINY_RUN = [
     "logger=none",
@@ -21,15 +33,8 @@ TINY_RUN = [
     "++trainer.gradient_clip_val=0.05",
     "trainer.val_check_interval=null",
     "trainer.limit_val_batches=0",
-    "data.seq_len=32",
-    "data.global_batch_size=8",
     "data.micro_batch_size=2",
-    "data.max_corpus_bytes=200000",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.moe.num_experts=4",
-    "model.moe.ffn_hidden_size=32",
+    *TINY_MODEL,
 ]
 
 

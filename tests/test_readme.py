@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli import TINY_MODEL
 from tests.conftest import close_pools
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,16 +40,7 @@ NOT_RUN: dict[str, str] = {
 
 # A tiny model and 3 steps. Unlike tests/cli.py's TINY_RUN, no data.micro_batch_size: the README
 # promises the single-process losses with the default micro-batch.
-SHRINK_MODEL = [
-    "data.seq_len=32",
-    "data.global_batch_size=8",
-    "data.max_corpus_bytes=200000",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=4",
-    "model.moe.num_experts=4",
-    "model.moe.ffn_hidden_size=32",
-]
+SHRINK_MODEL = TINY_MODEL
 STEPS = 3
 SHRINK_TRAIN = [
     "logger=none",
