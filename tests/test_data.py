@@ -123,8 +123,9 @@ def test_train_val_split_is_disjoint_tail(tmp_path):
     assert train == set(range(180))
     assert not train & val
     batch = next(iter(dm.train_dataloader()))
-    assert batch["input_ids"].shape == (4, seq_len) and batch["labels"].shape == (4, seq_len)
-    assert [b[0].item() for b in next(iter(dm.val_dataloader()))["input_ids"]] == [180, 181, 182, 183]
+    # The default micro-batch: 2 samples, whatever the global batch and the layout.
+    assert batch["input_ids"].shape == (2, seq_len) and batch["labels"].shape == (2, seq_len)
+    assert [b[0].item() for b in next(iter(dm.val_dataloader()))["input_ids"]] == [180, 181]
 
 
 def test_val_fraction_zero_gives_no_val_loader(tmp_path):
@@ -177,7 +178,9 @@ def test_error_global_batch_not_divisible(tmp_path):
         dm.setup("fit")
     dm = ByteTextDataModule(path=path, seq_len=9, global_batch_size=10)
     dm.trainer = _fake_trainer(num_replicas=4, rank=0)
-    with pytest.raises(ValueError, match=r"global_batch_size 10 not divisible by dp_ep = 4"):
+    with pytest.raises(
+        ValueError, match=r"global_batch_size 10 not divisible by micro_batch_size\*dp_ep = 2\*4 = 8 \(the default, 2 on every layout\)"
+    ):
         dm.setup("fit")
     with pytest.raises(ValueError, match=r"global_batch_size 10 not divisible by micro_batch_size"):
         ByteTextDataModule(global_batch_size=10, micro_batch_size=4)
@@ -213,7 +216,8 @@ def test_setup_sets_layout_and_accumulation(tmp_path):
     dm = ByteTextDataModule(path=tmp_path / "c.bin", seq_len=9, global_batch_size=16)
     dm.trainer = _fake_trainer(num_replicas=4, rank=0)
     dm.setup("fit")
-    assert (dm.micro_batch_size, dm.trainer.accumulate_grad_batches) == (4, 1)
+    # The default micro-batch does not follow the layout: 2 samples, accumulated over 16 / (2*4) = 2 steps.
+    assert (dm.micro_batch_size, dm.trainer.accumulate_grad_batches) == (2, 2)
 
 
 def _rank_micro_batches(n: int, shuffle: bool = True, epoch: int = 0) -> list[list[list[int]]]:
