@@ -20,6 +20,8 @@ MESH_DIMS: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
 PARALLEL_DIMS: tuple[str, ...] = tuple(reversed(MESH_DIMS))
 # A layout as a strategy takes it and summary.json records it: the five sizes and expert tensor parallel.
 LAYOUT_KEYS: tuple[str, ...] = (*PARALLEL_DIMS, "etp")
+# The dims whose sizes a layout states; dp takes the rest of the world (``world_size / tp*cp*ep*pp``).
+NON_DP_DIMS: tuple[str, ...] = tuple(d for d in PARALLEL_DIMS if d != "dp")
 
 # Dense-view groups beyond the single dims, as the mesh dims each spans (in mesh order).
 DENSE_GROUPS: dict[str, tuple[str, ...]] = {
@@ -31,11 +33,19 @@ DENSE_GROUPS: dict[str, tuple[str, ...]] = {
 
 # The expert view as a mesh of its own, slowest first: expert data parallel, ep, expert tensor parallel.
 EXPERT_MESH_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "etp")
+# The full mesh with ep split by node, for two-stage dispatch: the ep ranks sharing a position in
+# their nodes (one per node), then those of one node.
+EP_NODE_MESH_DIMS: tuple[str, ...] = tuple(n for d in MESH_DIMS for n in (("ep_node", "ep_local") if d == "ep" else (d,)))
 
 
 def expert_tensor_parallel(tp: int, etp: int | None) -> bool:
     """Whether experts are split over the tp ranks (``etp`` left unset means ``etp = tp``)."""
     return etp is None or etp == tp
+
+
+def experts_split_over_tp(tp: int, etp: int | None) -> bool:
+    """Whether each expert's FFN dim is sharded over tp ranks: expert tensor parallel with tp > 1."""
+    return expert_tensor_parallel(tp, etp) and tp > 1
 
 
 def expert_group_spans(tp: int, etp: int | None) -> dict[str, tuple[str, ...]]:
@@ -134,46 +144,120 @@ def size_problems(
         size_problems(ep=4, dp=1, world_size=4, num_experts=6)
         # ['num_experts 6 is not divisible by ep 4: choose ep dividing num_experts']
     """
-    problems = []
+    problems: list[str | None] = []
     if not expert_tensor_parallel(tp, etp) and etp != 1:
         problems.append(f"etp={etp} must be 1 or equal to tp={tp} (expert tensor parallel size)")
-    non_dp = tp * cp * ep * pp
-    if world_size is not None and dp == -1 and world_size % non_dp:
-        problems.append(
-            f"world_size {world_size} is not divisible by tp*cp*ep*pp = {tp}*{cp}*{ep}*{pp}"
-            f" = {non_dp}: change devices/num_nodes or the parallel sizes"
-        )
-    elif world_size is not None and dp != -1 and non_dp * dp != world_size:
-        product = non_dp * dp
-        problems.append(
-            f"world_size {world_size} != tp*cp*ep*dp*pp = {tp}*{cp}*{ep}*{dp}*{pp}"
-            f" = {product}: set devices*num_nodes to {product} or change the parallel sizes"
-        )
+    if world_size is not None:
+        problems.append(world_size_problem(world_size, tp, cp, ep, dp, pp))
     for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if count is not None and count % tp:
-            problems.append(f"{name}={count} is not divisible by tp={tp}: choose tp dividing {name}")
-    if num_experts is not None and num_experts % ep:
-        problems.append(f"num_experts {num_experts} is not divisible by ep {ep}: choose ep dividing num_experts")
-    expert_tp = expert_tensor_parallel(tp, etp) and tp > 1
-    if expert_ffn_hidden_size is not None and expert_tp and expert_ffn_hidden_size % tp:
-        problems.append(
-            f"expert ffn_hidden_size {expert_ffn_hidden_size} is not divisible by etp={tp}: choose etp=1 or a divisible size"
-        )
-    if seq_len is not None and cp > 1 and seq_len % (2 * cp):
-        problems.append(
-            f"seq_len {seq_len} not divisible by 2*cp = {2 * cp}: zigzag context parallelism with "
-            f"cp = {cp} needs seq_len % {2 * cp} == 0; pad or crop the sequence"
-        )
+        if count is not None:
+            problems.append(heads_problem(name, count, tp))
+    if num_experts is not None:
+        problems.append(experts_problem(num_experts, ep))
+    if expert_ffn_hidden_size is not None:
+        problems.append(expert_ffn_problem(expert_ffn_hidden_size, tp, etp))
+    if seq_len is not None and cp > 1:
+        problems.append(seq_len_problem(seq_len, cp))
     if global_batch_size is not None and dp != -1:
-        factors = [("micro_batch_size", micro_batch_size), ("dp_ep", dp * ep)]
-        if pp > 1 and pp_microbatches > 1:
-            factors.append(("pp_microbatches", pp_microbatches))
-        per_step = math.prod(size for _, size in factors)
-        if global_batch_size % per_step:
-            names = "*".join(name for name, _ in factors)
-            product = "*".join(str(size) for _, size in factors)
-            problems.append(
-                f"global_batch_size {global_batch_size} not divisible by {names} = {product} = {per_step}:"
-                f" make global_batch_size a multiple of {per_step} or change micro_batch_size"
-            )
-    return problems
+        problems.append(batch_problem(global_batch_size, micro_batch_size, dp * ep, pp_microbatches if pp > 1 else 1))
+    return [problem for problem in problems if problem is not None]
+
+
+# -- the rules, one a function: the problem naming its fix, None when the sizes obey it ------------------
+# size_problems applies them all; runtime checks (on tensors, modules, loaders) apply one and raise it.
+
+
+def world_size_problem(world_size: int, tp: int = 1, cp: int = 1, ep: int = 1, dp: int = -1, pp: int = 1) -> str | None:
+    """``world_size = tp*cp*ep*dp*pp`` (``dp=-1``: inferred, so the other sizes must divide it)."""
+    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+    non_dp = math.prod(sizes[d] for d in NON_DP_DIMS)
+    if dp == -1:
+        if world_size % non_dp == 0:
+            return None
+        return (
+            f"world_size {world_size} is not divisible by {_product(NON_DP_DIMS, sizes)} = {non_dp}:"
+            " change devices/num_nodes or the parallel sizes"
+        )
+    product = non_dp * dp
+    if product == world_size:
+        return None
+    return (
+        f"world_size {world_size} != {_product(PARALLEL_DIMS, sizes)} = {product}:"
+        f" set devices*num_nodes to {product} or change the parallel sizes"
+    )
+
+
+def _product(dims: Sequence[str], sizes: Mapping[str, int]) -> str:
+    """``tp*cp*ep*pp = 1*1*2*1``: the names of a product and its factors."""
+    return f"{'*'.join(dims)} = {'*'.join(str(sizes[d]) for d in dims)}"
+
+
+def heads_problem(name: str, count: int, tp: int, *, owner: str | None = None) -> str | None:
+    """Attention heads (``name``: ``num_heads``, ``num_kv_heads``) split evenly over tp; ``owner``,
+    the module holding the count, prefixes the message (``owner.num_heads=...``)."""
+    if count % tp == 0:
+        return None
+    label = name if owner is None else f"{owner}.{name}"
+    return f"{label}={count} is not divisible by tp={tp}: choose tp dividing {name}"
+
+
+def experts_problem(num_experts: int, ep: int) -> str | None:
+    """Each ep rank holds ``num_experts / ep`` experts."""
+    if num_experts % ep == 0:
+        return None
+    return f"num_experts {num_experts} is not divisible by ep {ep}: choose ep dividing num_experts"
+
+
+def expert_ffn_problem(ffn_hidden_size: int, tp: int, etp: int | None) -> str | None:
+    """Under expert tensor parallel (``etp = tp > 1``) each expert's FFN dim splits over tp."""
+    if not experts_split_over_tp(tp, etp) or ffn_hidden_size % tp == 0:
+        return None
+    return f"expert ffn_hidden_size {ffn_hidden_size} is not divisible by etp={tp}: choose etp=1 or a divisible size"
+
+
+def cp_chunks(cp: int, cp_layout: str = "zigzag") -> int:
+    """How many equal chunks context parallelism cuts a sequence into: ``2*cp`` under zigzag (each
+    rank takes one from either end, balancing causal attention's work), ``cp`` when contiguous."""
+    return 2 * cp if cp_layout == "zigzag" else cp
+
+
+def seq_len_problem(seq_len: int, cp: int, cp_layout: str = "zigzag") -> str | None:
+    """The sequence splits into :func:`cp_chunks` equal chunks."""
+    chunks = cp_chunks(cp, cp_layout)
+    if seq_len % chunks == 0:
+        return None
+    factor = "2*cp" if cp_layout == "zigzag" else "cp"
+    return (
+        f"seq_len {seq_len} not divisible by {factor} = {chunks}: {cp_layout} context parallelism with "
+        f"cp = {cp} needs seq_len % {chunks} == 0; pad or crop the sequence"
+    )
+
+
+def sequence_split_problem(local_seq_len: int, tp: int) -> str | None:
+    """The tokens of one cp rank (``seq_len / cp``) split over tp: sequence parallelism shards them,
+    and MoE layers give each tp rank 1/tp of tokens replicated over tp (no token dispatched twice)."""
+    if local_seq_len % tp == 0:
+        return None
+    return (
+        f"seq_len/cp={local_seq_len} is not divisible by tp={tp} (sequence parallelism and the MoE layers split"
+        " a cp rank's tokens over tp): choose seq_len divisible by cp*tp"
+    )
+
+
+def batch_problem(
+    global_batch_size: int, micro_batch_size: int, dp_ep: int, pp_microbatches: int = 1, *, default: bool = False
+) -> str | None:
+    """An optimizer step's samples fill whole micro-batches on every data-parallel rank (``dp_ep``:
+    dp x ep) and, when one pipeline step runs ``pp_microbatches`` > 1 of them, whole pipeline steps.
+    ``default``: ``micro_batch_size`` is the default, not the user's (the message says so)."""
+    factors = {"micro_batch_size": micro_batch_size, "dp_ep": dp_ep}
+    if pp_microbatches > 1:
+        factors["pp_microbatches"] = pp_microbatches
+    per_step = math.prod(factors.values())
+    if global_batch_size % per_step == 0:
+        return None
+    which = f" (the default, {micro_batch_size} on every layout)" if default else ""
+    return (
+        f"global_batch_size {global_batch_size} not divisible by {_product(list(factors), factors)} = {per_step}"
+        f"{which}: make global_batch_size a multiple of {per_step} or change micro_batch_size"
+    )

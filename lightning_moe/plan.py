@@ -30,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe.data.sampler import default_micro_batch_size
+from lightning_moe.layout import MESH_DIMS, NON_DP_DIMS, world_size_problem
 from lightning_moe.planner import (
     CHECKPOINT_MODES,
     PARALLEL_DIMS,
@@ -77,13 +78,13 @@ def layout_from_parallel(
     if micro_batch_size is None:
         micro_batch_size = default_micro_batch_size(global_batch_size)
     sizes = {d: parallel.get(d, 1) for d in PARALLEL_DIMS}
-    rest = math.prod(v for d, v in sizes.items() if d != "dp")
-    if sizes["dp"] in ("auto", None, -1):
-        if world_size % rest:
-            raise ValueError(f"world_size={world_size} is not divisible by tp*cp*ep*pp={rest} of the parallel preset")
-        sizes["dp"] = world_size // rest
-    if math.prod(sizes.values()) != world_size:
-        raise ValueError(f"parallel sizes {sizes} multiply to {math.prod(sizes.values())}, not world_size={world_size}")
+    if sizes["dp"] in ("auto", None):
+        sizes["dp"] = -1
+    problem = world_size_problem(world_size, **sizes)
+    if problem:
+        raise ValueError(f"parallel preset: {problem}")
+    if sizes["dp"] == -1:
+        sizes["dp"] = world_size // math.prod(sizes[d] for d in NON_DP_DIMS)
     tp = int(sizes["tp"])
     etp = parallel.get("etp") or tp
     per_rank = global_batch_size // (sizes["dp"] * sizes["ep"])
@@ -121,15 +122,18 @@ def format_table(estimates: Sequence[Estimate], checkpointing: str = "none") -> 
             f" | {e.bubble_fraction:.1%} | {_gib(mem.total(checkpointing))} | {_gib(mem.parameters)} | {_gib(mem.gradients)}"
             f" | {_gib(mem.optimizer)} | {acts} | {'yes' if e.fits else 'no'} |"
         )
+    # A column a dim, and ep's inter-node share after ep's.
+    columns = [c for d in PARALLEL_DIMS for c in ((d, "ep inter-node") if d == "ep" else (d,))]
     comm_head = (
         "\nBytes per step and GPU (GB), intra-node / inter-node:\n\n"
-        "| # | layout | tp | cp | ep | ep inter-node | dp | pp |\n|---|---|---|---|---|---|---|---|"
+        f"| # | layout | {' | '.join(columns)} |\n|---|---|{'---|' * len(columns)}"
     )
     rows.append(comm_head)
     for i, e in enumerate(estimates, 1):
-        cells = [f"{_gb(e.comm[d]['intra'])} / {_gb(e.comm[d]['inter'])}" for d in ("tp", "cp", "ep")]
-        cells.append(_gb(e.ep_internode_bytes))
-        cells += [f"{_gb(e.comm[d]['intra'])} / {_gb(e.comm[d]['inter'])}" for d in ("dp", "pp")]
+        cells = [
+            _gb(e.ep_internode_bytes) if c == "ep inter-node" else f"{_gb(e.comm[c]['intra'])} / {_gb(e.comm[c]['inter'])}"
+            for c in columns
+        ]
         rows.append(f"| {i} | {e.layout.label()} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -302,9 +306,9 @@ def dry_run(
 
 
 def format_dry_run(views: Sequence[RankView], seconds: float) -> str:
-    lines = [f"Dry run on the fake process group ({seconds:.1f} s):", "| rank | coordinates (pp,dp,ep,cp,tp) | parameters | bytes | model bytes | padded (FSDP2) | match |", "|---|---|---|---|---|---|---|"]
+    lines = [f"Dry run on the fake process group ({seconds:.1f} s):", f"| rank | coordinates ({','.join(MESH_DIMS)}) | parameters | bytes | model bytes | padded (FSDP2) | match |", "|---|---|---|---|---|---|---|"]
     for v in views:
-        coords = ",".join(str(v.coordinates[d]) for d in ("pp", "dp", "ep", "cp", "tp"))
+        coords = ",".join(str(v.coordinates[d]) for d in MESH_DIMS)
         lines.append(f"| {v.rank} | {coords} | {v.parameters:,} | {v.parameter_bytes:,} | {v.model_bytes:,} | {v.model_padded_bytes:,} | {'yes' if v.matches else 'NO'} |")
         for m in v.mismatches[:10]:
             lines.append(f"    mismatch {m}")

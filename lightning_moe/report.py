@@ -35,8 +35,8 @@ from omegaconf import OmegaConf
 
 from lightning_moe._compat import hydra_sweep_jobs
 from lightning_moe.callbacks.plots import plot_curves
+from lightning_moe.layout import PARALLEL_DIMS
 
-LAYOUT_ORDER: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
 
 
 @dataclass
@@ -187,7 +187,7 @@ def _short_names(keys: Sequence[str]) -> dict[str, str]:
 
 def _layout(summary: dict[str, Any]) -> str:
     layout = summary.get("layout") or {}
-    parts = [f"{dim}{layout[dim]}" for dim in LAYOUT_ORDER if layout.get(dim, 1) > 1]
+    parts = [f"{dim}{layout[dim]}" for dim in PARALLEL_DIMS if layout.get(dim, 1) > 1]
     if layout.get("etp", layout.get("tp", 1)) != layout.get("tp", 1):
         parts.append(f"etp{layout['etp']}")
     return " ".join(parts) or "single"

@@ -30,6 +30,8 @@ def test_dim_orders() -> None:
     assert layout.MESH_DIMS == ("pp", "dp", "ep", "cp", "tp")
     assert layout.PARALLEL_DIMS == ("tp", "cp", "ep", "dp", "pp")
     assert layout.LAYOUT_KEYS == ("tp", "cp", "ep", "dp", "pp", "etp")
+    assert layout.NON_DP_DIMS == ("tp", "cp", "ep", "pp")
+    assert layout.EP_NODE_MESH_DIMS == ("pp", "dp", "ep_node", "ep_local", "cp", "tp")
 
 
 @pytest.mark.parametrize(
@@ -64,6 +66,68 @@ def test_expert_view(tp: int, etp: int | None, edp: tuple[str, ...], etp_span: t
 def test_size_problems_name_the_fix(sizes: dict, facts: dict, expected: str) -> None:
     problems = layout.size_problems(**sizes, **facts)
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+@pytest.mark.parametrize(
+    ("problem", "expected"),
+    [
+        (lambda: layout.world_size_problem(8, tp=2, ep=2), None),
+        (lambda: layout.world_size_problem(8, tp=2, ep=2, dp=2), None),
+        (lambda: layout.world_size_problem(6, ep=4), "world_size 6 is not divisible by tp*cp*ep*pp = 1*1*4*1 = 4"),
+        (lambda: layout.world_size_problem(6, cp=2, dp=2), "world_size 6 != tp*cp*ep*dp*pp = 1*2*1*2*1 = 4"),
+        (lambda: layout.heads_problem("num_heads", 8, 4), None),
+        (lambda: layout.heads_problem("num_heads", 3, 2), "num_heads=3 is not divisible by tp=2: choose tp dividing num_heads"),
+        (lambda: layout.heads_problem("num_kv_heads", 1, 2, owner="layers.0.attn"),
+         "layers.0.attn.num_kv_heads=1 is not divisible by tp=2: choose tp dividing num_kv_heads"),
+        (lambda: layout.experts_problem(8, 4), None),
+        (lambda: layout.experts_problem(6, 4), "num_experts 6 is not divisible by ep 4"),
+        (lambda: layout.expert_ffn_problem(30, 4, 1), None),  # experts not split over tp
+        (lambda: layout.expert_ffn_problem(30, 1, None), None),
+        (lambda: layout.expert_ffn_problem(30, 4, None), "expert ffn_hidden_size 30 is not divisible by etp=4"),
+        (lambda: layout.seq_len_problem(32, 4), None),
+        (lambda: layout.seq_len_problem(12, 4), "seq_len 12 not divisible by 2*cp = 8: zigzag context parallelism"),
+        (lambda: layout.seq_len_problem(12, 4, "contiguous"), None),
+        (lambda: layout.seq_len_problem(30, 4, "contiguous"), "seq_len 30 not divisible by cp = 4: contiguous"),
+        (lambda: layout.sequence_split_problem(16, 4), None),
+        (lambda: layout.sequence_split_problem(6, 4), "seq_len/cp=6 is not divisible by tp=4"),
+        (lambda: layout.batch_problem(16, 2, 4, 2), None),
+        (lambda: layout.batch_problem(12, 2, 4), "global_batch_size 12 not divisible by micro_batch_size*dp_ep = 2*4 = 8: "),
+        (lambda: layout.batch_problem(10, 2, 4, default=True),
+         "global_batch_size 10 not divisible by micro_batch_size*dp_ep = 2*4 = 8 (the default, 2 on every layout): "),
+        (lambda: layout.batch_problem(8, 2, 2, 4), "global_batch_size 8 not divisible by micro_batch_size*dp_ep*pp_microbatches = 2*2*4 = 16"),
+    ],
+)  # fmt: skip
+def test_each_rule_names_its_fix(problem, expected: str | None) -> None:
+    """One function a rule, shared by size_problems and the runtime checks: None when obeyed."""
+    found = problem()
+    assert found == expected if expected is None else found.startswith(expected), found
+
+
+def test_rule_helpers() -> None:
+    assert [layout.cp_chunks(4), layout.cp_chunks(4, "contiguous")] == [8, 4]
+    assert layout.experts_split_over_tp(2, None) and layout.experts_split_over_tp(2, 2)
+    assert not layout.experts_split_over_tp(2, 1) and not layout.experts_split_over_tp(1, None)
+
+
+def test_runtime_checks_raise_the_rules_words() -> None:
+    """The sampler, cp sharding and the tensor-parallel head check raise what size_problems says."""
+    from torch import nn
+
+    from lightning_moe.cp import check_seq_len
+    from lightning_moe.data import resolve_batch_layout
+    from lightning_moe.parallel.tensor_parallel import check_head_counts
+
+    with pytest.raises(ValueError) as err:
+        resolve_batch_layout(12, 4, 2)
+    assert [str(err.value)] == layout.size_problems(dp=2, global_batch_size=12, micro_batch_size=4)
+    with pytest.raises(ValueError) as err:
+        check_seq_len(30, 2)
+    assert [str(err.value)] == layout.size_problems(cp=2, seq_len=30)
+    module = nn.Module()
+    module.attn = nn.Module()
+    module.attn.num_kv_heads = 1
+    with pytest.raises(ValueError, match=r"^attn\.num_kv_heads=1 is not divisible by tp=2: choose tp dividing num_kv_heads$"):
+        check_head_counts(module, 2)
 
 
 def test_valid_sizes_have_no_problems() -> None:

@@ -197,6 +197,14 @@ def test_bad_arguments_name_themselves():
         Cluster.from_config({**OmegaConf.to_container(compose_plan().cluster), "peak_flops": 0})
 
 
+def test_a_parallel_preset_that_does_not_fill_the_world_size_is_refused_in_the_layout_rules_words():
+    with pytest.raises(ValueError, match=r"world_size 6 is not divisible by tp\*cp\*ep\*pp = 1\*1\*4\*1 = 4"):
+        layout_from_parallel({"ep": 4, "dp": "auto"}, 6, 8)
+    with pytest.raises(ValueError, match=r"world_size 6 != tp\*cp\*ep\*dp\*pp = 2\*1\*1\*2\*1 = 4"):
+        layout_from_parallel({"tp": 2, "dp": 2}, 6, 8)
+    assert layout_from_parallel({"ep": 2, "dp": "auto"}, 8, 8).dp == 4
+
+
 # -- dry run: parameter bytes per rank ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "sizes",

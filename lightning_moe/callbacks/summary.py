@@ -14,8 +14,8 @@ import torch
 from lightning_moe.callbacks.base import OptimizerStepCallback, StepClock, count_tokens
 from lightning_moe.callbacks.comm_accounting import uncounted
 from lightning_moe.callbacks.moe_metrics import data_parallel_sum
+from lightning_moe.layout import LAYOUT_KEYS
 
-LAYOUT_DIMS: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp", "etp")
 
 
 def parallel_layout(trainer: pl.Trainer) -> dict[str, int]:
@@ -29,7 +29,7 @@ def parallel_layout(trainer: pl.Trainer) -> dict[str, int]:
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is None:
         return {"tp": 1, "cp": 1, "ep": 1, "dp": trainer.world_size, "pp": 1, "etp": 1}
-    layout = {name: getattr(dims, name) for name in LAYOUT_DIMS}
+    layout = {name: getattr(dims, name) for name in LAYOUT_KEYS}
     if layout["etp"] is None:  # etp defaults to tp (DESIGN §1)
         layout["etp"] = layout["tp"]
     return {name: int(size) for name, size in layout.items()}

@@ -18,6 +18,8 @@ from typing import Literal, Sequence
 
 import torch
 
+from lightning_moe.layout import cp_chunks, seq_len_problem
+
 Layout = Literal["zigzag", "contiguous"]
 LAYOUTS: tuple[str, ...] = ("zigzag", "contiguous")
 
@@ -41,7 +43,7 @@ def chunk_ids(cp_rank: int, cp_size: int, layout: Layout = "zigzag") -> tuple[in
 def num_chunks(cp_size: int, layout: Layout = "zigzag") -> int:
     """How many equal chunks the full sequence is cut into (``2 * cp`` for zigzag, ``cp`` otherwise)."""
     _check_layout(layout)
-    return 2 * cp_size if layout == "zigzag" else cp_size
+    return cp_chunks(cp_size, layout)
 
 
 def check_seq_len(seq_len: int, cp_size: int, layout: Layout = "zigzag") -> None:
@@ -51,13 +53,10 @@ def check_seq_len(seq_len: int, cp_size: int, layout: Layout = "zigzag") -> None
 
         check_seq_len(30, 2)   # ValueError: seq_len 30 not divisible by 2*cp = 4 ...
     """
-    chunks = num_chunks(cp_size, layout)
-    if seq_len % chunks:
-        factor = "2*cp" if layout == "zigzag" else "cp"
-        raise ValueError(
-            f"seq_len {seq_len} not divisible by {factor} = {chunks}: {layout} context parallelism with "
-            f"cp = {cp_size} needs seq_len % {chunks} == 0; pad or crop the sequence"
-        )
+    _check_layout(layout)
+    problem = seq_len_problem(seq_len, cp_size, layout)
+    if problem:
+        raise ValueError(problem)
 
 
 def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1, layout: Layout = "zigzag") -> torch.Tensor:

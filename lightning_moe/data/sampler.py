@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_moe.layout import batch_problem
+
 __all__ = ["DEFAULT_MICRO_BATCH_SIZE", "LayoutInvariantSampler", "ResumableDataLoader", "default_micro_batch_size", "resolve_batch_layout"]
 
 
@@ -54,21 +56,14 @@ def resolve_batch_layout(
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if microbatches_per_step < 1:
         raise ValueError(f"microbatches_per_step must be >= 1, got {microbatches_per_step}")
-    pipelined = microbatches_per_step > 1
     default = micro_batch_size is None
     if default:
         micro_batch_size = default_micro_batch_size(global_batch_size)
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
-    per_step = micro_batch_size * num_replicas * microbatches_per_step
-    if global_batch_size % per_step:
-        product = f"{micro_batch_size}*{num_replicas}" + (f"*{microbatches_per_step}" if pipelined else "")
-        names = "micro_batch_size*dp_ep" + ("*pp_microbatches" if pipelined else "")
-        which = f" (the default, {micro_batch_size} on every layout)" if default else ""
-        raise ValueError(
-            f"global_batch_size {global_batch_size} not divisible by {names} = {product} = {per_step}"
-            f"{which}: make global_batch_size a multiple of {per_step} or change micro_batch_size"
-        )
+    problem = batch_problem(global_batch_size, micro_batch_size, num_replicas, microbatches_per_step, default=default)
+    if problem:
+        raise ValueError(problem)
     return micro_batch_size, global_batch_size // (micro_batch_size * num_replicas)
 
 

@@ -15,9 +15,11 @@ import torch.distributed as dist
 from lightning_moe._compat import flatten_mesh
 from lightning_moe.layout import (
     DENSE_GROUPS,
+    EP_NODE_MESH_DIMS,
     EXPERT_MESH_DIMS,
     LAYOUT_KEYS,
     MESH_DIMS,
+    NON_DP_DIMS,
     expert_group_spans,
     expert_view_order,
     size_problems,
@@ -65,7 +67,7 @@ class ParallelDims:
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "ep", "pp"):
+        for name in NON_DP_DIMS:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
@@ -333,10 +335,9 @@ class ParallelDims:
         from torch.distributed.device_mesh import DeviceMesh
 
         nodes, local = self.ep_num_nodes, self.ep_ranks_per_node
-        ranks = torch.arange(self.world_size).view(self.pp, self.dp, nodes, local, self.cp, self.tp)
-        return DeviceMesh(
-            self.mesh.device_type, ranks, mesh_dim_names=("pp", "dp", "ep_node", "ep_local", "cp", "tp")
-        )
+        sizes = {"ep_node": nodes, "ep_local": local}
+        ranks = torch.arange(self.world_size).view(*(sizes.get(d) or getattr(self, d) for d in EP_NODE_MESH_DIMS))
+        return DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=EP_NODE_MESH_DIMS)
 
     # Process groups -------------------------------------------------------------------------------
     @property

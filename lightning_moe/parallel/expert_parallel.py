@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_moe.layout import expert_ffn_problem, experts_problem, experts_split_over_tp
 from lightning_moe.moe import MoELayer, build_dispatcher
 from lightning_moe.moe.ep_dispatcher import ExpertTensorParallelDispatcher
 from lightning_moe.parallel.dims import ParallelDims
@@ -26,7 +27,7 @@ def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
     that share a micro-batch (cp x tp) and over all token-holding ranks (dp x ep x cp x tp).
     """
     check_expert_layout(module, dims)
-    expert_tp = dims.etp == dims.tp and dims.tp > 1
+    expert_tp = experts_split_over_tp(dims.tp, dims.etp)
     mesh = dims.expert_mesh
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         for name, param in list(layer.experts.named_parameters(recurse=False)):
@@ -72,7 +73,6 @@ def _build_dispatcher(layer: MoELayer, dims: ParallelDims) -> object:
 def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
     """Every MoELayer's experts split over ``ep`` and, under expert TP, its FFN dim over ``tp``; the
     topology options fit the nodes (``ValueError`` naming the fix, before any work)."""
-    expert_tp = dims.etp == dims.tp and dims.tp > 1
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         needs_nodes = layer.dispatcher_kind == "hierarchical" or (
             layer.num_nodes is None and layer.max_nodes_per_token is not None
@@ -94,13 +94,12 @@ def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
                 "routing='expert_choice' ranks the tokens of the ep group only; under tp or cp > 1 each tp/cp rank"
                 " would choose among its own share: use routing='topk' with tp/cp, or tp=cp=1"
             )
-        if layer.num_experts % dims.ep:
-            raise ValueError(
-                f"num_experts {layer.num_experts} is not divisible by ep {dims.ep}: choose ep dividing num_experts"
-            )
-        ffn = layer.experts.w1.shape[2]
-        if expert_tp and ffn % dims.tp:
-            raise ValueError(f"expert ffn_hidden_size {ffn} is not divisible by etp={dims.tp}: choose etp=1 or a divisible size")
+        problem = experts_problem(layer.num_experts, dims.ep)
+        if problem:
+            raise ValueError(problem)
+        problem = expert_ffn_problem(layer.experts.w1.shape[2], dims.tp, dims.etp)
+        if problem:
+            raise ValueError(problem)
 
 
 def _group_if_shared(group: dist.ProcessGroup) -> dist.ProcessGroup | None:

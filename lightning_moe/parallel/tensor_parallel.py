@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_moe import comm
+from lightning_moe.layout import heads_problem, sequence_split_problem
 from lightning_moe.moe import MoELayer
 from lightning_moe.parallel.dims import ParallelDims
 
@@ -107,8 +108,9 @@ def check_head_counts(module: nn.Module, tp: int) -> None:
     for name, sub in module.named_modules():
         for attr in ("num_heads", "num_kv_heads"):
             count = getattr(sub, attr, None)
-            if isinstance(count, int) and count % tp:
-                raise ValueError(f"{name}.{attr}={count} is not divisible by tp={tp}: choose tp dividing {attr}")
+            problem = heads_problem(attr, count, tp, owner=name) if isinstance(count, int) else None
+            if problem:
+                raise ValueError(problem)
 
 
 # How the tokens that reached a layer looked, per call in flight (a stack: activation checkpointing
@@ -165,9 +167,7 @@ def _tp_placement(x: DTensor, dims: ParallelDims) -> Any:
 
 def _split_replicated(x: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     seq_dim = x.dim() - 2
-    if x.dim() < 2 or x.shape[seq_dim] % dims.tp:
-        raise ValueError(
-            f"MoE input {tuple(x.shape)}: sequence length not divisible by tp={dims.tp} (needed to split the"
-            " replicated tokens between tp ranks): choose seq_len divisible by tp"
-        )
+    problem = "no sequence dim to split over tp" if x.dim() < 2 else sequence_split_problem(x.shape[seq_dim], dims.tp)
+    if problem:
+        raise ValueError(f"MoE input {tuple(x.shape)}: {problem}")
     return comm.split_to_rank(x, dims.tp_group, seq_dim, "tp")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_moe.layout import experts_split_over_tp
 from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES
 from lightning_moe.planner.groups import group_size
 from lightning_moe.planner.layout import Layout, edge_pp_ranks, holds_last_stage, rank_layers
@@ -38,7 +39,7 @@ def activation_bytes_per_layer(model: ModelShape, layout: Layout, seq_len: int, 
     if model.is_moe(layer):
         k, f = model.top_k, model.moe_ffn_hidden_size
         rows = tokens * k  # dispatched rows per rank (balanced routing), before expert-TP gathering
-        expert_tp = layout.etp == layout.tp and layout.tp > 1
+        expert_tp = experts_split_over_tp(layout.tp, layout.etp)
         f_local = f / layout.tp if expert_tp else f
         rows_local = rows * layout.tp if expert_tp else rows
         ffn = tokens * a * 2 * h + tokens * FP32_BYTES * model.num_experts  # norm in/out, router logits

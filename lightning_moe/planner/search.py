@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_moe.layout import PARALLEL_DIMS, size_problems
+from lightning_moe.layout import PARALLEL_DIMS, sequence_split_problem, size_problems
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
 from lightning_moe.planner.layout import Layout
@@ -39,8 +39,9 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
     )  # fmt: skip
     if not model.num_moe_layers and ep > 1:
         problems.append("ep > 1 without MoE layers")
-    if (seq_len // cp) % tp:
-        problems.append(f"seq_len/cp={seq_len // cp} is not divisible by tp={tp} (sequence parallelism)")
+    split = sequence_split_problem(seq_len // cp, tp)
+    if split:
+        problems.append(split)
     stages = pp * layout.pp_stages_per_rank
     if model.num_layers % stages:
         problems.append(f"num_layers={model.num_layers} is not divisible by pp*stages_per_rank={stages}")

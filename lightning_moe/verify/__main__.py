@@ -15,6 +15,7 @@ Examples::
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_moe.train  # noqa: F401  (registers the lmoe.devices resolver)
+from lightning_moe.layout import NON_DP_DIMS, PARALLEL_DIMS
 from lightning_moe.verify.compare import VerifyReport
 from lightning_moe.verify.runner import (
     LOCALIZE_MODES,
@@ -37,7 +39,6 @@ from lightning_moe.verify.runner import (
     run_job,
 )
 
-_SIZES = ("tp", "cp", "ep", "dp", "pp")
 
 
 def _as_int(value: Any, what: str) -> int:
@@ -59,11 +60,9 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
     devices = _as_int(trainer.get("devices", 1), "trainer.devices")
     num_nodes = _as_int(trainer.get("num_nodes", 1), "trainer.num_nodes")
     check_processes(devices * num_nodes, int(verify.max_processes), num_nodes)
-    sizes = {k: parallel.get(k, 1) for k in ("tp", "cp", "ep", "pp")}
-    sizes = {k: _as_int(v, f"parallel.{k}") for k, v in sizes.items()}
-    product = sizes["tp"] * sizes["cp"] * sizes["ep"] * sizes["pp"]
-    layout = {"tp": sizes["tp"], "cp": sizes["cp"], "ep": sizes["ep"], "dp": devices // max(product, 1),
-              "pp": sizes["pp"], "etp": parallel.get("etp") or sizes["tp"]}
+    sizes = {k: _as_int(parallel.get(k, 1), f"parallel.{k}") for k in NON_DP_DIMS}
+    sizes["dp"] = devices // max(math.prod(sizes.values()), 1)
+    layout = {k: sizes[k] for k in PARALLEL_DIMS} | {"etp": parallel.get("etp") or sizes["tp"]}
     if int(verify.steps) < 1:
         raise VerifyConfigError(f"verify.steps={verify.steps} must be >= 1")
     notes = []
@@ -78,7 +77,7 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
         print(f"verify: warning: {message}", file=sys.stderr)
         notes.append(message)
     single = copy.deepcopy(config)
-    single["parallel"].update({k: 1 for k in _SIZES}, etp=None)
+    single["parallel"].update({k: 1 for k in PARALLEL_DIMS}, etp=None)
     single["trainer"].update(devices=1, num_nodes=1)
     try:
         model_class = hydra.utils.get_class(target) if target else None

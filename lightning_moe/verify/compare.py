@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from lightning_moe.layout import PARALLEL_DIMS
+
 # -- loading a run ---------------------------------------------------------------------------------
 
 
@@ -508,7 +510,7 @@ def explain_micro_batching(
 def layout_dependent_statistics(routing: dict[str, dict[str, Any]], layout: dict[str, Any]) -> list[str]:
     """The MoE settings whose statistics are taken over more tokens than one micro-batch on ``layout``
     (so no one-process run can reproduce them), each with what it spans."""
-    size = {k: int(layout.get(k) or 1) for k in ("tp", "cp", "ep", "dp")}
+    size = {k: int(layout.get(k) or 1) for k in PARALLEL_DIMS}
     dp_ep, shard = size["dp"] * size["ep"], size["cp"] * size["tp"]
     by_reason: dict[str, list[str]] = defaultdict(list)
     for module, settings in routing.items():

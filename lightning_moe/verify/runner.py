@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_moe.layout import LAYOUT_KEYS, NON_DP_DIMS, world_size_problem
 from lightning_moe.verify.compare import (
     RunData,
     VerifyReport,
@@ -38,7 +39,6 @@ from lightning_moe.verify.compare import (
 from lightning_moe.verify.worker import SPEC_ENV, disable_dropout, dump_spec
 
 LOCALIZE_MODES = ("on_failure", "always", "never")
-_SIZES = ("tp", "cp", "ep", "dp", "pp")
 # Set by launchers (torchrun, Lightning, SLURM); a worker that inherits them would wait for ranks that never come.
 _LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK",
                  "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_ID")
@@ -376,13 +376,11 @@ def verify_layout(
         raise VerifyConfigError(f"localize={localize!r} must be one of {LOCALIZE_MODES}")
     if steps < 1:
         raise VerifyConfigError(f"steps={steps} must be >= 1")
-    sizes = {k: int(strategy_kwargs.get(k, 1) or 1) for k in ("tp", "cp", "ep", "pp")}
+    sizes = {k: int(strategy_kwargs.get(k, 1) or 1) for k in NON_DP_DIMS}
     dp = strategy_kwargs.get("dp", "auto")
-    product = math.prod(sizes.values())
-    if dp not in (None, "auto") and product * int(dp) != devices:
-        raise VerifyConfigError(f"tp*cp*ep*pp*dp = {product * int(dp)} != devices={devices}")
-    if devices % product:
-        raise VerifyConfigError(f"devices={devices} is not divisible by tp*cp*ep*pp = {product}")
+    problem = world_size_problem(devices, **sizes, dp=-1 if dp in (None, "auto") else int(dp))
+    if problem:
+        raise VerifyConfigError(f"devices={devices}: {problem}")
     check_processes(devices, max_processes)
     for name, obj in (("module_factory", module_factory), ("datamodule_factory", datamodule_factory)):
         try:
@@ -401,7 +399,7 @@ def verify_layout(
     trainer_kwargs = dict(trainer_kwargs or {})
     trainer_kwargs.setdefault("accelerator", "auto")
     trainer_kwargs.setdefault("use_distributed_sampler", False)
-    single_kwargs = {k: v for k, v in strategy_kwargs.items() if k not in (*_SIZES, "etp")}
+    single_kwargs = {k: v for k, v in strategy_kwargs.items() if k not in LAYOUT_KEYS}
     main_file = None
     if any(getattr(f, "__module__", None) == "__main__" or getattr(getattr(f, "func", None), "__module__", None) == "__main__"
            for f in (module_factory, datamodule_factory)):

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_moe.layout import MESH_DIMS
+
 SPEC_ENV = "LIGHTNING_MOE_VERIFY_WORKER"
-MESH_DIMS = ("pp", "dp", "ep", "cp", "tp")
 
 
 # -- the spec ----------------------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def _recorder_class() -> type:
             self.grads = grads
 
         def _leads_stage(self) -> bool:
-            return all(self.coords[d] == 0 for d in ("dp", "ep", "cp", "tp"))
+            return all(self.coords[d] == 0 for d in MESH_DIMS if d != "pp")
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             keep = self._leads_stage()
