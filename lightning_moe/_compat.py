@@ -3,6 +3,9 @@
 One function (or name) per API, each with the versions it was checked against, so that an upgrade
 breaks here, with the reason, and nowhere else. "Present in" means the call exists with this
 signature in the released wheels of those versions; "run on" means the test suite ran it.
+Every name in ``__all__`` states its range as ``Checked on: <package> <floor>-<ceiling>.`` in its
+docstring (a string after the assignment for a constant or a module); tests/test_compat.py fails
+when an installed version leaves that range, so that an upgrade re-checks the API first.
 The floors in pyproject.toml follow from this file: torch >= 2.11 (the GPU machine's build; every
 torch API below is present there), pipeline parallelism torch >= 2.13 (see
 :func:`require_pipeline_stage_internals`), lightning >= 2.6, hydra-core >= 1.3.
@@ -10,6 +13,9 @@ torch API below is present there), pipeline parallelism torch >= 2.13 (see
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -22,9 +28,20 @@ from torch import nn
 # autograd-aware collectives torch's own TP/EP code uses. Present in torch 2.9-2.13, run on 2.13.
 import torch.distributed._functional_collectives as funcol  # noqa: E402  (re-exported)
 
+"""The module ``torch.distributed._functional_collectives``. Checked on: torch 2.11-2.13."""
+
 __all__ = [
+    "Fp32BuffersModule",
     "PIPELINE_MIN_TORCH",
+    "TitledRichProgressBar",
     "distributed_checkpoint_load",
+    "efficient_attention_cuda",
+    "efficient_attention_cuda_backward",
+    "flash_attention_cpu",
+    "flash_attention_cpu_available",
+    "flash_attention_cpu_backward",
+    "flash_attention_cuda",
+    "flash_attention_cuda_backward",
     "flatten_mesh",
     "force_sum_reduction",
     "fsdp_mixed_precision",
@@ -36,15 +53,20 @@ __all__ = [
     "materialize_distributed_module",
     "optimizers_to_device",
     "pipeline_p2p_batcher",
+    "pipeline_stage_class",
     "replicate_module",
     "require_pipeline_stage_internals",
     "resolve_process_group",
     "run_schedule_forward_only",
     "set_fsdp_mixed_precision",
     "set_process_group_timeouts",
+    "trainer_logging_step",
+    "trainer_should_update_logs",
+    "wrap_distributed_functions",
 ]
 
 PIPELINE_MIN_TORCH = (2, 13)
+"""The oldest torch whose pipeline-stage internals :func:`pipeline_stage_class` was written against. Checked on: torch 2.11-2.13."""
 
 
 def _torch_version() -> tuple[int, int]:
@@ -55,14 +77,107 @@ def _torch_version() -> tuple[int, int]:
 # -- torch ------------------------------------------------------------------------------------------
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offsets)`` (int32 offsets). Present in torch 2.9-2.13; its CPU
-    kernels (fp32/bf16/fp16) run on 2.13."""
+    kernels (fp32/bf16/fp16) run on 2.13. Checked on: torch 2.11-2.13."""
     return torch._grouped_mm(a, b, offsets)
+
+
+class Fp32BuffersModule(nn.Module):
+    """An ``nn.Module`` whose float32 buffers stay float32 when the module is cast: ``module.to(dtype)``,
+    ``.half()``, ``.bfloat16()``, ``.double()`` change its parameters and other buffers, and move
+    these to the new device only. Overrides ``nn.Module._apply`` (through which all of ``to``,
+    ``cuda``, ``cpu``, ``type`` and the dtype casts go) and reads/writes its own ``_buffers``.
+    Checked on: torch 2.11-2.13."""
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Fp32BuffersModule:
+        fp32_buffers = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.dtype == torch.float32}
+        super()._apply(fn, recurse)
+        for name, old in fp32_buffers.items():
+            new = self._buffers[name]
+            if new is not None and new.dtype != torch.float32:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+
+# Fused attention kernels that also return the log-sum-exp of each query row (what ring attention
+# merges blocks with): aten's private SDPA ops, called without dropout, mask or varlen inputs.
+# Their schemas are identical in torch 2.11 and 2.13 (native_functions.yaml); the CPU ones run on
+# 2.13 (tests/test_ring_attention.py), the CUDA ones are not yet run in this project.
+def flash_attention_cpu_available() -> bool:
+    """Whether ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` exists.
+    Checked on: torch 2.11-2.13."""
+    return hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def flash_attention_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, logsumexp [B, H, Sq] fp32)``: ``aten._scaled_dot_product_flash_attention_for_cpu``.
+    Checked on: torch 2.11-2.13."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def flash_attention_cpu_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``: ``aten._scaled_dot_product_flash_attention_for_cpu_backward``.
+    Checked on: torch 2.11-2.13."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+    )
+
+
+def flash_attention_cuda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, logsumexp [B, H, Sq] fp32, philox_seed, philox_offset)``:
+    ``aten._scaled_dot_product_flash_attention`` (dense inputs, no debug mask).
+    Checked on: torch 2.11-2.13."""
+    out, lse, _, _, _, _, philox_seed, philox_offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse, philox_seed, philox_offset
+
+
+def flash_attention_cuda_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float, philox_seed: torch.Tensor, philox_offset: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``: ``aten._scaled_dot_product_flash_attention_backward``. Without dropout the RNG
+    state is never read (any forward's has the right type); the cumulative sequence lengths are for
+    varlen inputs only (None). Checked on: torch 2.11-2.13."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, philox_seed, philox_offset,
+        scale=scale,
+    )
+
+
+def efficient_attention_cuda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, logsumexp [B, H, ceil(Sq / 32) * 32] fp32, philox_seed, philox_offset)``:
+    ``aten._scaled_dot_product_efficient_attention`` (no bias). The log-sum-exp keeps the kernel's
+    padded columns. Checked on: torch 2.11-2.13."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+
+
+def efficient_attention_cuda_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    causal: bool, scale: float, philox_seed: torch.Tensor, philox_offset: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``: ``aten._scaled_dot_product_efficient_attention_backward``; ``lse`` in the
+    forward's padded layout. Checked on: torch 2.11-2.13."""
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse, philox_seed, philox_offset, 0.0, [True, True, True, False], causal,
+        scale=scale,
+    )
+    return dq, dk, dv
 
 
 def local_shard_index(tensor: Any) -> tuple[slice, ...]:
     """The block of the global tensor a DTensor's local shard holds, as slices: from
     ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` (what DCP reshards
-    with; it also covers FSDP's strided shards). Present in torch 2.9-2.13."""
+    with; it also covers FSDP's strided shards). Present in torch 2.9-2.13. Checked on: torch 2.11-2.13."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
@@ -70,13 +185,15 @@ def local_shard_index(tensor: Any) -> tuple[slice, ...]:
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
-    """``DeviceMesh._flatten(name)``: one process group over several mesh dims. Present in torch 2.9-2.13."""
+    """``DeviceMesh._flatten(name)``: one process group over several mesh dims. Present in torch 2.9-2.13.
+    Checked on: torch 2.11-2.13."""
     return mesh._flatten(name)
 
 
 def replicate_module(modules: nn.Module | list[nn.Module], mesh: Any) -> None:
     """DDP-style replication with FSDP2's hooks and options:
-    ``torch.distributed._composable.replicate_with_fsdp.replicate``. Present in torch 2.9-2.13."""
+    ``torch.distributed._composable.replicate_with_fsdp.replicate``. Present in torch 2.9-2.13.
+    Checked on: torch 2.11-2.13."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     replicate(modules, mesh=mesh)
@@ -84,14 +201,15 @@ def replicate_module(modules: nn.Module | list[nn.Module], mesh: Any) -> None:
 
 def force_sum_reduction(unit: Any, enabled: bool) -> None:
     """``FSDPModule.set_force_sum_reduction_for_comms``: sum in the collective, divide after (gloo has
-    no PREMUL_SUM). Present in torch 2.9-2.13."""
+    no PREMUL_SUM). Present in torch 2.9-2.13. Checked on: torch 2.11-2.13."""
     unit.set_force_sum_reduction_for_comms(enabled)
 
 
 def set_fsdp_mixed_precision(unit: Any, policy: Any) -> None:
     """Replace an FSDP2 unit's ``MixedPrecisionPolicy`` after ``fully_shard`` (before its lazy init):
     ``FSDPState._mp_policy`` and ``FSDPParamGroup.mp_policy``, which ``lazy_init`` turns into the
-    parameters' all-gather and reduce dtypes. Present in torch 2.9-2.13, run on 2.13."""
+    parameters' all-gather and reduce dtypes. Present in torch 2.9-2.13, run on 2.13.
+    Checked on: torch 2.11-2.13."""
     state = unit._get_fsdp_state()
     if state._mp_policy == policy:
         return
@@ -103,7 +221,8 @@ def set_fsdp_mixed_precision(unit: Any, policy: Any) -> None:
 
 
 def fsdp_mixed_precision(unit: Any) -> Any:
-    """An FSDP2 unit's ``MixedPrecisionPolicy`` (``FSDPState._mp_policy``). Present in torch 2.9-2.13."""
+    """An FSDP2 unit's ``MixedPrecisionPolicy`` (``FSDPState._mp_policy``). Present in torch 2.9-2.13.
+    Checked on: torch 2.11-2.13."""
     return unit._get_fsdp_state()._mp_policy
 
 
@@ -113,7 +232,7 @@ def set_process_group_timeouts(timeout: Any) -> int:
     ``new_group`` (and so ``init_device_mesh``) gives sub-groups the backend's default timeout (30
     minutes for gloo, 10 for nccl), not the one ``init_process_group`` got: a collective on a mesh
     sub-group whose peer died would wait that long. Uses ``c10d._world.pg_map`` and
-    ``c10d._set_pg_timeout``. Present in torch 2.9-2.13, run on 2.13."""
+    ``c10d._set_pg_timeout``. Present in torch 2.9-2.13, run on 2.13. Checked on: torch 2.11-2.13."""
     from torch.distributed import distributed_c10d as c10d
 
     groups = [pg for pg in list(c10d._world.pg_map) if not c10d._rank_not_in_group(pg)]
@@ -124,10 +243,52 @@ def set_process_group_timeouts(timeout: Any) -> int:
 
 def resolve_process_group(group: Any) -> dist.ProcessGroup:
     """The ``ProcessGroup`` behind a functional collective's ``group`` argument (group, name or mesh):
-    ``c10d._resolve_process_group(funcol._resolve_group_name(group))``. Present in torch 2.9-2.13."""
+    ``c10d._resolve_process_group(funcol._resolve_group_name(group))``. Present in torch 2.9-2.13.
+    Checked on: torch 2.11-2.13."""
     from torch.distributed import distributed_c10d as c10d
 
     return c10d._resolve_process_group(funcol._resolve_group_name(group))
+
+
+def wrap_distributed_functions(
+    c10d: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]],
+    functional: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]],
+    pipeline_batch: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+) -> Callable[[], None]:
+    """Replace torch's collectives by wrappers; return ``restore()``, which puts the originals back.
+
+    Each ``name: wrap`` of ``c10d`` replaces ``torch.distributed.<name>`` (``batch_isend_irecv``
+    included) by ``wrap(original)``, each of ``functional`` the function of :data:`funcol`, and
+    ``pipeline_batch`` the P2P batcher of torch's pipeline schedules (:func:`pipeline_p2p_batcher`);
+    names this torch lacks are skipped. Code that looks the functions up as module attributes at
+    each call (FSDP2, DTensor, the pipeline schedules, ``dist.all_reduce(...)``) reaches the
+    wrappers; a reference taken before (``from torch.distributed import all_reduce``) does not.
+    ``restore()`` puts the originals back in reverse order; calling it again does nothing. Not
+    thread-safe: it rebinds module globals. Checked on: torch 2.11-2.13."""
+    originals: list[tuple[ModuleType, str, Callable[..., Any]]] = []
+
+    def install(module: ModuleType, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        original = getattr(module, name)
+        originals.append((module, name, original))
+        setattr(module, name, wrap(original))
+
+    def restore() -> None:
+        while originals:
+            module, name, original = originals.pop()
+            setattr(module, name, original)
+
+    try:
+        for module, table in ((dist, c10d), (funcol, functional)):
+            for name, wrap in table.items():
+                if hasattr(module, name):
+                    install(module, name, wrap)
+        batcher = pipeline_p2p_batcher()
+        if pipeline_batch is not None and batcher is not None:
+            install(batcher[0], batcher[1], pipeline_batch)
+    except BaseException:
+        restore()
+        raise
+    return restore
 
 
 def pipeline_p2p_batcher() -> tuple[ModuleType, str] | None:
@@ -139,7 +300,8 @@ def pipeline_p2p_batcher() -> tuple[ModuleType, str] | None:
     ``dist.isend`` the op holds, never through ``dist.batch_isend_irecv``; a mixed batch goes
     through ``dist.batch_isend_irecv``. The comm accounting wraps it to count both. None where
     the module or the function is missing. Present and run on torch 2.13 (pipeline parallelism
-    needs >= 2.13, :func:`require_pipeline_stage_internals`)."""
+    needs >= 2.13, :func:`require_pipeline_stage_internals`); present in 2.11 with the same
+    signature, where it always calls ``dist.batch_isend_irecv``. Checked on: torch 2.11-2.13."""
     try:
         from torch.distributed.pipelining import schedules
     except ImportError:
@@ -148,16 +310,16 @@ def pipeline_p2p_batcher() -> tuple[ModuleType, str] | None:
 
 
 def run_schedule_forward_only(schedule: Any, *args: Any, **kwargs: Any) -> Any:
-    """``_PipelineSchedule.eval``: a forward-only pass through the pipeline stages. Present in torch 2.9-2.13."""
+    """``_PipelineSchedule.eval``: a forward-only pass through the pipeline stages. Present in torch 2.9-2.13.
+    Checked on: torch 2.11-2.13."""
     return schedule.eval(*args, **kwargs)
 
 
 def require_pipeline_stage_internals() -> None:
-    """Pipeline parallelism subclasses ``PipelineStage`` and overrides its metadata inference
-    (``_prepare_forward_infra``, ``_prepare_backward_infra``, ``_compute_outputs``,
-    ``_post_metadata_inference_cleanup``, ``backward_maybe_with_nosync``): written against torch
-    2.13; torch 2.11 infers shapes through other methods (``_shape_inference``), so older versions
-    are refused rather than run with side effects the subclass cannot undo."""
+    """Refuse pipeline parallelism on a torch older than :data:`PIPELINE_MIN_TORCH`: the stage class
+    of :func:`pipeline_stage_class` overrides torch 2.13's private metadata-inference methods; torch
+    2.11 and 2.12 infer shapes through other methods (``_shape_inference``), so they are refused
+    rather than run with side effects the subclass cannot undo. Checked on: torch 2.11-2.13."""
     if _torch_version() < PIPELINE_MIN_TORCH:
         raise RuntimeError(
             f"pipeline parallelism (pp > 1) needs torch >= {'.'.join(map(str, PIPELINE_MIN_TORCH))}, found"
@@ -165,25 +327,113 @@ def require_pipeline_stage_internals() -> None:
         )
 
 
+@functools.cache
+def pipeline_stage_class(inference_guard: Callable[[nn.Module], AbstractContextManager]) -> type:
+    """A ``torch.distributed.pipelining.PipelineStage`` whose metadata inference leaves no trace.
+
+    torch infers the activation shapes by running each stage once on the first micro-batch (later
+    stages on uninitialised tensors). This subclass overrides the private ``_prepare_forward_infra``,
+    ``_prepare_backward_infra``, ``_compute_outputs`` and ``_post_metadata_inference_cleanup``: the
+    received inputs are zeros, the inference forward runs inside ``inference_guard(module)`` (which
+    restores buffers and counters and hides the pass from statistics), and gradients accumulated by
+    earlier steps survive (torch would set them to None). Its ``backward_maybe_with_nosync``
+    reduces FSDP/replicate gradients once per step, in the backward of the stage's last
+    micro-batch: torch does this only when the stage module itself is the FSDP root, and ours wraps
+    its children. Checked on: torch 2.13-2.13.
+    """
+    require_pipeline_stage_internals()
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+
+    class QuietMetadataStage(PipelineStage):
+        _saved_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            self._save_grads()
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+        def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            self._save_grads()
+            with inference_guard(self.submod):
+                return super()._prepare_backward_infra(*args, **kwargs)
+
+        def _compute_outputs(self, *args: torch.Tensor, module: nn.Module, **kwargs: Any) -> Any:
+            if not self.is_first:
+                with torch.no_grad():
+                    for arg in args:
+                        if isinstance(arg, torch.Tensor) and arg.is_floating_point():
+                            arg.zero_()
+            with inference_guard(module):
+                return super()._compute_outputs(*args, module=module, **kwargs)
+
+        def _post_metadata_inference_cleanup(self) -> None:
+            super()._post_metadata_inference_cleanup()
+            for param, grad in self._saved_grads or ():
+                param.grad = grad
+            self._saved_grads = None
+
+        def _save_grads(self) -> None:
+            if self._saved_grads is None:
+                self._saved_grads = [(p, p.grad) for p in self.submod.parameters()]
+
+        def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+            for unit in self.submod.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_requires_gradient_sync(last_backward, recurse=False)
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    return QuietMetadataStage
+
+
 # -- Lightning --------------------------------------------------------------------------------------
 def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
     """``lightning.fabric.utilities.init._materialize_distributed_module`` (what ModelParallelStrategy
-    calls after ``configure_model``). Run on lightning 2.6."""
+    calls after ``configure_model``). Run on lightning 2.6. Checked on: lightning 2.6-2.6."""
     from lightning.fabric.utilities.init import _materialize_distributed_module
 
     _materialize_distributed_module(module, device)
 
 
 def optimizers_to_device(optimizers: Any, device: torch.device) -> None:
-    """``lightning.fabric.utilities.optimizer._optimizers_to_device``. Run on lightning 2.6."""
+    """``lightning.fabric.utilities.optimizer._optimizers_to_device``. Run on lightning 2.6. Checked on: lightning 2.6-2.6."""
     from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
     _optimizers_to_device(optimizers, device)
 
 
+def trainer_logging_step(trainer: Any) -> int:
+    """The step Lightning logs the current optimizer step's metrics at:
+    ``trainer.fit_loop.epoch_loop._batches_that_stepped``. Checked on: lightning 2.6-2.6."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def trainer_should_update_logs(trainer: Any) -> bool:
+    """Whether Lightning logs at this step (its ``log_every_n_steps`` cadence):
+    ``trainer._logger_connector.should_update_logs``. Checked on: lightning 2.6-2.6."""
+    return trainer._logger_connector.should_update_logs
+
+
+from lightning.pytorch.callbacks import RichProgressBar  # noqa: E402
+
+
+class TitledRichProgressBar(RichProgressBar):
+    """Lightning's ``RichProgressBar`` whose training-bar title comes from the public
+    :meth:`train_bar_title`, for subclasses to override: it overrides the private
+    ``RichProgressBar._get_train_description(current_epoch)``, the bar's one source of the title
+    (called when the training bar is created and at each epoch start). Checked on: lightning 2.6-2.6."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return self.train_bar_title(current_epoch)
+
+    def train_bar_title(self, current_epoch: int) -> str:
+        """The training bar's title; Lightning's: ``Epoch 3/9``, padded to the validation title's width."""
+        return super()._get_train_description(current_epoch)
+
+
 def distributed_checkpoint_load(state: dict[str, Any], path: Path) -> None:
     """Load a DCP folder into ``state`` in place as ModelParallelStrategy does
-    (``lightning.fabric.strategies.model_parallel._distributed_checkpoint_load``). Run on lightning 2.6."""
+    (``lightning.fabric.strategies.model_parallel._distributed_checkpoint_load``). Run on lightning 2.6.
+    Checked on: lightning 2.6-2.6."""
     from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load
 
     _distributed_checkpoint_load(state, path)
@@ -191,7 +441,8 @@ def distributed_checkpoint_load(state: dict[str, Any], path: Path) -> None:
 
 # -- Hydra ------------------------------------------------------------------------------------------
 def hydra_args_parser() -> Any:
-    """Hydra's own command-line parser (``hydra._internal.utils.get_args_parser``). Run on hydra-core 1.3."""
+    """Hydra's own command-line parser (``hydra._internal.utils.get_args_parser``). Run on hydra-core 1.3.
+    Checked on: hydra-core 1.3-1.3."""
     from hydra._internal.utils import get_args_parser
 
     return get_args_parser()
@@ -199,7 +450,8 @@ def hydra_args_parser() -> Any:
 
 def hydra_sweep_jobs(overrides: list[str]) -> list[list[str]]:
     """The basic sweeper's expansion of sweep overrides into jobs, in job order
-    (``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments``). Run on hydra-core 1.3."""
+    (``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments``). Run on hydra-core 1.3.
+    Checked on: hydra-core 1.3-1.3."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 

@@ -44,15 +44,7 @@ from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.init import has_meta_tensors, materialize_sharded
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS, is_parallelized, parallelize
-from lightning_moe.parallel.pipeline import (
-    GroupedBatchLoader,
-    PipelineRunner,
-    check_pipeline_config,
-    pipeline_batch,
-    pipeline_stage_modules,
-    unpack_target_loss,
-)
-from lightning_moe.parallel.pipeline_inference import forward_through_pipeline
+from lightning_moe.parallel.lightning_pipeline import LightningPipeline
 from lightning_moe.parallel.precision import apply_mixed_precision, check_precision, mixed_precision_policy
 
 
@@ -176,17 +168,11 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.pp_schedule = pp_schedule
         self.pp_microbatches = pp if pp_microbatches is None else pp_microbatches
         self.pp_stages_per_rank = pp_stages_per_rank
-        try:
-            check_pipeline_config(pp, pp_schedule, self.pp_microbatches, pp_stages_per_rank)
-        except ValueError as err:
-            raise MisconfigurationException(str(err)) from err
+        self._pipeline = self._make_pipeline()
         if pp > 1 and not save_distributed_checkpoint:
             raise MisconfigurationException(
                 f"pp={pp} > 1 needs save_distributed_checkpoint=True: each pipeline stage saves its own parameters"
             )
-        self._pipeline: PipelineRunner | None = None
-        self._pipeline_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
-        self._user_accumulate_grad_batches: int | None = None
         try:
             check_activation_checkpointing(activation_checkpointing)
         except ValueError as err:
@@ -220,8 +206,16 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.pp_schedule = chosen.get("pp_schedule", "1F1B")
         self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
         self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
+        self._pipeline = self._make_pipeline()
         other = f"; runner-up {runner_up.layout.label()} ({runner_up.step_time:.3g} s)" if runner_up else ""
         rank_zero_info(f"layout='auto': {best.layout.label()} (estimated {best.step_time:.3g} s per step){other}")
+
+    def _make_pipeline(self) -> LightningPipeline:
+        """The pipeline schedule's Lightning glue (used under pp > 1; its checks run on every layout)."""
+        try:
+            return LightningPipeline(self.parallel_dims, self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank)
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
 
     @override
     def _configure_launcher(self) -> None:
@@ -285,14 +279,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         check_context_parallel_support(self.model, self.parallel_dims)
         pipelined = self.parallel_dims.pp > 1
         if pipelined and trainer.state.fn == TrainerFn.FITTING:
-            self._check_pipeline_module()
-            if getattr(self.precision_plugin, "scaler", None) is not None:
-                raise MisconfigurationException(
-                    "pp > 1 with a gradient scaler (precision='16-mixed') is not supported: the pipeline runs"
-                    " backward itself; use precision='bf16-mixed' or '32-true'"
-                )
-            if trainer.state.fn == TrainerFn.FITTING:
-                self._divide_accumulation(trainer)
+            self._pipeline.setup(trainer, self.lightning_module, getattr(self.precision_plugin, "scaler", None) is not None)
         if not is_parallelized(self.model):
             parallelize(
                 self.model,
@@ -330,7 +317,7 @@ class MoE5DStrategy(ModelParallelStrategy):
             plugin.main_params(optimizer), clip_val, group=pp_group
         )
         if pipelined:
-            self._build_pipeline()
+            self._pipeline.build(self.model, self.lightning_module, self.root_device)
         self._apply_timeout()  # groups created while parallelizing
 
     def _apply_timeout(self) -> None:
@@ -356,108 +343,6 @@ class MoE5DStrategy(ModelParallelStrategy):
         else:
             materialize_distributed_module(self.model, self.root_device)
 
-    # -- pipeline ----------------------------------------------------------------------------------
-    def _check_pipeline_module(self) -> None:
-        module = self.lightning_module
-        if not callable(getattr(module, "loss_from_logits", None)):
-            raise MisconfigurationException(
-                f"pp={self.parallel_dims.pp} > 1: {type(module).__name__} needs a method"
-                " loss_from_logits(output, labels, loss_mask=None, loss_token_count=None) returning the mean loss"
-                " of one micro-batch from the last stage's output (the strategy runs the pipeline schedule"
-                " instead of training_step)"
-            )
-
-    def _divide_accumulation(self, trainer: Trainer) -> None:
-        """Each Lightning batch runs ``pp_microbatches`` loader batches: accumulate that many times fewer."""
-        if self._user_accumulate_grad_batches is None:
-            self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
-        accumulate = self._user_accumulate_grad_batches
-        m = self.pp_microbatches
-        if accumulate % m == 0:
-            trainer.accumulate_grad_batches = accumulate // m
-            return
-        dims = self.parallel_dims
-        datamodule = getattr(trainer, "datamodule", None)
-        global_batch = getattr(datamodule, "global_batch_size", None)
-        micro_batch = getattr(datamodule, "micro_batch_size", None)
-        if isinstance(global_batch, int) and isinstance(micro_batch, int):
-            product = dims.dp * dims.ep * m * micro_batch
-            raise MisconfigurationException(
-                f"global_batch_size {global_batch} is not divisible by dp*ep*pp_microbatches*micro_batch_size ="
-                f" {dims.dp}*{dims.ep}*{m}*{micro_batch} = {product}: every pipeline step runs pp_microbatches"
-                f" micro-batches; make global_batch_size a multiple of {product} or change pp_microbatches"
-                " or micro_batch_size"
-            )
-        raise MisconfigurationException(
-            f"accumulate_grad_batches {accumulate} (micro-batches per optimizer step and rank) is not divisible by"
-            f" pp_microbatches={m}: every pipeline step runs pp_microbatches micro-batches"
-        )
-
-    def _build_pipeline(self) -> None:
-        stages = pipeline_stage_modules(self.model)
-        if stages is None:
-            raise MisconfigurationException(
-                f"pp={self.parallel_dims.pp} > 1 but the module was parallelized without a pipeline split:"
-                " let the strategy parallelize it, or call lightning_moe.parallelize(..., pp_stages_per_rank=...)"
-                " in configure_model"
-            )
-        self._pipeline = PipelineRunner(
-            stages,
-            num_stages=self.parallel_dims.pp * self.pp_stages_per_rank,
-            group=self.parallel_dims.pp_group,
-            device=self.root_device,
-            schedule=self.pp_schedule,
-            microbatches=self.pp_microbatches,
-            loss_fn=self._pipeline_loss,
-        )
-
-    def _pipeline_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
-        return unpack_target_loss(self.lightning_module.loss_from_logits, output, target, self.parallel_dims.cp)
-
-    def _run_pipeline(self, batch: Any, train: bool) -> tuple[torch.Tensor, int]:
-        assert self._pipeline is not None
-        inputs, kwargs, target = pipeline_batch(
-            batch,
-            self.pp_microbatches,
-            with_positions="position_ids" in self._pipeline.forward_kwargs,
-            cp_group=self.parallel_dims.cp_group if self.parallel_dims.cp > 1 else None,
-        )
-        size = inputs[0].shape[0]
-        grad_scale = 1.0
-        if train:
-            self._restore_pipeline_grads()
-            # Lightning zeroes gradients *after* training_step, before its backward: the schedule
-            # must not add to the previous gradients, whose fate (zeroed or kept) is decided later.
-            previous = [(p, p.grad) for p in self._optimized_parameters()]
-            for param, _ in previous:
-                param.grad = None
-            # Every micro-batch is 1/(pp_microbatches * accumulate) of the optimizer step, for the
-            # task loss and the MoE aux losses alike (cp: see training_step).
-            accumulate = self.lightning_module.trainer.accumulate_grad_batches
-            grad_scale = 1.0 / (accumulate * self.pp_microbatches)
-            set_aux_loss_scale(self.parallel_dims.cp * grad_scale)
-        losses = self._pipeline.step(inputs, kwargs, target, train=train, grad_scale=grad_scale)
-        loss = self._pipeline.broadcast_mean(losses)
-        if train:
-            # This step's gradients wait for backward(), which adds them as Lightning's backward would.
-            self._pipeline_grads = [(p, p.grad) for p, _ in previous]
-            for param, grad in previous:
-                param.grad = grad
-        return loss, size
-
-    def _optimized_parameters(self) -> list[torch.Tensor]:
-        """The optimizers' parameters (FSDP's sharded ones, whatever state the modules are in)."""
-        params = {id(p): p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]}
-        return list(params.values()) if params else list(self.lightning_module.parameters())
-
-    def _restore_pipeline_grads(self) -> None:
-        if self._pipeline_grads is None:
-            return
-        for param, grad in self._pipeline_grads:
-            if grad is not None:
-                param.grad = grad if param.grad is None else param.grad + grad
-        self._pipeline_grads = None
-
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.parallel_dims.pp == 1:
@@ -465,8 +350,13 @@ class MoE5DStrategy(ModelParallelStrategy):
         # The schedule already ran backward inside training_step: only the hooks run here.
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._restore_pipeline_grads()
+        self._pipeline.backward()
         return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _optimized_parameters(self) -> list[torch.Tensor]:
+        """The optimizers' parameters (FSDP's sharded ones, whatever state the modules are in)."""
+        params = {id(p): p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]}
+        return list(params.values()) if params else list(self.lightning_module.parameters())
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -487,17 +377,12 @@ class MoE5DStrategy(ModelParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        if self.parallel_dims.pp > 1:
-            return GroupedBatchLoader(dataloader, self.pp_microbatches)
-        return dataloader
+        return self._pipeline.group_batches(dataloader) if self.parallel_dims.pp > 1 else dataloader
 
     @override
     def teardown(self) -> None:
-        if self._user_accumulate_grad_batches is not None and self.lightning_module is not None:
-            trainer = self.lightning_module._trainer
-            if trainer is not None:
-                trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
-            self._user_accumulate_grad_batches = None
+        if self.lightning_module is not None:
+            self._pipeline.teardown(self.lightning_module.trainer)
         super().teardown()
 
     # -- steps -------------------------------------------------------------------------------------
@@ -523,7 +408,9 @@ class MoE5DStrategy(ModelParallelStrategy):
         if self.parallel_dims.pp > 1:
             # The schedule runs forward and backward of every micro-batch; Lightning's backward is a no-op.
             with self._step_context(), self.precision_plugin.train_step_context():
-                loss, size = self._run_pipeline(args[0], train=True)
+                loss, size = self._pipeline.training_step(
+                    args[0], self.lightning_module.trainer.accumulate_grad_batches, self._optimized_parameters()
+                )
             self.lightning_module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
             return loss
         set_aux_loss_scale(self.parallel_dims.cp / self.lightning_module.trainer.accumulate_grad_batches)
@@ -535,15 +422,15 @@ class MoE5DStrategy(ModelParallelStrategy):
 
         Under pp > 1 ``self(...)`` inside the step runs the whole model through the pipeline stages
         and returns the last stage's output on every rank
-        (:func:`lightning_moe.parallel.pipeline_inference.forward_through_pipeline`), so every rank
+        (:func:`lightning_moe.parallel.lightning_pipeline.forward_through_pipeline`), so every rank
         computes and logs the same values. Under cp > 1 ``predict_step`` outputs whose dim 1 is the
         local sequence come back whole, in the original token order, on every cp rank.
         """
         assert self.lightning_module is not None
         step = getattr(super(), hook)
         pipeline = (
-            forward_through_pipeline(self.lightning_module, self._pipeline)
-            if self.parallel_dims.pp > 1 and self._pipeline is not None else nullcontext()
+            self._pipeline.whole_model_forward(self.lightning_module)
+            if self.parallel_dims.pp > 1 and self._pipeline.runner is not None else nullcontext()
         )
         with self._step_context(), pipeline:
             output = step(*args, **kwargs)

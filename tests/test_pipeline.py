@@ -180,13 +180,8 @@ def pipeline_grad_case(
     from lightning_moe.moe import set_aux_loss_scale
     from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
     from lightning_moe.parallel.grad_norm import clip_grad_norm_
-    from lightning_moe.parallel.pipeline import (
-        PipelineRunner,
-        concat_batches,
-        pipeline_batch,
-        pipeline_stage_modules,
-        unpack_target_loss,
-    )
+    from lightning_moe.parallel.pipeline import concat_batches, pipeline_batch, pipeline_stage_modules, unpack_target_loss
+    from lightning_moe.parallel.pipeline_runner import PipelineRunner
 
     dims = layout(pp=pp, ep=ep, tp=tp, cp=cp)
     mesh = dims.mesh
@@ -281,7 +276,8 @@ class _CallCounter:
 def pipeline_eval_case(pp: int, schedule: str, stages_per_rank: int = 1, num_layers: int = 2) -> float:
     """Forward-only steps (validation): the micro-batch losses equal the single-process ones on every rank."""
     from lightning_moe import parallelize
-    from lightning_moe.parallel.pipeline import PipelineRunner, pipeline_stage_modules
+    from lightning_moe.parallel.pipeline import pipeline_stage_modules
+    from lightning_moe.parallel.pipeline_runner import PipelineRunner
 
     dims = layout(pp=pp)
     mesh = dims.mesh

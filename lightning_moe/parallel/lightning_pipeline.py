@@ -1,0 +1,216 @@
+"""Pipeline parallelism inside Lightning's loops: what ``MoE5DStrategy``'s hooks hand off to under pp > 1.
+
+Lightning calls ``training_step``, then ``backward``, per loader batch. Under pp > 1 one Lightning
+batch holds ``pp_microbatches`` loader batches and the schedule runs forward *and* backward of all
+of them inside ``training_step``. :class:`LightningPipeline` keeps Lightning's contract around that:
+
+- gradient accumulation: ``accumulate_grad_batches`` counts loader batches, so it is divided by
+  ``pp_microbatches`` for the run and restored afterwards;
+- gradients: Lightning zeroes gradients *after* ``training_step`` and before its backward, so the
+  schedule's gradients are stashed and added back in ``backward``, as Lightning's backward would;
+- scaling: each micro-batch is ``1 / (pp_microbatches * accumulation)`` of the optimizer step, for
+  the task loss and the MoE aux losses alike;
+- evaluation: inside ``validation_step``/``test_step``/``predict_step``, ``self(...)`` runs the
+  whole model through the stages (:meth:`PipelineRunner.forward_only`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_moe.moe import set_aux_loss_scale
+from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.pipeline import (
+    GroupedBatchLoader,
+    check_pipeline_config,
+    pipeline_batch,
+    pipeline_stage_modules,
+    unpack_target_loss,
+)
+from lightning_moe.parallel.pipeline_runner import PipelineRunner
+
+__all__ = ["LightningPipeline", "forward_through_pipeline"]
+
+
+class LightningPipeline:
+    """The pipeline schedule of a Lightning run, with Lightning's accumulation and gradient contract.
+
+    Example (what ``MoE5DStrategy`` does under ``pp > 1``)::
+
+        pipeline = LightningPipeline(dims, schedule="1F1B", microbatches=4, stages_per_rank=1)
+        pipeline.setup(trainer)                       # checks; accumulate_grad_batches //= 4
+        pipeline.build(model, device)                 # after parallelize
+        loss, size = pipeline.training_step(module, batch, optimizers)   # forward + backward
+        pipeline.backward()                           # in Lightning's backward: gradients back in place
+    """
+
+    def __init__(self, dims: ParallelDims, schedule: str, microbatches: int, stages_per_rank: int) -> None:
+        check_pipeline_config(dims.pp, schedule, microbatches, stages_per_rank)
+        self.dims = dims
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.stages_per_rank = stages_per_rank
+        self.runner: PipelineRunner | None = None
+        self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
+        self._user_accumulate_grad_batches: int | None = None
+
+    # -- setup and teardown ------------------------------------------------------------------------
+    def setup(self, trainer: Any, module: Any, has_grad_scaler: bool) -> None:
+        """Before fitting: refuse what the schedule cannot run, and count accumulation in pipeline steps."""
+        if not callable(getattr(module, "loss_from_logits", None)):
+            raise MisconfigurationException(
+                f"pp={self.dims.pp} > 1: {type(module).__name__} needs a method"
+                " loss_from_logits(output, labels, loss_mask=None, loss_token_count=None) returning the mean loss"
+                " of one micro-batch from the last stage's output (the strategy runs the pipeline schedule"
+                " instead of training_step)"
+            )
+        if has_grad_scaler:
+            raise MisconfigurationException(
+                "pp > 1 with a gradient scaler (precision='16-mixed') is not supported: the pipeline runs"
+                " backward itself; use precision='bf16-mixed' or '32-true'"
+            )
+        self._divide_accumulation(trainer)
+
+    def _divide_accumulation(self, trainer: Any) -> None:
+        """Each Lightning batch runs ``pp_microbatches`` loader batches: accumulate that many times fewer."""
+        if self._user_accumulate_grad_batches is None:
+            self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
+        accumulate = self._user_accumulate_grad_batches
+        m = self.microbatches
+        if accumulate % m == 0:
+            trainer.accumulate_grad_batches = accumulate // m
+            return
+        dims = self.dims
+        datamodule = getattr(trainer, "datamodule", None)
+        global_batch = getattr(datamodule, "global_batch_size", None)
+        micro_batch = getattr(datamodule, "micro_batch_size", None)
+        if isinstance(global_batch, int) and isinstance(micro_batch, int):
+            product = dims.dp * dims.ep * m * micro_batch
+            raise MisconfigurationException(
+                f"global_batch_size {global_batch} is not divisible by dp*ep*pp_microbatches*micro_batch_size ="
+                f" {dims.dp}*{dims.ep}*{m}*{micro_batch} = {product}: every pipeline step runs pp_microbatches"
+                f" micro-batches; make global_batch_size a multiple of {product} or change pp_microbatches"
+                " or micro_batch_size"
+            )
+        raise MisconfigurationException(
+            f"accumulate_grad_batches {accumulate} (micro-batches per optimizer step and rank) is not divisible by"
+            f" pp_microbatches={m}: every pipeline step runs pp_microbatches micro-batches"
+        )
+
+    def build(self, model: nn.Module, module: Any, device: torch.device) -> None:
+        """This rank's stages of the parallelized ``model`` under the schedule; ``module`` gives the loss."""
+        stages = pipeline_stage_modules(model)
+        if stages is None:
+            raise MisconfigurationException(
+                f"pp={self.dims.pp} > 1 but the module was parallelized without a pipeline split:"
+                " let the strategy parallelize it, or call lightning_moe.parallelize(..., pp_stages_per_rank=...)"
+                " in configure_model"
+            )
+        cp = self.dims.cp
+
+        def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+            return unpack_target_loss(module.loss_from_logits, output, target, cp)
+
+        self.runner = PipelineRunner(
+            stages,
+            num_stages=self.dims.pp * self.stages_per_rank,
+            group=self.dims.pp_group,
+            device=device,
+            schedule=self.schedule,
+            microbatches=self.microbatches,
+            loss_fn=loss,
+        )
+
+    def teardown(self, trainer: Any) -> None:
+        """Give the trainer back the ``accumulate_grad_batches`` the user set."""
+        if self._user_accumulate_grad_batches is not None and trainer is not None:
+            trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
+        self._user_accumulate_grad_batches = None
+
+    def group_batches(self, dataloader: object) -> GroupedBatchLoader:
+        """``pp_microbatches`` loader batches per Lightning batch."""
+        return GroupedBatchLoader(dataloader, self.microbatches)
+
+    # -- steps -------------------------------------------------------------------------------------
+    def training_step(
+        self, batch: Any, accumulate_grad_batches: int, parameters: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, int]:
+        """Forward and backward of every micro-batch of ``batch``: the mean loss on every rank, and the batch size.
+
+        ``parameters`` are the optimizers' (their gradients are stashed until :meth:`backward`).
+        """
+        runner = self._built()
+        inputs, kwargs, target = pipeline_batch(
+            batch,
+            self.microbatches,
+            with_positions="position_ids" in runner.forward_kwargs,
+            cp_group=self.dims.cp_group if self.dims.cp > 1 else None,
+        )
+        self.backward()  # a previous step's gradients, if its backward never ran
+        # Lightning zeroes gradients *after* training_step, before its backward: the schedule must
+        # not add to the previous gradients, whose fate (zeroed or kept) is decided later.
+        previous = [(p, p.grad) for p in parameters]
+        for param, _ in previous:
+            param.grad = None
+        grad_scale = 1.0 / (accumulate_grad_batches * self.microbatches)
+        # Each cp rank holds a partial aux loss while gradients are averaged over cp: hence the factor cp.
+        set_aux_loss_scale(self.dims.cp * grad_scale)
+        losses = runner.step(inputs, kwargs, target, train=True, grad_scale=grad_scale)
+        loss = runner.broadcast_mean(losses)
+        self._stashed_grads = [(p, p.grad) for p, _ in previous]
+        for param, grad in previous:
+            param.grad = grad
+        return loss, inputs[0].shape[0]
+
+    def backward(self) -> None:
+        """Add the stashed gradients of the last training step, as Lightning's backward would."""
+        if self._stashed_grads is None:
+            return
+        for param, grad in self._stashed_grads:
+            if grad is not None:
+                param.grad = grad if param.grad is None else param.grad + grad
+        self._stashed_grads = None
+
+    def _built(self) -> PipelineRunner:
+        if self.runner is None:
+            raise RuntimeError("LightningPipeline.build(model, module, device) must run before the first step")
+        return self.runner
+
+    def whole_model_forward(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """Within the block, ``module(...)`` runs the whole model through the stages."""
+        return forward_through_pipeline(module, self._built())
+
+
+@contextlib.contextmanager
+def forward_through_pipeline(module: nn.Module, runner: PipelineRunner) -> Iterator[None]:
+    """Within the block, ``module(...)`` (its ``forward``) runs the whole model through the pipeline
+    (:meth:`PipelineRunner.forward_only`): the first forward argument goes to the first stage, the
+    others to every stage; the last stage's output comes back on every rank of the pp group."""
+    signature = inspect.signature(type(module).forward)
+    signature = signature.replace(parameters=list(signature.parameters.values())[1:])  # drop self
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        names = list(bound.arguments)
+        rest = {k: bound.arguments[k] for k in names[1:] if bound.arguments[k] is not None}
+        # The stage may be ``module`` itself (one stage per rank, trimmed in place): its own forward
+        # must run inside the schedule.
+        del module.forward
+        try:
+            return runner.forward_only(bound.arguments[names[0]], **rest)
+        finally:
+            module.forward = forward  # type: ignore[method-assign]
+
+    module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if "forward" in module.__dict__:
+            del module.forward
