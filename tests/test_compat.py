@@ -175,3 +175,92 @@ def test_pipeline_refuses_a_torch_older_than_its_stage_internals(monkeypatch):
 def test_pyproject_floors_match_compat():
     text = (PACKAGE.parent / "pyproject.toml").read_text()
     assert '"torch>=2.11"' in text and '"lightning>=2.6"' in text
+
+
+# -- the version range each _compat name was checked on ------------------------------------------------
+COMPAT_PATH = PACKAGE / "_compat.py"
+# "Checked on: torch 2.11-2.13." / "Checked on: lightning 2.6-2.6, torch 2.13-2.13." (floor-ceiling, or one version)
+_CHECKED_ON = re.compile(r"Checked on: ((?:[A-Za-z][\w.-]* \d+\.\d+(?:-\d+\.\d+)?)(?:, [A-Za-z][\w.-]* \d+\.\d+(?:-\d+\.\d+)?)*)\.")
+_RANGE = re.compile(r"([A-Za-z][\w.-]*) (\d+\.\d+)(?:-(\d+\.\d+))?")
+
+
+def _compat_docstrings() -> dict[str, str]:
+    """Docstring of each top-level name of _compat.py: a def's or class's own, or the string literal
+    that follows an assignment or import (an attribute docstring)."""
+    body = ast.parse(COMPAT_PATH.read_text()).body
+    docs: dict[str, str] = {}
+    for node, after in zip(body, [*body[1:], None]):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            docs[node.name] = ast.get_docstring(node) or ""
+            continue
+        if isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [alias.asname or alias.name.split(".")[0] for alias in node.names]
+        else:
+            continue
+        text = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
+        for name in names:
+            docs[name] = text if isinstance(text, str) else ""
+    return docs
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def checked_on(doc: str) -> dict[str, tuple[str, str]]:
+    """``{package: (floor, ceiling)}`` of a docstring's ``Checked on:`` line; {} without one."""
+    found = _CHECKED_ON.search(" ".join(doc.split()))
+    if found is None:
+        return {}
+    return {m[1]: (m[2], m[3] or m[2]) for m in _RANGE.finditer(found[1])}
+
+
+def version_range_problems(docs: dict[str, str], names: list[str], installed: Any) -> list[str]:
+    """What is wrong with the ``Checked on:`` lines of ``names``; ``installed(package)`` gives a version."""
+    problems: list[str] = []
+    for name in names:
+        ranges = checked_on(docs.get(name, ""))
+        if not ranges:
+            problems.append(
+                f"{name}: no 'Checked on: <package> <floor>-<ceiling>.' line in its docstring (a string after the"
+                " assignment for a constant or module): state the versions its private API was checked on"
+            )
+        for package, (floor, ceiling) in ranges.items():
+            version = installed(package)
+            if _minor(version) > _minor(ceiling):
+                problems.append(
+                    f"{name}: checked on {package} {floor}-{ceiling}, installed {version}: re-check the private API"
+                    f" it wraps against {package} {version} and raise the ceiling in its 'Checked on:' line"
+                )
+            elif _minor(version) < _minor(floor):
+                problems.append(
+                    f"{name}: checked on {package} {floor}-{ceiling}, installed {version} is below the floor: check the"
+                    f" API on {package} {version} and lower the floor (or raise the requirement in pyproject.toml)"
+                )
+    return problems
+
+
+def test_every_compat_name_states_the_versions_it_was_checked_on():
+    from importlib.metadata import version
+
+    problems = version_range_problems(_compat_docstrings(), list(_compat.__all__), version)
+    assert not problems, "lightning_moe/_compat.py:\n" + "\n".join(problems)
+
+
+def test_a_version_outside_the_checked_range_fails_with_the_way_out():
+    docs = {"new": "Wraps x. Checked on: torch 2.11-2.13.", "both": "Checked on: lightning 2.6-2.6, torch\n    2.13-2.13.",
+            "single": "Checked on: hydra-core 1.3.", "bare": "Wraps x. Present in torch 2.9."}
+    versions = {"torch": "2.13.0+cpu", "lightning": "2.6.6", "hydra-core": "1.3.8"}
+    assert version_range_problems(docs, ["new", "both", "single"], versions.get) == []
+    assert checked_on(docs["both"]) == {"lightning": ("2.6", "2.6"), "torch": ("2.13", "2.13")}
+    [missing] = version_range_problems(docs, ["bare"], versions.get)
+    assert "no 'Checked on:" in missing
+    [above] = version_range_problems(docs, ["new"], {"torch": "2.14.0"}.get)
+    assert "installed 2.14.0" in above and "raise the ceiling" in above
+    [below] = version_range_problems(docs, ["both"], {"lightning": "2.6.0", "torch": "2.12.1"}.get)
+    assert "below the floor" in below and below.startswith("both: checked on torch 2.13-2.13")

@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_moe._compat import trainer_logging_step, trainer_should_update_logs
+
 
 class OptimizerStepCallback(Callback):
     """A callback that acts once per optimizer step, whatever ``accumulate_grad_batches`` is.
@@ -64,7 +66,7 @@ class OptimizerStepCallback(Callback):
 
 def logging_step(trainer: pl.Trainer) -> int:
     """The step Lightning logs the current optimizer step's training loss at (0 for the first step)."""
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
+    return trainer_logging_step(trainer)
 
 
 def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
@@ -74,7 +76,7 @@ def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     milliseconds per key, too much for dozens of per-layer keys every step. Call it from
     :meth:`OptimizerStepCallback.on_step_end`; it is a no-op on ranks without loggers.
     """
-    if metrics and trainer._logger_connector.should_update_logs:
+    if metrics and trainer_should_update_logs(trainer):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=logging_step(trainer))
 

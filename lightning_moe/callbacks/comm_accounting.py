@@ -23,11 +23,9 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -37,7 +35,7 @@ import torch.distributed.distributed_c10d as c10d
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_moe import comm
-from lightning_moe._compat import funcol, pipeline_p2p_batcher, resolve_process_group
+from lightning_moe._compat import funcol, resolve_process_group, wrap_distributed_functions
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
 from lightning_moe.layout import ACCOUNTED_GROUPS, PARALLEL_DIMS, accounted_dim, accounted_shared_dim
 
@@ -119,7 +117,6 @@ _FUNCOL: dict[str, SentBytes] = {
     )},
     "permute_tensor": lambda a, n, r: _nbytes(a["self"]) if a["src_dst"][r] != r else 0,
 }  # fmt: skip
-_WRAPPED: tuple[tuple[ModuleType, dict[str, SentBytes]], ...] = ((dist, _C10D), (funcol, _FUNCOL))
 
 _ACTIVE_GROUPS: GroupDims | None = None  # set while count_collectives() is active
 _GROUP_CACHE: dict[tuple[str, bool], tuple[int, int, str]] = {}  # (group, functional) -> (size, rank, dim)
@@ -209,7 +206,10 @@ def _counts_this_call() -> bool:
     """Whether the collective whose wrapper called this function is to be recorded."""
     if _ACTIVE_GROUPS is None or _PAUSE_DEPTH:
         return False
-    return sys._getframe(2).f_globals.get("__name__") not in _SKIPPED_CALLERS  # frame 2 called the wrapper
+    # This frame, then the wrapper's, then the frame that called the wrapper (a chain, so that no
+    # local holds this frame: that would be a reference cycle).
+    caller = inspect.currentframe().f_back.f_back  # type: ignore[union-attr]
+    return caller.f_globals.get("__name__") not in _SKIPPED_CALLERS  # type: ignore[union-attr]
 
 
 def _counted(fn: Callable[..., Any], sent_bytes: SentBytes, functional: bool) -> Callable[..., Any]:
@@ -285,27 +285,21 @@ def count_collectives(groups: GroupDims) -> Iterator[None]:
     if _ACTIVE_GROUPS is not None:
         yield
         return
-    originals: list[tuple[ModuleType, str, Callable[..., Any]]] = []
+    restore = wrap_distributed_functions(
+        c10d={
+            **{name: functools.partial(_counted, sent_bytes=bytes_, functional=False) for name, bytes_ in _C10D.items()},
+            "batch_isend_irecv": _counted_batch_isend_irecv,
+        },
+        functional={name: functools.partial(_counted, sent_bytes=bytes_, functional=True) for name, bytes_ in _FUNCOL.items()},
+        pipeline_batch=_counted_pipeline_batch,
+    )
     try:
-        for module, table in _WRAPPED:
-            for name, sent_bytes in table.items():
-                if hasattr(module, name):
-                    originals.append((module, name, getattr(module, name)))
-                    setattr(module, name, _counted(getattr(module, name), sent_bytes, module is funcol))
-        originals.append((dist, "batch_isend_irecv", dist.batch_isend_irecv))
-        dist.batch_isend_irecv = _counted_batch_isend_irecv(dist.batch_isend_irecv)
-        batcher = pipeline_p2p_batcher()
-        if batcher is not None:
-            module, name = batcher
-            originals.append((module, name, getattr(module, name)))
-            setattr(module, name, _counted_pipeline_batch(getattr(module, name)))
         _ACTIVE_GROUPS = groups
         yield
     finally:
         _ACTIVE_GROUPS = None
         _GROUP_CACHE.clear()
-        for module, name, fn in reversed(originals):
-            setattr(module, name, fn)
+        restore()
 
 
 @contextmanager

@@ -22,13 +22,15 @@ from lightning.pytorch.callbacks import RichModelSummary, RichProgressBar
 from lightning.pytorch.utilities.model_summary.model_summary import get_formatted_model_size, get_human_readable_count
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 
+from lightning_moe._compat import TitledRichProgressBar
+
 
 def counts_optimizer_steps(trainer: pl.Trainer) -> bool:
     """Whether only ``max_steps`` bounds the run (Lightning sets ``max_epochs=-1`` then)."""
     return trainer.max_epochs in (None, -1) and trainer.max_steps is not None and trainer.max_steps > 0
 
 
-class StepProgressBar(RichProgressBar):
+class StepProgressBar(TitledRichProgressBar):
     """Lightning's ``RichProgressBar``, counting optimizer steps against ``max_steps`` when only
     ``max_steps`` bounds the run: ``Step ━━━━ 40/200``, whatever ``accumulate_grad_batches`` is, on
     one bar across epochs, starting from the resumed step after ``ckpt_path``. Runs bounded by
@@ -47,11 +49,11 @@ class StepProgressBar(RichProgressBar):
             return self.trainer.max_steps
         return super().total_train_batches
 
-    def _get_train_description(self, current_epoch: int) -> str:  # RichProgressBar's one source of the title
+    def train_bar_title(self, current_epoch: int) -> str:
         if counts_optimizer_steps(self.trainer):
             # Padded like Lightning's title, so that the bar does not move when validation starts.
             return f"{'Step':{len(self.validation_description)}}"
-        return super()._get_train_description(current_epoch)
+        return super().train_bar_title(current_epoch)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if counts_optimizer_steps(trainer) and self.train_progress_bar_id is not None:

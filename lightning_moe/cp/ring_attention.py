@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_moe import _compat
 from lightning_moe.cp.sharding import LAYOUTS, Layout
 
 KERNELS = ("auto", "flash", "efficient", "torch")
@@ -176,16 +177,14 @@ def _torch_backward(
 
 
 def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    out, lse = _compat.flash_attention_cpu(q, k, v, causal, scale)
     return out, lse, ()
 
 
 def _cpu_flash_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale
-    )
+    return _compat.flash_attention_cpu_backward(dout, q, k, v, out, lse, causal, scale)
 
 
 # CUDA kernels (not yet run on a GPU in this project: tests/test_cuda.py checks them where CUDA exists).
@@ -200,32 +199,23 @@ def _dense(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 
 def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
-    # -> (out, logsumexp [B, H, Sq] fp32, cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug)
-    out, lse, _, _, _, _, philox_seed, philox_offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale
-    )
+    out, lse, philox_seed, philox_offset = _compat.flash_attention_cuda(q, k, v, causal, scale)
     return out, lse, (philox_seed, philox_offset)
 
 
 def _cuda_flash_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # Without dropout the RNG state is never read; any forward's state has the right type. The
-    # cumulative sequence lengths are for varlen (nested) inputs only: None (an undefined tensor).
+    # Without dropout the RNG state is never read; any forward's state has the right type.
     philox_seed, philox_offset = aux
     dout, q, k, v, out = _dense(dout, q, k, v, out)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, philox_seed, philox_offset,
-        scale=scale,
-    )
+    return _compat.flash_attention_cuda_backward(dout, q, k, v, out, lse, causal, scale, philox_seed, philox_offset)
 
 
 def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
     # -> (out, logsumexp [B, H, ceil(Sq / 32) * 32] fp32, philox_seed, philox_offset). The padded
     # log-sum-exp columns are cut here (the merge wants [B, H, Sq]) and restored for the backward.
-    out, lse, philox_seed, philox_offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale
-    )
+    out, lse, philox_seed, philox_offset = _compat.efficient_attention_cuda(q, k, v, causal, scale)
     return out, lse[:, :, : q.shape[2]], (philox_seed, philox_offset)
 
 
@@ -243,11 +233,9 @@ def _cuda_efficient_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     philox_seed, philox_offset = aux
     dout, q, k, v, out = _dense(dout, q, k, v, out)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, _pad_lse(lse), philox_seed, philox_offset, 0.0, [True, True, True, False], causal,
-        scale=scale,
+    return _compat.efficient_attention_cuda_backward(
+        dout, q, k, v, out, _pad_lse(lse), causal, scale, philox_seed, philox_offset
     )
-    return dq, dk, dv
 
 
 _TORCH = _Kernel(_torch_forward, _torch_backward)
@@ -264,8 +252,7 @@ def _sdpa_params(q: Tensor) -> Any:
 def _flash_kernel(q: Tensor) -> _Kernel | None:
     """The fused kernel with log-sum-exp output for these inputs, or None where there is none."""
     if q.device.type == "cpu":
-        has_op = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
-        return _CPU_FLASH if has_op and q.dtype in _CPU_FLASH_DTYPES else None
+        return _CPU_FLASH if _compat.flash_attention_cpu_available() and q.dtype in _CPU_FLASH_DTYPES else None
     if q.device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled():
         return _CUDA_FLASH if torch.backends.cuda.can_use_flash_attention(_sdpa_params(q)) else None
     return None

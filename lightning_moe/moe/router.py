@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_moe import comm
+from lightning_moe._compat import Fp32BuffersModule
 from lightning_moe.moe.losses import sinkhorn
 
 __all__ = ["SCORE_FUNCS", "RouterOutput", "TopKRouter"]
@@ -31,8 +31,11 @@ class RouterOutput:
     tokens_per_expert: torch.Tensor  # [E] int64 routed slots per expert, before any capacity drop
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(Fp32BuffersModule):
     """Route each token to ``top_k`` of ``num_experts`` experts, with the math in fp32.
+
+    Its fp32 buffers (``expert_bias``, ``expert_load``) stay fp32 under ``module.to(torch.bfloat16)``
+    (pure-bf16 training): bf16 cannot resolve ``bias_update_rate`` steps on a bias of order 1e-1.
 
     - ``score_func``: ``"softmax"`` or ``"sigmoid"`` over the logits ``x @ weight.T``.
     - ``topk_norm``: divide the k gate weights by their sum (Mixtral / DeepSeek-V3).
@@ -110,17 +113,6 @@ class TopKRouter(nn.Module):
     def reset_parameters(self) -> None:
         # nn.Linear's default initialisation.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TopKRouter:
-        # `module.to(torch.bfloat16)` (pure-bf16 training) would cast the bias buffers too; they must
-        # stay fp32: bf16 cannot resolve bias_update_rate steps on a bias of order 1e-1.
-        fp32_buffers = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.dtype == torch.float32}
-        super()._apply(fn, recurse)
-        for name, old in fp32_buffers.items():
-            new = self._buffers[name]
-            if new is not None and new.dtype != torch.float32:
-                self._buffers[name] = old.to(new.device)
-        return self
 
     def forward(self, x: torch.Tensor, sequence_group: dist.ProcessGroup | None = None) -> RouterOutput:
         """Route ``x [T, H]``; fp32 (fp64 for fp64 inputs) whatever an enclosing autocast says.

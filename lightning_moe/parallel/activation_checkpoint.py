@@ -32,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from lightning_moe.parallel.blocks import require_block_container
+from lightning_moe.parallel.blocks import iter_blocks, require_block_container
 
 ACTIVATION_CHECKPOINTING_MODES: tuple[str, ...] = ("none", "full", "selective")
 _WRAPPED_ATTR = "_lightning_moe_activation_checkpointing"
@@ -105,7 +105,7 @@ def apply_activation_checkpointing(module: nn.Module, mode: str, *, attention: b
     from lightning_moe.moe import MoELayer
 
     wrapped = 0
-    for block in blocks._modules.values():
+    for block in iter_blocks(blocks):
         if block is None or getattr(block, _WRAPPED_ATTR, None):
             continue
         setattr(block, _WRAPPED_ATTR, mode)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from torch import nn
 
 DEFAULT_BLOCKS_ATTR = "layers"
@@ -36,18 +38,31 @@ def require_block_container(module: nn.Module, feature: str) -> nn.ModuleDict | 
     return blocks
 
 
+def iter_blocks(container: nn.ModuleDict | nn.ModuleList) -> Iterator[nn.Module]:
+    """The blocks of ``container`` in order, under whatever keys they have (after :func:`remove_block`
+    too): ``ModuleDict.values()``, or iteration over the ``ModuleList``."""
+    return iter(container.values()) if isinstance(container, nn.ModuleDict) else iter(container)
+
+
+def _block(container: nn.ModuleDict | nn.ModuleList, key: str) -> nn.Module:
+    """The block under ``key``: ``container[key]`` of a ModuleDict; of a ModuleList by attribute (its
+    keys are digits), since ``container[i]`` counts positions, which :func:`remove_block` shifts."""
+    return container[key] if isinstance(container, nn.ModuleDict) else getattr(container, key)
+
+
 def remove_block(container: nn.ModuleDict | nn.ModuleList, key: str) -> None:
     """Remove one block, keeping the others' keys (``blocks.3`` stays ``blocks.3`` on its stage).
 
     ``nn.ModuleList.__delitem__`` renumbers the blocks that follow, which would rename their
     parameters; iteration over the list still yields the remaining blocks in order.
+    ``delattr`` removes the child under its key in both kinds of container.
     """
-    del container._modules[key]
+    delattr(container, key)
 
 
 def subset(container: nn.ModuleDict | nn.ModuleList, keys: list[str]) -> nn.ModuleDict | nn.ModuleList:
     """A container of the same kind holding the blocks ``keys`` under their original keys."""
     part = type(container)()
     for key in keys:
-        part._modules[key] = container._modules[key]
+        part.add_module(key, _block(container, key))
     return part

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.blocks import require_block_container
+from lightning_moe.parallel.blocks import iter_blocks, require_block_container
 
 _COMPILED_ATTR = "_lightning_moe_compiled"
 
@@ -34,7 +34,7 @@ def apply_compile(module: nn.Module, **compile_kwargs: object) -> int:
     from lightning_moe.moe import MoELayer
 
     compiled = 0
-    for block in blocks._modules.values():
+    for block in iter_blocks(blocks):
         if block is None or getattr(block, _COMPILED_ATTR, False):
             continue
         for layer in (m for m in block.modules() if isinstance(m, MoELayer)):

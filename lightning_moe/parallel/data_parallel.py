@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe._compat import force_sum_reduction, replicate_module
 from lightning_moe.moe import MoELayer
-from lightning_moe.parallel.blocks import block_container
+from lightning_moe.parallel.blocks import block_container, iter_blocks
 from lightning_moe.parallel.dims import ParallelDims
 
 
@@ -42,7 +42,7 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
             averaged([m for name, m in layer.named_children() if name != "experts" and _has_parameters(m)], dims.token_mesh)
     blocks = block_container(module)
     if blocks is not None:
-        for block in blocks._modules.values():
+        for block in iter_blocks(blocks):
             wrap(block, mesh=dims.dense_grad_mesh)
     if dims.pp > 1:
         # Pipeline stages call the module's children, never the module itself (a stage may be a
