@@ -193,9 +193,9 @@ def test_missing_folder_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "family,layout,match",
     [
-        ("qwen3_moe", dict(tp=4), "num_key_value_heads=2 is not divisible by tp=4"),
-        ("qwen3_moe", dict(tp=3), "num_attention_heads=4 is not divisible by tp=3"),
-        ("qwen3_moe", dict(ep=3), "8 experts are not divisible by ep=3"),
+        ("qwen3_moe", dict(tp=4), "num_kv_heads=2 is not divisible by tp=4"),
+        ("qwen3_moe", dict(tp=3), "num_heads=4 is not divisible by tp=3"),
+        ("qwen3_moe", dict(ep=3), "num_experts 8 is not divisible by ep 3"),
         ("deepseek_v3", dict(pp=4), "num_hidden_layers=2 is not divisible by pp=4"),
         ("gpt_oss", dict(cp=2), "cp=2 is not supported for gpt_oss"),
         ("olmoe", dict(tp=2), "tp=2 is not supported for olmoe"),

@@ -5,7 +5,8 @@ The only part of lightning-moe that imports ``transformers``; see docs/hf.md.
 - :func:`convert_moe_blocks`: swap each sparse-MoE block of a transformers causal LM for an
   equal :class:`~lightning_moe.moe.MoELayer` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3,
   GPT-OSS);
-- :class:`HFMoEModule`: a LightningModule around such a model (TP plan, pipeline split, SDPA);
+- :class:`HFMoEModule`: a LightningModule around such a model (loading and SDPA: ``loading``; TP
+  plan and pipeline split: ``plans``; what differs between families: ``families``);
 - :func:`save_hf`: gather from any layout and write a folder ``from_pretrained`` loads.
 """
 
@@ -18,7 +19,8 @@ from lightning_moe.hf.convert import (
     hf_state_dict,
     moe_layer_to_hf,
 )
-from lightning_moe.hf.module import HFMoEModule, load_causal_lm
+from lightning_moe.hf.loading import load_causal_lm
+from lightning_moe.hf.module import HFMoEModule
 from lightning_moe.hf.save import save_hf
 
 __all__ = [

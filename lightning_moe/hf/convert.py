@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_moe.hf.families import model_family
 from lightning_moe.moe import MoELayer
 
 __all__ = [
@@ -230,7 +231,7 @@ def convert_moe_blocks(
     for name, block in targets:
         family = FAMILIES[type(block).__name__]
         kwargs = family.layer_kwargs(config, block)
-        if family.name != "deepseek_v3":
+        if not model_family(family.name).expert_bias_balancing:
             coeff = aux_loss_coeff if aux_loss_coeff is not None else getattr(config, "router_aux_loss_coef", None) or 0.0
             kwargs.update(aux_loss_coeff=float(coeff), load_balancing=load_balancing or "aux_loss")
         else:
