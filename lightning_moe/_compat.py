@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from torch import nn
 
 # Differentiable functional collectives (all_to_all_single_autograd, ...): private module, the
@@ -33,6 +34,7 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402  (re-ex
 __all__ = [
     "Fp32BuffersModule",
     "PIPELINE_MIN_TORCH",
+    "LaunchCheckedModelParallelStrategy",
     "TitledRichProgressBar",
     "distributed_checkpoint_load",
     "efficient_attention_cuda",
@@ -56,6 +58,7 @@ __all__ = [
     "pipeline_stage_class",
     "replicate_module",
     "require_pipeline_stage_internals",
+    "route_gradient_clipping",
     "resolve_process_group",
     "run_schedule_forward_only",
     "set_fsdp_mixed_precision",
@@ -437,6 +440,53 @@ def distributed_checkpoint_load(state: dict[str, Any], path: Path) -> None:
     from lightning.fabric.strategies.model_parallel import _distributed_checkpoint_load
 
     _distributed_checkpoint_load(state, path)
+
+
+class LaunchCheckedModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` with public hooks for what only its private methods reach.
+
+    - :meth:`before_launch` runs once devices and nodes are known, before any process starts
+      (Lightning's private ``_configure_launcher``): the place to fail fast on bad sizes.
+    - :meth:`setup_distributed` initialises the process group as ModelParallelStrategy does
+      (``ParallelStrategy.setup_environment`` then the private ``_setup_distributed``), *without*
+      building ModelParallelStrategy's own 2D (dp, tp) mesh: the subclass brings its own.
+    - :meth:`use_device_mesh` sets the mesh that ``strategy.device_mesh`` and
+      ``LightningModule.device_mesh`` return (the private ``_device_mesh`` of both).
+    - :attr:`process_group_timeout` is the ``timeout`` given to the constructor (private ``_timeout``).
+
+    Checked on: lightning 2.6-2.6.
+    """
+
+    def before_launch(self) -> None:
+        """Called before the launcher is configured (and before any process starts)."""
+
+    def _configure_launcher(self) -> None:
+        self.before_launch()
+        super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        """The process group (and Lightning's environment) without ModelParallelStrategy's mesh."""
+        ParallelStrategy.setup_environment(self)
+        self._setup_distributed()
+
+    def use_device_mesh(self, mesh: Any) -> None:
+        """``mesh`` becomes ``self.device_mesh`` and the LightningModule's ``device_mesh``."""
+        self._device_mesh = mesh
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = mesh
+
+    @property
+    def process_group_timeout(self) -> Any:
+        """The constructor's ``timeout`` (a ``timedelta`` or None)."""
+        return self._timeout
+
+
+def route_gradient_clipping(plugin: Any, clip_by_norm: Callable[[Any, float], None]) -> None:
+    """Make Lightning's ``gradient_clip_val`` (``gradient_clip_algorithm="norm"``) call
+    ``clip_by_norm(optimizer, clip_val)``: Lightning's ``Precision.clip_gradients`` calls the
+    plugin's ``clip_grad_by_norm``, which is replaced on this plugin instance (there is no strategy
+    hook for it). Checked on: lightning 2.6-2.6."""
+    plugin.clip_grad_by_norm = clip_by_norm
 
 
 # -- Hydra ------------------------------------------------------------------------------------------

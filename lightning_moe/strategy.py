@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -13,43 +12,46 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy, StrategyRegistry
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_moe._compat import materialize_distributed_module, optimizers_to_device, set_process_group_timeouts
+from lightning_moe._compat import (
+    LaunchCheckedModelParallelStrategy,
+    optimizers_to_device,
+    route_gradient_clipping,
+    set_process_group_timeouts,
+)
 from lightning_moe.callbacks.console import use_lightning_moe_displays
 from lightning_moe.checkpoint.state import (
-    PREVIOUS_SUFFIX,
-    STAGING_SUFFIX,
-    STATE_KEY,
+    add_strategy_state,
     load_model_and_optimizers,
     optimizer_state_dict,
     read_metadata,
-    rescale_batch_progress,
-    rewind_epoch_cut_short,
     resolve_checkpoint_path,
-    rng_state,
-    set_rng_state,
+    restore_strategy_state,
+    save_atomically,
 )
 from lightning_moe.cp import context_parallel_attention
 from lightning_moe.layout import LAYOUT_KEYS
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
-from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing, check_activation_checkpointing
+from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, check_unreduced_replicas
 from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
-from lightning_moe.parallel.init import has_meta_tensors, materialize_sharded
-from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS, is_parallelized, parallelize
+from lightning_moe.parallel.init import materialize
 from lightning_moe.parallel.lightning_pipeline import LightningPipeline
+from lightning_moe.parallel.parallelize import is_parallelized, parallelize
 from lightning_moe.parallel.precision import apply_mixed_precision, check_precision, mixed_precision_policy
 
 
 
-class MoE5DStrategy(ModelParallelStrategy):
+class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     """Train any LightningModule with tensor, context, expert, data and pipeline parallelism.
 
     ``world_size = tp * cp * ep * dp * pp``; ``dp="auto"`` takes what is left. The strategy builds
@@ -57,22 +59,13 @@ class MoE5DStrategy(ModelParallelStrategy):
     :func:`lightning_moe.parallelize` unless the module already parallelized itself, splits samples
     over ``dp x ep`` and saves distributed (DCP) checkpoints atomically.
 
-    Under ``pp > 1`` the module is split into pipeline stages and a ``torch.distributed.pipelining``
-    schedule replaces the module's ``training_step``: each Lightning batch holds ``pp_microbatches``
-    loader batches (micro-batches of ``micro_batch_size`` samples), the schedule runs forward and
-    backward of all of them, and the strategy returns (and logs as ``train/loss``) their mean loss,
-    broadcast from the last stage to every rank. ``accumulate_grad_batches`` is divided by
-    ``pp_microbatches`` accordingly. The module provides ``loss_from_logits(output, labels,
-    loss_mask=None, loss_token_count=None)`` (the loss of one micro-batch) and a split convention
-    (see :mod:`lightning_moe.parallel.pipeline`). The module's own ``validation_step``, ``test_step``
-    and ``predict_step`` run on every rank, ``self(...)`` inside them running the whole model through
-    the stages and returning the last stage's output on every rank.
-
-    Under ``cp > 1`` ``predict_step`` outputs shaped ``[batch, local seq, ...]`` come back whole, in
-    the original token order. Precision follows the trainer: ``"bf16-mixed"`` gives every FSDP2 unit a
-    ``MixedPrecisionPolicy`` (bf16 all-gathers and compute, fp32 reduction and master weights);
-    ``"16-mixed"`` is refused. ``timeout`` applies to every process group, mesh sub-groups included,
-    so a rank that dies never leaves the others waiting longer.
+    Under ``pp > 1`` a ``torch.distributed.pipelining`` schedule replaces the module's
+    ``training_step`` (:class:`~lightning_moe.parallel.lightning_pipeline.LightningPipeline`): the
+    module provides ``loss_from_logits(output, labels, loss_mask=None, loss_token_count=None)``, and
+    ``self(...)`` in its evaluation steps runs the whole model through the stages. Under ``cp > 1``
+    ``predict_step`` outputs come back whole, in token order. Precision follows the trainer
+    (``"bf16-mixed"``: FSDP2 ``MixedPrecisionPolicy``; ``"16-mixed"`` is refused). docs/strategy.md
+    has the details.
 
     Example::
 
@@ -148,17 +141,10 @@ class MoE5DStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if layout not in ("manual", "auto"):
-            raise MisconfigurationException(f"layout={layout!r} must be 'manual' (the sizes given) or 'auto' (the planner's)")
+        check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, dp=dp, pp=pp,
+                                 save_distributed_checkpoint=save_distributed_checkpoint,
+                                 activation_checkpointing=activation_checkpointing, compile=compile)
         self.layout, self.layout_options = layout, layout_options
-        if data_parallel not in DATA_PARALLEL_KINDS:
-            raise MisconfigurationException(f"data_parallel={data_parallel!r} must be one of {DATA_PARALLEL_KINDS}")
-        if not isinstance(cp_head_chunks, int) or cp_head_chunks < 1:
-            raise MisconfigurationException(
-                f"cp_head_chunks={cp_head_chunks!r} must be a positive integer dividing the key/value heads"
-            )
-        if dp != "auto" and (not isinstance(dp, int) or dp < 1):
-            raise MisconfigurationException(f"dp={dp!r} must be a positive integer or 'auto'")
         try:
             self.parallel_dims = ParallelDims(
                 tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp, ranks_per_node=ranks_per_node
@@ -169,17 +155,7 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.pp_microbatches = pp if pp_microbatches is None else pp_microbatches
         self.pp_stages_per_rank = pp_stages_per_rank
         self._pipeline = self._make_pipeline()
-        if pp > 1 and not save_distributed_checkpoint:
-            raise MisconfigurationException(
-                f"pp={pp} > 1 needs save_distributed_checkpoint=True: each pipeline stage saves its own parameters"
-            )
-        try:
-            check_activation_checkpointing(activation_checkpointing)
-        except ValueError as err:
-            raise MisconfigurationException(str(err)) from err
         self.activation_checkpointing = activation_checkpointing
-        if not isinstance(compile, bool):
-            raise MisconfigurationException(f"compile={compile!r} must be True or False")
         self.compile = compile
         self.deterministic = bool(deterministic)
         self.data_parallel = data_parallel
@@ -188,28 +164,6 @@ class MoE5DStrategy(ModelParallelStrategy):
         self.cp_head_chunks = cp_head_chunks
 
     # -- launch and mesh ---------------------------------------------------------------------------
-    def _apply_auto_layout(self, world_size: int) -> None:
-        """``layout="auto"``: the planner's best layout for ``world_size`` replaces the sizes given
-        (:func:`lightning_moe.planner.resolve_auto_layout` documents ``layout_options``)."""
-        from lightning.pytorch.utilities import rank_zero_info
-
-        from lightning_moe.planner import resolve_auto_layout
-
-        try:
-            best, runner_up = resolve_auto_layout(world_size, **dict(self.layout_options or {}))
-        except (TypeError, ValueError) as err:
-            raise MisconfigurationException(str(err)) from err
-        chosen = best.layout.strategy_kwargs()
-        self.parallel_dims = ParallelDims(
-            **{d: chosen[d] for d in LAYOUT_KEYS}, ranks_per_node=self.parallel_dims.ranks_per_node
-        )
-        self.pp_schedule = chosen.get("pp_schedule", "1F1B")
-        self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
-        self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
-        self._pipeline = self._make_pipeline()
-        other = f"; runner-up {runner_up.layout.label()} ({runner_up.step_time:.3g} s)" if runner_up else ""
-        rank_zero_info(f"layout='auto': {best.layout.label()} (estimated {best.step_time:.3g} s per step){other}")
-
     def _make_pipeline(self) -> LightningPipeline:
         """The pipeline schedule's Lightning glue (used under pp > 1; its checks run on every layout)."""
         try:
@@ -218,10 +172,15 @@ class MoE5DStrategy(ModelParallelStrategy):
             raise MisconfigurationException(str(err)) from err
 
     @override
-    def _configure_launcher(self) -> None:
+    def before_launch(self) -> None:
         # Runs once devices and nodes are known, before any process starts: fail fast on bad sizes.
         if self.layout == "auto":
-            self._apply_auto_layout(self.num_nodes * self.num_processes)
+            chosen = auto_layout(self.num_nodes * self.num_processes, self.layout_options)
+            self.parallel_dims = ParallelDims(**{d: chosen[d] for d in LAYOUT_KEYS}, ranks_per_node=self.parallel_dims.ranks_per_node)
+            self.pp_schedule = chosen.get("pp_schedule", "1F1B")
+            self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
+            self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
+            self._pipeline = self._make_pipeline()
         if self.parallel_dims.ranks_per_node is None:
             self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node
         try:
@@ -235,7 +194,6 @@ class MoE5DStrategy(ModelParallelStrategy):
             check_precision(self._precision_flag())
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-        super()._configure_launcher()
 
     def _precision_flag(self) -> str:
         """Lightning's precision flag (``"32-true"``, ``"bf16-mixed"``, ...) of the precision plugin."""
@@ -256,13 +214,10 @@ class MoE5DStrategy(ModelParallelStrategy):
             # deterministic kernels (CPU kernels already are); cuBLAS needs a fixed workspace.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        ParallelStrategy.setup_environment(self)
-        self._setup_distributed()
+        self.setup_distributed()
         self.parallel_dims.validate(self.world_size)
-        self._device_mesh = self.parallel_dims.build_mesh(self.root_device.type)
+        self.use_device_mesh(self.parallel_dims.build_mesh(self.root_device.type))
         self._apply_timeout()
-        assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
 
     @property
     @override
@@ -299,7 +254,7 @@ class MoE5DStrategy(ModelParallelStrategy):
                 apply_compile(self.model)  # after parallelize and checkpointing, as torchtitan does
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-        self._materialize()
+        materialize(self.model, self.root_device, getattr(self.lightning_module, "initial_value", None))
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -313,35 +268,18 @@ class MoE5DStrategy(ModelParallelStrategy):
         plugin = self.precision_plugin
         # Pipeline stages hold different parameters: their norms combine over pp.
         pp_group = self.parallel_dims.pp_group if pipelined else None
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_(
-            plugin.main_params(optimizer), clip_val, group=pp_group
+        route_gradient_clipping(
+            plugin, lambda optimizer, clip_val: clip_grad_norm_(plugin.main_params(optimizer), clip_val, group=pp_group)
         )
         if pipelined:
             self._pipeline.build(self.model, self.lightning_module, self.root_device)
         self._apply_timeout()  # groups created while parallelizing
 
     def _apply_timeout(self) -> None:
-        """Every process group (mesh sub-groups included) gets the strategy's ``timeout``.
-
-        A rank that fails or is killed leaves its peers blocked in a collective: the launcher ends
-        the others when a child process dies (Lightning's ``_ChildProcessObserver``) or when rank 0
-        raises; when rank 0 itself dies, only the process-group timeout ends the other ranks, and
-        torch gives sub-groups its 30-minute default rather than ``init_process_group``'s timeout.
-        """
-        if self._timeout is not None:
-            set_process_group_timeouts(self._timeout)
-
-    def _materialize(self) -> None:
-        """Allocate a meta-device model's shards: with the module's ``initial_value(name, tensor)``
-        (single-process values on every layout) if it has one, else Lightning's convention
-        (``to_empty`` and each submodule's ``reset_parameters()``)."""
-        if not has_meta_tensors(self.model):
-            return
-        initial_value = getattr(self.lightning_module, "initial_value", None)
-        if callable(initial_value):
-            materialize_sharded(self.model, self.root_device, initial_value)
-        else:
-            materialize_distributed_module(self.model, self.root_device)
+        """Every process group, mesh sub-groups included, gets ``timeout`` (torch gives sub-groups its
+        30-minute default): when rank 0 dies, only this timeout ends the ranks blocked in a collective."""
+        if self.process_group_timeout is not None:
+            set_process_group_timeouts(self.process_group_timeout)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -418,14 +356,8 @@ class MoE5DStrategy(ModelParallelStrategy):
             return super().training_step(*args, **kwargs)
 
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
-        """The module's own ``validation_step``/``test_step``/``predict_step`` on every dimension.
-
-        Under pp > 1 ``self(...)`` inside the step runs the whole model through the pipeline stages
-        and returns the last stage's output on every rank
-        (:func:`lightning_moe.parallel.lightning_pipeline.forward_through_pipeline`), so every rank
-        computes and logs the same values. Under cp > 1 ``predict_step`` outputs whose dim 1 is the
-        local sequence come back whole, in the original token order, on every cp rank.
-        """
+        """The module's own evaluation step: under pp > 1 ``self(...)`` runs the whole model through the
+        stages (output on every rank); under cp > 1 ``predict_step`` outputs come back whole, in token order."""
         assert self.lightning_module is not None
         step = getattr(super(), hook)
         pipeline = (
@@ -461,34 +393,20 @@ class MoE5DStrategy(ModelParallelStrategy):
         of the same model resumes it on the same curve.
         """
         assert self.lightning_module is not None
-        rewind_epoch_cut_short(checkpoint)
-        checkpoint[STATE_KEY] = {
-            "layout": {name: getattr(self.parallel_dims, name) for name in LAYOUT_KEYS},
-            "accumulate_grad_batches": self.lightning_module.trainer.accumulate_grad_batches,
-            "rng": rng_state(),
-        }
-        path = Path(self.broadcast(str(filepath)))
-        staging = path.with_name(path.name + STAGING_SUFFIX)
-        previous = path.with_name(path.name + PREVIOUS_SUFFIX)
-        if self.is_global_zero:
-            _remove(staging)
-        self.barrier()
-        super().save_checkpoint(checkpoint, staging, storage_options)
-        self.barrier()
-        if self.is_global_zero:
-            _remove(previous)
-            if path.exists():
-                path.rename(previous)
-            staging.rename(path)
-            _remove(previous)
-        self.barrier()
+        add_strategy_state(checkpoint, self.parallel_dims, self.lightning_module.trainer.accumulate_grad_batches)
+        save_atomically(
+            Path(self.broadcast(str(filepath))),
+            lambda staging: super(MoE5DStrategy, self).save_checkpoint(checkpoint, staging, storage_options),
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+        )
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         # One form under every layout: each parameter's state and group options under its name in
         # the whole model (DCP writes non-tensor entries once, from rank 0, and pipeline stages hold
         # different parameters, so a nested param_groups list could not hold them all).
-        return optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))  # a LightningOptimizer
+        return optimizer_state_dict(self.model, optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -500,40 +418,13 @@ class MoE5DStrategy(ModelParallelStrategy):
         metadata = read_metadata(path)
         load_model_and_optimizers(self.model, self.optimizers, path, complete=self.parallel_dims.pp == 1,
                                   strict=self.lightning_module.strict_loading)
-        state = metadata.get(STATE_KEY)
-        if state is not None:
-            trainer = self.lightning_module.trainer
-            rescale_batch_progress(metadata.get("loops", {}), state["accumulate_grad_batches"], trainer.accumulate_grad_batches)
-            set_rng_state(state["rng"])
+        restore_strategy_state(metadata, self.lightning_module.trainer.accumulate_grad_batches)
         return metadata
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="lightning-moe 5D parallel strategy (tp, cp, ep, dp, pp)")
-
-
-def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:
-    """``data_parallel="none"`` reduces no gradient: refuse it where replicas would drift apart.
-
-    Across dp x ep x cp ranks every parameter sees different tokens, and across tp ranks the router
-    and shared expert do; without a reduction their copies train apart.
-    """
-    replicas = dims.dp * dims.ep * dims.cp * dims.tp
-    if data_parallel == "none" and replicas > 1:
-        raise MisconfigurationException(
-            f"data_parallel='none' reduces no gradient, but dp*ep*cp*tp = {dims.dp}*{dims.ep}*{dims.cp}*{dims.tp} ="
-            f" {replicas} ranks hold copies of parameters that see different tokens (they would drift apart):"
-            " use data_parallel='fsdp' or 'ddp', or reduce gradients yourself with lightning_moe.parallelize in"
-            " configure_model"
-        )
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 def register() -> None:

@@ -41,7 +41,7 @@ from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.data import resolve_batch_layout
 from lightning_moe.layout import PARALLEL_DIMS, size_problems
 from lightning_moe.parallel.parallelize import check_layout
-from lightning_moe.strategy import check_unreduced_replicas
+from lightning_moe.parallel.arguments import check_unreduced_replicas
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import pickle
 import random
-from collections.abc import Mapping, MutableMapping
+import shutil
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,34 @@ def resolve_checkpoint_path(checkpoint: str | Path) -> Path:
     return previous if not path.exists() and previous.exists() else path
 
 
+def save_atomically(
+    path: Path, write: Callable[[Path], None], *, is_global_zero: bool, barrier: Callable[[], None]
+) -> None:
+    """``write(staging)`` on every rank, then swap the staging path in: a crash mid-save leaves the
+    previous complete checkpoint (:func:`resolve_checkpoint_path` finds it at any moment)."""
+    staging = path.with_name(path.name + STAGING_SUFFIX)
+    previous = path.with_name(path.name + PREVIOUS_SUFFIX)
+    if is_global_zero:
+        _remove(staging)
+    barrier()
+    write(staging)
+    barrier()
+    if is_global_zero:
+        _remove(previous)
+        if path.exists():
+            path.rename(previous)
+        staging.rename(path)
+        _remove(previous)
+    barrier()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
 def read_metadata(checkpoint: str | Path) -> dict[str, Any]:
     """The ``meta.pt`` of a DCP checkpoint folder, loaded safely; a missing folder names itself."""
     folder = Path(checkpoint)
@@ -67,6 +96,28 @@ def read_metadata(checkpoint: str | Path) -> dict[str, Any]:
     if not (folder / METADATA_FILE).is_file():
         raise FileNotFoundError(f"{folder} has no {METADATA_FILE}: not a lightning-moe/Lightning DCP checkpoint")
     return load_safely(folder / METADATA_FILE)
+
+
+def add_strategy_state(checkpoint: MutableMapping[str, Any], dims: Any, accumulate_grad_batches: int) -> None:
+    """What a layout-free resume needs besides the weights: the layout it was saved under, the
+    accumulation count (the loops' batch counters are in its units) and every RNG state. An epoch
+    cut short is rewound (:func:`rewind_epoch_cut_short`)."""
+    from lightning_moe.layout import LAYOUT_KEYS
+
+    rewind_epoch_cut_short(checkpoint)
+    checkpoint[STATE_KEY] = {
+        "layout": {name: getattr(dims, name) for name in LAYOUT_KEYS},
+        "accumulate_grad_batches": accumulate_grad_batches,
+        "rng": rng_state(),
+    }
+
+
+def restore_strategy_state(metadata: MutableMapping[str, Any], accumulate_grad_batches: int) -> None:
+    """Undo :func:`add_strategy_state` on resume: batch counters rescaled to this run's accumulation, RNGs restored."""
+    state = metadata.get(STATE_KEY)
+    if state is not None:
+        rescale_batch_progress(metadata.get("loops", {}), state["accumulate_grad_batches"], accumulate_grad_batches)
+        set_rng_state(state["rng"])
 
 
 def rng_state() -> dict[str, Any]:

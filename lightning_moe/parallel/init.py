@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_moe._compat import local_shard_index
+from lightning_moe._compat import local_shard_index, materialize_distributed_module
 
 # initial_value(name, tensor, index) -> the block `index` (slices of the global shape) of the full
 # initial value of parameter or buffer `name`.
@@ -33,6 +33,19 @@ def seeded_generator(seed: int, name: str) -> torch.Generator:
 
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def materialize(module: nn.Module, device: torch.device, initial_value: InitialValue | None = None) -> None:
+    """Allocate a meta-device ``module``'s shards (nothing to do without meta tensors): with
+    ``initial_value(name, tensor, index)`` (single-process values on every layout,
+    :func:`materialize_sharded`) when given, else Lightning's convention (``to_empty`` and each
+    submodule's ``reset_parameters()``)."""
+    if not has_meta_tensors(module):
+        return
+    if callable(initial_value):
+        materialize_sharded(module, device, initial_value)
+    else:
+        materialize_distributed_module(module, device)
 
 
 @torch.no_grad()

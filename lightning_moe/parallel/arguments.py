@@ -1,0 +1,80 @@
+"""Checks of ``MoE5DStrategy``'s arguments that need no process: each error names the argument and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_moe.parallel.activation_checkpoint import check_activation_checkpointing
+from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS
+
+__all__ = ["auto_layout", "check_strategy_arguments", "check_unreduced_replicas"]
+
+
+def check_strategy_arguments(
+    *,
+    layout: str,
+    data_parallel: str,
+    cp_head_chunks: Any,
+    dp: Any,
+    pp: int,
+    save_distributed_checkpoint: bool,
+    activation_checkpointing: str,
+    compile: Any,
+) -> None:
+    """Raise ``MisconfigurationException`` for a value ``MoE5DStrategy`` cannot take (sizes: ``ParallelDims``)."""
+    if layout not in ("manual", "auto"):
+        raise MisconfigurationException(f"layout={layout!r} must be 'manual' (the sizes given) or 'auto' (the planner's)")
+    if data_parallel not in DATA_PARALLEL_KINDS:
+        raise MisconfigurationException(f"data_parallel={data_parallel!r} must be one of {DATA_PARALLEL_KINDS}")
+    if not isinstance(cp_head_chunks, int) or cp_head_chunks < 1:
+        raise MisconfigurationException(
+            f"cp_head_chunks={cp_head_chunks!r} must be a positive integer dividing the key/value heads"
+        )
+    if dp != "auto" and (not isinstance(dp, int) or dp < 1):
+        raise MisconfigurationException(f"dp={dp!r} must be a positive integer or 'auto'")
+    if pp > 1 and not save_distributed_checkpoint:
+        raise MisconfigurationException(
+            f"pp={pp} > 1 needs save_distributed_checkpoint=True: each pipeline stage saves its own parameters"
+        )
+    try:
+        check_activation_checkpointing(activation_checkpointing)
+    except ValueError as err:
+        raise MisconfigurationException(str(err)) from err
+    if not isinstance(compile, bool):
+        raise MisconfigurationException(f"compile={compile!r} must be True or False")
+
+
+def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:
+    """``data_parallel="none"`` reduces no gradient: refuse it where replicas would drift apart.
+
+    Across dp x ep x cp ranks every parameter sees different tokens, and across tp ranks the router
+    and shared expert do; without a reduction their copies train apart.
+    """
+    replicas = dims.dp * dims.ep * dims.cp * dims.tp
+    if data_parallel == "none" and replicas > 1:
+        raise MisconfigurationException(
+            f"data_parallel='none' reduces no gradient, but dp*ep*cp*tp = {dims.dp}*{dims.ep}*{dims.cp}*{dims.tp} ="
+            f" {replicas} ranks hold copies of parameters that see different tokens (they would drift apart):"
+            " use data_parallel='fsdp' or 'ddp', or reduce gradients yourself with lightning_moe.parallelize in"
+            " configure_model"
+        )
+
+
+def auto_layout(world_size: int, layout_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``layout="auto"``: the planner's best layout for ``world_size`` as ``MoE5DStrategy`` keyword
+    arguments (:func:`lightning_moe.planner.resolve_auto_layout` documents ``layout_options``); the
+    choice and the runner-up are logged on rank 0."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    from lightning_moe.planner import resolve_auto_layout
+
+    try:
+        best, runner_up = resolve_auto_layout(world_size, **dict(layout_options or {}))
+    except (TypeError, ValueError) as err:
+        raise MisconfigurationException(str(err)) from err
+    other = f"; runner-up {runner_up.layout.label()} ({runner_up.step_time:.3g} s)" if runner_up else ""
+    rank_zero_info(f"layout='auto': {best.layout.label()} (estimated {best.step_time:.3g} s per step){other}")
+    return best.layout.strategy_kwargs()
