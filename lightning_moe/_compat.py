@@ -1,4 +1,4 @@
-"""Every private or version-specific API of torch, Lightning and Hydra that lightning-moe calls.
+"""Every private or version-specific API of torch, Lightning, Hydra and transformers that lightning-moe calls.
 
 One function (or name) per API, each with the versions it was checked against, so that an upgrade
 breaks here, with the reason, and nowhere else. "Present in" means the call exists with this
@@ -35,10 +35,15 @@ __all__ = [
     "Fp32BuffersModule",
     "PIPELINE_MIN_TORCH",
     "LaunchCheckedModelParallelStrategy",
+    "ParallelStyleWithApply",
     "TitledRichProgressBar",
+    "apply_parallel_style",
+    "attached_trainer",
+    "attention_implementation",
     "distributed_checkpoint_load",
     "efficient_attention_cuda",
     "efficient_attention_cuda_backward",
+    "fake_store",
     "flash_attention_cpu",
     "flash_attention_cpu_available",
     "flash_attention_cpu_backward",
@@ -51,8 +56,12 @@ __all__ = [
     "grouped_mm",
     "hydra_args_parser",
     "hydra_sweep_jobs",
+    "is_dropout_module",
     "local_shard_index",
     "materialize_distributed_module",
+    "module_child_table",
+    "module_parameter_table",
+    "non_persistent_buffer_names",
     "optimizers_to_device",
     "pipeline_p2p_batcher",
     "pipeline_stage_class",
@@ -61,8 +70,11 @@ __all__ = [
     "route_gradient_clipping",
     "resolve_process_group",
     "run_schedule_forward_only",
+    "set_attention_implementation",
     "set_fsdp_mixed_precision",
     "set_process_group_timeouts",
+    "shallow_copy_module",
+    "tensor_is_view",
     "trainer_logging_step",
     "trainer_should_update_logs",
     "wrap_distributed_functions",
@@ -388,6 +400,82 @@ def pipeline_stage_class(inference_guard: Callable[[nn.Module], AbstractContextM
     return QuietMetadataStage
 
 
+# nn.Module and Tensor internals: the child, parameter and buffer tables and the autograd view base.
+def module_child_table(module: nn.Module) -> dict[str, nn.Module | None]:
+    """The live ``nn.Module._modules`` dict of ``module``: its child slots in registration order,
+    None-valued slots and one module under several names included (``named_children`` skips both).
+    Writing to it replaces a slot without ``__setattr__``'s checks; a copy of it gives a shallow
+    copy of a module its own child table. Checked on: torch 2.11-2.13."""
+    return module._modules
+
+
+def shallow_copy_module(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with its own child table (a copy of ``_modules``): it shares every
+    attribute, parameter, buffer and submodule, and replacing a child of the copy leaves ``module`` as
+    it is. Not ``copy.copy``: a LightningModule's ``__getstate__`` drops its trainer.
+    Checked on: torch 2.11-2.13."""
+    clone = object.__new__(type(module))
+    clone.__dict__.update(module.__dict__)
+    clone._modules = dict(module._modules)
+    return clone
+
+
+def module_parameter_table(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The live ``nn.Module._parameters`` dict of ``module`` (its own parameters, not its children's).
+    Unlike ``register_parameter``, writing to it accepts a plain tensor (a parameter's local view
+    for the duration of a forward) and runs no registration hooks. Checked on: torch 2.11-2.13."""
+    return module._parameters
+
+
+def non_persistent_buffer_names(module: nn.Module) -> set[str]:
+    """Names of ``module``'s own buffers registered with ``persistent=False`` (left out of its
+    ``state_dict``): ``nn.Module._non_persistent_buffers_set``. Checked on: torch 2.11-2.13."""
+    return module._non_persistent_buffers_set
+
+
+def is_dropout_module(module: nn.Module) -> bool:
+    """Whether ``module`` is a torch dropout module with a probability ``p``: an instance of
+    ``torch.nn.modules.dropout._DropoutNd``, the base of ``Dropout``, ``Dropout1d/2d/3d``,
+    ``AlphaDropout`` and ``FeatureAlphaDropout``. Checked on: torch 2.11-2.13."""
+    return isinstance(module, nn.modules.dropout._DropoutNd)
+
+
+def tensor_is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an autograd view of another tensor: ``tensor._base is not None``.
+    Checked on: torch 2.11-2.13."""
+    return tensor._base is not None
+
+
+def fake_store() -> dist.Store:
+    """A ``dist.Store`` that holds nothing, for ``init_process_group(backend="fake", ...)``:
+    ``torch.testing._internal.distributed.fake_pg.FakeStore()``. Checked on: torch 2.11-2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+from torch.distributed.tensor.parallel import ParallelStyle  # noqa: E402
+
+
+class ParallelStyleWithApply(ParallelStyle):
+    """A tensor-parallel style (``parallelize_module`` plan entry) that subclasses write through the
+    public :meth:`apply`: it overrides ``ParallelStyle._apply(module, device_mesh)``, the abstract
+    method ``parallelize_module`` calls, and hands over to ``apply``. Checked on: torch 2.11-2.13."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return self.apply(module, device_mesh)
+
+    def apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        """Parallelize ``module`` over the 1-D ``device_mesh``; return the module to put in its place."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement apply(module, device_mesh)")
+
+
+def apply_parallel_style(style: ParallelStyle, module: nn.Module, device_mesh: Any) -> nn.Module:
+    """Apply one tensor-parallel style (torch's or :class:`ParallelStyleWithApply`) to ``module`` as
+    ``parallelize_module`` does: ``style._apply(module, device_mesh)``. Checked on: torch 2.11-2.13."""
+    return style._apply(module, device_mesh)
+
+
 # -- Lightning --------------------------------------------------------------------------------------
 def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
     """``lightning.fabric.utilities.init._materialize_distributed_module`` (what ModelParallelStrategy
@@ -414,6 +502,13 @@ def trainer_should_update_logs(trainer: Any) -> bool:
     """Whether Lightning logs at this step (its ``log_every_n_steps`` cadence):
     ``trainer._logger_connector.should_update_logs``. Checked on: lightning 2.6-2.6."""
     return trainer._logger_connector.should_update_logs
+
+
+def attached_trainer(module: Any) -> Any:
+    """The ``Trainer`` a LightningModule is attached to, or None when it is detached (the public
+    ``trainer`` property raises then, and returns a Fabric shim under Fabric): the private
+    ``LightningModule._trainer``. Checked on: lightning 2.6-2.6."""
+    return module._trainer
 
 
 from lightning.pytorch.callbacks import RichProgressBar  # noqa: E402
@@ -507,3 +602,17 @@ def hydra_sweep_jobs(overrides: list[str]) -> list[list[str]]:
 
     batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
     return [list(job) for batch in batches for job in batch]
+
+# -- transformers ------------------------------------------------------------------------------------
+def attention_implementation(config: Any) -> str | None:
+    """The attention implementation a transformers config selects (``"sdpa"``, ``"eager"``, a name
+    registered with ``AttentionInterface``): its private ``_attn_implementation``; None for an
+    object without one. Checked on: transformers 5.24-5.24."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attention_implementation(config: Any, name: str) -> None:
+    """Make a transformers config select attention implementation ``name`` without the model-level
+    checks of ``PreTrainedModel.set_attn_implementation``: the setter of the private
+    ``_attn_implementation`` (which also sets its sub-configs'). Checked on: transformers 5.24-5.24."""
+    config._attn_implementation = name

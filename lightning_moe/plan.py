@@ -254,8 +254,8 @@ def dry_run(
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from lightning_moe._compat import fake_store
     from lightning_moe.parallel.dims import ParallelDims
     from lightning_moe.parallel.parallelize import parallelize
 
@@ -271,7 +271,7 @@ def dry_run(
     for rank in ranks:
         if not 0 <= rank < world:
             raise ValueError(f"dry_run rank {rank} is outside world_size={world}")
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
         try:
             dims = ParallelDims(tp=layout.tp, cp=layout.cp, ep=layout.ep, dp=layout.dp, pp=layout.pp, etp=layout.etp)
             dims.validate(world)

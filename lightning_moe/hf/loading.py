@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_moe._compat import attention_implementation, set_attention_implementation
 from lightning_moe.hf.convert import SUPPORTED_MODEL_TYPES
 from lightning_moe.hf.families import model_family
 
@@ -116,11 +117,11 @@ def use_padded_sdpa_if_needed(model: nn.Module) -> None:
     since each attention module reads its own. Other models are left as they are.
     """
     config = model.config
-    if not model_family(config.model_type).narrow_value_heads or config._attn_implementation != "sdpa":
+    if not model_family(config.model_type).narrow_value_heads or attention_implementation(config) != "sdpa":
         return
     name = register_padded_sdpa()
-    config._attn_implementation = name
+    set_attention_implementation(config, name)
     for sub in model.modules():
         sub_config = getattr(sub, "config", None)
-        if sub_config is not None and getattr(sub_config, "_attn_implementation", None) == "sdpa":
-            sub_config._attn_implementation = name
+        if sub_config is not None and attention_implementation(sub_config) == "sdpa":
+            set_attention_implementation(sub_config, name)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_moe._compat import attached_trainer, attention_implementation
 from lightning_moe.hf.convert import check_supported, convert_moe_blocks, hf_state_dict
 from lightning_moe.hf.families import model_family
 from lightning_moe.hf.loading import PADDED_SDPA, load_causal_lm, use_padded_sdpa_if_needed
@@ -137,7 +138,7 @@ class HFMoEModule(CausalLMModule):
         masks = self._attention_masks(local, seq_len)
         position_embeddings = inner.rotary_emb(local, position_ids)
         layer_types = getattr(self.config, "layer_types", None)
-        for key, layer in inner.layers._modules.items():
+        for key, layer in inner.layers.named_children():
             kind = layer_types[int(key)] if layer_types else "full_attention"
             mask = masks.get(kind, masks["full_attention"]) if masks else None
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
@@ -148,7 +149,7 @@ class HFMoEModule(CausalLMModule):
     def _attention_masks(self, h: torch.Tensor, seq_len: int) -> dict[str, Any] | None:
         config = self.config
         sliding = getattr(config, "sliding_window", None)
-        if config._attn_implementation in ("sdpa", PADDED_SDPA) and not sliding:
+        if attention_implementation(config) in ("sdpa", PADDED_SDPA) and not sliding:
             return None  # causal SDPA (is_causal=True): what context parallelism turns into ring attention
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -192,7 +193,7 @@ class HFMoEModule(CausalLMModule):
 
     def setup(self, stage: str) -> None:
         """Refuse layouts this model cannot take and tokenizers larger than its embeddings, before any work."""
-        trainer = self._trainer
+        trainer = attached_trainer(self)
         dims = getattr(getattr(trainer, "strategy", None), "parallel_dims", None)
         if dims is not None:
             self.check_layout(tp=dims.tp, cp=dims.cp, ep=dims.ep, pp=dims.pp)

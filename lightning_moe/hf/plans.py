@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_moe._compat import ParallelStyleWithApply, apply_parallel_style, module_parameter_table
 from lightning_moe.hf.families import model_family
 from lightning_moe.moe import MoELayer
 
@@ -42,7 +43,7 @@ class _SumGradOverGroup(torch.autograd.Function):
         return grad, None
 
 
-class ReduceGradOfTrailingColumns(ParallelStyle):
+class ReduceGradOfTrailingColumns(ParallelStyleWithApply):
     """For a replicated ``nn.Linear`` whose last output columns feed every tp rank's *local* heads
     without passing a DTensor op (MLA's shared rotary key ``k_rot``): sum their gradient over tp.
 
@@ -54,7 +55,7 @@ class ReduceGradOfTrailingColumns(ParallelStyle):
         super().__init__()
         self.start = start
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         group, start = device_mesh.get_group(), self.start
 
         def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ class ReduceGradOfTrailingColumns(ParallelStyle):
         return module
 
 
-class ShardHeadParameter(ParallelStyle):
+class ShardHeadParameter(ParallelStyleWithApply):
     """Shard a per-head parameter (GPT-OSS's attention ``sinks [heads]``) over tp like the heads.
 
     The parameter becomes a DTensor ``Shard(0)``; during the module's forward its local shard (a
@@ -80,37 +81,37 @@ class ShardHeadParameter(ParallelStyle):
         super().__init__()
         self.name = name
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         name = self.name
-        full = module._parameters[name]
-        module._parameters[name] = nn.Parameter(
+        full = module_parameter_table(module)[name]
+        module_parameter_table(module)[name] = nn.Parameter(
             distribute_tensor(full.detach(), device_mesh, [Shard(0)]), requires_grad=full.requires_grad
         )
         held: list[Any] = []  # the parameter the module holds during its forward
 
         def enter(mod: nn.Module, args: Any) -> None:
-            param = mod._parameters[name]
+            param = module_parameter_table(mod)[name]
             held.append(param)
-            mod._parameters[name] = param.to_local() if isinstance(param, DTensor) else param  # type: ignore[assignment]
+            module_parameter_table(mod)[name] = param.to_local() if isinstance(param, DTensor) else param  # type: ignore[assignment]
 
         def leave(mod: nn.Module, args: Any, out: Any) -> None:
-            mod._parameters[name] = held.pop()
+            module_parameter_table(mod)[name] = held.pop()
 
         module.register_forward_pre_hook(enter)
         module.register_forward_hook(leave)
         return module
 
 
-class _Sequence(ParallelStyle):
+class _Sequence(ParallelStyleWithApply):
     """Apply several styles to one module (``parallelize_module`` takes one per name)."""
 
     def __init__(self, *styles: ParallelStyle | None) -> None:
         super().__init__()
         self.styles = [s for s in styles if s is not None]
 
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+    def apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         for style in self.styles:
-            module = style._apply(module, device_mesh)
+            module = apply_parallel_style(style, module, device_mesh)
         return module
 
 
@@ -134,7 +135,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = True, prefi
         plan[prefix + "model.norm"] = SequenceParallel(use_local_output=True)
     if model.lm_head is not None:
         plan[prefix + "lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
-    for key, layer in inner.layers._modules.items():
+    for key, layer in inner.layers.named_children():
         at = f"{prefix}model.layers.{key}."
         attn = layer.self_attn
         if sequence_parallel:
@@ -184,7 +185,7 @@ def split_pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) ->
     A model keeps one stage: splitting it again (several stages per rank) is refused.
     """
     inner = model.model
-    keys = list(inner.layers._modules.keys())
+    keys = [key for key, _ in inner.layers.named_children()]
     # Fewer layers than the config's: an earlier call already cut this model to one stage.
     if len(keys) != model.config.num_hidden_layers:
         raise ValueError(
@@ -198,7 +199,7 @@ def split_pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) ->
     mine = set(keys[stage_index * per : (stage_index + 1) * per])
     for key in keys:
         if key not in mine:
-            del inner.layers._modules[key]
+            delattr(inner.layers, key)
     if stage_index != 0:
         inner.embed_tokens = None
     if stage_index != num_stages - 1:

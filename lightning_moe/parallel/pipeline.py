@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_moe._compat import module_child_table, shallow_copy_module
 from lightning_moe.parallel.blocks import block_container, blocks_attr, remove_block, subset
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B")
@@ -143,7 +144,7 @@ def _layer_keys_per_stage(module: nn.Module, num_stages: int) -> list[list[str]]
             " blocks (set pipeline_layers_attr to name another attribute), or a"
             f" pipeline_split(stage_index, num_stages) method; got {type(getattr(module, name, None)).__name__}"
         )
-    keys = list(layers._modules)
+    keys = list(module_child_table(layers))
     explicit = getattr(module, "pipeline_stage_layers", None)
     if explicit is not None:
         explicit = [list(stage) for stage in explicit]
@@ -184,27 +185,25 @@ def _end_modules(module: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def _parts_to_drop(module: nn.Module, stage: int, num_stages: int) -> list[str]:
     first, last = _end_modules(module)
     keep = set(first if stage == 0 else ()) | set(last if stage == num_stages - 1 else ())
-    return [n for n in (*first, *last) if n not in keep and n in module._modules]
+    return [n for n in (*first, *last) if n not in keep and n in module_child_table(module)]
 
 
 def _trim_in_place(module: nn.Module, stage: int, num_stages: int, keys: Sequence[str]) -> None:
     for name in _parts_to_drop(module, stage, num_stages):
         setattr(module, name, None)
     layers = block_container(module)
-    for key in [k for k in layers._modules if k not in set(keys)]:
+    for key in [k for k in module_child_table(layers) if k not in set(keys)]:
         remove_block(layers, key)
 
 
 def _stage_copy(module: nn.Module, stage: int, num_stages: int, keys: Sequence[str]) -> nn.Module:
     """A shallow copy of ``module`` with its own child table: shares every submodule it keeps."""
     drop = _parts_to_drop(module, stage, num_stages)
-    # Not copy.copy: a LightningModule's __getstate__ drops its trainer.
-    clone = object.__new__(type(module))
-    clone.__dict__.update(module.__dict__)
-    clone._modules = dict(module._modules)
+    clone = shallow_copy_module(module)
+    children = module_child_table(clone)
     for name in drop:
-        clone._modules[name] = None
-    clone._modules[blocks_attr(module)] = subset(block_container(module), list(keys))
+        children[name] = None
+    children[blocks_attr(module)] = subset(block_container(module), list(keys))
     return clone
 
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_moe import comm
+from lightning_moe._compat import tensor_is_view
 from lightning_moe.layout import heads_problem, sequence_split_problem
 from lightning_moe.moe import MoELayer
 from lightning_moe.parallel.dims import ParallelDims
@@ -80,7 +81,7 @@ def own_view_outputs(module: nn.Module, args: Any, output: Any) -> Any:
         return output
 
     def own(tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, DTensor) or tensor._base is None or not tensor.requires_grad:
+        if isinstance(tensor, DTensor) or not tensor_is_view(tensor) or not tensor.requires_grad:
             return tensor
         return _OwnStorage.apply(tensor)
 

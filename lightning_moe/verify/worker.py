@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_moe._compat import is_dropout_module, non_persistent_buffer_names
 from lightning_moe.layout import MESH_DIMS
 
 SPEC_ENV = "LIGHTNING_MOE_VERIFY_WORKER"
@@ -99,7 +100,7 @@ def disable_dropout(module: nn.Module) -> list[str]:
     changed = []
     for name, sub in module.named_modules():
         label = name or type(module).__name__
-        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+        if is_dropout_module(sub) and sub.p > 0:
             changed.append(f"{label} ({type(sub).__name__} p={sub.p})")
             sub.p = 0.0
         for attr, value in list(vars(sub).items()):
@@ -228,7 +229,7 @@ def _recorder_class() -> type:
                         final[name] = value
                 for module_name, module in pl_module.named_modules():
                     for buf_name, buf in module.named_buffers(recurse=False):
-                        if buf_name in module._non_persistent_buffers_set:
+                        if buf_name in non_persistent_buffer_names(module):
                             continue
                         value = _full(buf)
                         if keep:
