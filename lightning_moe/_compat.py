@@ -7,7 +7,7 @@ Every name in ``__all__`` states its range as ``Checked on: <package> <floor>-<c
 docstring (a string after the assignment for a constant or a module); tests/test_compat.py fails
 when an installed version leaves that range, so that an upgrade re-checks the API first.
 The floors in pyproject.toml follow from this file: torch >= 2.11 (the GPU machine's build; every
-torch API below is present there), pipeline parallelism torch >= 2.13 (see
+torch API below is present there; pipeline parallelism included, see
 :func:`require_pipeline_stage_internals`), lightning >= 2.6, hydra-core >= 1.3.
 """
 
@@ -80,8 +80,8 @@ __all__ = [
     "wrap_distributed_functions",
 ]
 
-PIPELINE_MIN_TORCH = (2, 13)
-"""The oldest torch whose pipeline-stage internals :func:`pipeline_stage_class` was written against. Checked on: torch 2.11-2.13."""
+PIPELINE_MIN_TORCH = (2, 11)
+"""The oldest torch whose pipeline-stage internals :func:`pipeline_stage_class` was written against (the pipeline tests ran on 2.11 and 2.13). Checked on: torch 2.11-2.13."""
 
 
 def _torch_version() -> tuple[int, int]:
@@ -332,9 +332,10 @@ def run_schedule_forward_only(schedule: Any, *args: Any, **kwargs: Any) -> Any:
 
 def require_pipeline_stage_internals() -> None:
     """Refuse pipeline parallelism on a torch older than :data:`PIPELINE_MIN_TORCH`: the stage class
-    of :func:`pipeline_stage_class` overrides torch 2.13's private metadata-inference methods; torch
-    2.11 and 2.12 infer shapes through other methods (``_shape_inference``), so they are refused
-    rather than run with side effects the subclass cannot undo. Checked on: torch 2.11-2.13."""
+    of :func:`pipeline_stage_class` overrides private shape-inference methods, written for torch
+    2.11-2.12 (``_shape_inference``) and 2.13 (``_prepare_*_infra``, ``_compute_outputs``); older
+    versions are refused rather than run with side effects the subclass cannot undo. torch 2.12 has
+    not been run. Checked on: torch 2.11-2.13."""
     if _torch_version() < PIPELINE_MIN_TORCH:
         raise RuntimeError(
             f"pipeline parallelism (pp > 1) needs torch >= {'.'.join(map(str, PIPELINE_MIN_TORCH))}, found"
@@ -344,23 +345,40 @@ def require_pipeline_stage_internals() -> None:
 
 @functools.cache
 def pipeline_stage_class(inference_guard: Callable[[nn.Module], AbstractContextManager]) -> type:
-    """A ``torch.distributed.pipelining.PipelineStage`` whose metadata inference leaves no trace.
+    """A ``torch.distributed.pipelining.PipelineStage`` whose shape inference leaves no trace.
 
-    torch infers the activation shapes by running each stage once on the first micro-batch (later
-    stages on uninitialised tensors). This subclass overrides the private ``_prepare_forward_infra``,
-    ``_prepare_backward_infra``, ``_compute_outputs`` and ``_post_metadata_inference_cleanup``: the
-    received inputs are zeros, the inference forward runs inside ``inference_guard(module)`` (which
-    restores buffers and counters and hides the pass from statistics), and gradients accumulated by
-    earlier steps survive (torch would set them to None). Its ``backward_maybe_with_nosync``
+    torch infers the activation shapes by running each stage once on the first micro-batch's shapes
+    (zeros on later stages). That forward runs inside ``inference_guard(module)``, which restores
+    buffers and counters and hides the pass from statistics; gradients accumulated by earlier
+    steps survive it. On torch 2.13 this overrides the private ``_prepare_forward_infra``,
+    ``_prepare_backward_infra``, ``_compute_outputs`` and ``_post_metadata_inference_cleanup``
+    (2.13 also infers backward metadata, then sets gradients to None); on torch 2.11-2.12 the
+    private ``_shape_inference`` (forward only, on zeros). On both, ``backward_maybe_with_nosync``
     reduces FSDP/replicate gradients once per step, in the backward of the stage's last
     micro-batch: torch does this only when the stage module itself is the FSDP root, and ours wraps
-    its children. Checked on: torch 2.13-2.13.
+    its children. Checked on: torch 2.11-2.13.
     """
     require_pipeline_stage_internals()
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
 
-    class QuietMetadataStage(PipelineStage):
+    class GradientSyncOncePerStep(PipelineStage):
+        def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+            for unit in self.submod.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_requires_gradient_sync(last_backward, recurse=False)
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    if _torch_version() < (2, 13):
+
+        class QuietShapeInferenceStage(GradientSyncOncePerStep):
+            def _shape_inference(self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+                with inference_guard(self.submod):
+                    return super()._shape_inference(args, kwargs)
+
+        return QuietShapeInferenceStage
+
+    class QuietMetadataStage(GradientSyncOncePerStep):
         _saved_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
         def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
@@ -390,12 +408,6 @@ def pipeline_stage_class(inference_guard: Callable[[nn.Module], AbstractContextM
         def _save_grads(self) -> None:
             if self._saved_grads is None:
                 self._saved_grads = [(p, p.grad) for p in self.submod.parameters()]
-
-        def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-            for unit in self.submod.modules():
-                if isinstance(unit, FSDPModule):
-                    unit.set_requires_gradient_sync(last_backward, recurse=False)
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     return QuietMetadataStage
 
@@ -602,6 +614,7 @@ def hydra_sweep_jobs(overrides: list[str]) -> list[list[str]]:
 
     batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
     return [list(job) for batch in batches for job in batch]
+
 
 # -- transformers ------------------------------------------------------------------------------------
 def attention_implementation(config: Any) -> str | None:

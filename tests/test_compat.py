@@ -165,11 +165,12 @@ def test_private_apis_are_used_only_through_compat():
 
 
 def test_pipeline_refuses_a_torch_older_than_its_stage_internals(monkeypatch):
-    monkeypatch.setattr(_compat.torch, "__version__", "2.11.0+cu130")
-    with pytest.raises(RuntimeError, match=r"pipeline parallelism \(pp > 1\) needs torch >= 2.13, found 2.11.0"):
+    monkeypatch.setattr(_compat.torch, "__version__", "2.10.0+cu128")
+    with pytest.raises(RuntimeError, match=r"pipeline parallelism \(pp > 1\) needs torch >= 2.11, found 2.10.0"):
         _compat.require_pipeline_stage_internals()
-    monkeypatch.setattr(_compat.torch, "__version__", "2.13.0+cpu")
-    _compat.require_pipeline_stage_internals()
+    for supported in ("2.11.0+cu130", "2.13.0+cpu"):
+        monkeypatch.setattr(_compat.torch, "__version__", supported)
+        _compat.require_pipeline_stage_internals()
 
 
 def test_pyproject_floors_match_compat():

@@ -106,7 +106,14 @@ def checkpointing_case(mode: str, tp: int) -> dict:
     return {"grads": grads, "ep_calls": snapshot.get("ep", {}).get("calls", 0)}
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp2_ep2", "tp2_ep2"])
+# torch 2.11 (the floor) fails the tp2 case in backward: "setStorage: sizes [4, 32] ... out of bounds
+# for storage of size 0" (a freed FSDP2 storage); docs/strategy.md lists the layouts affected.
+TP_BACKWARD_FAILS_ON_TORCH_2_11 = pytest.mark.xfail(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13), reason="torch 2.11 tp backward: setStorage on a freed storage", strict=True
+)
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=TP_BACKWARD_FAILS_ON_TORCH_2_11)], ids=["dp2_ep2", "tp2_ep2"])
 def test_activation_checkpointing_keeps_gradients_and_selective_keeps_the_dispatch(pool4, tp):
     """full and selective give the gradients of no checkpointing (fp32, rel 1e-5); selective issues
     the ep all-to-alls of no checkpointing, full runs them again in backward."""
