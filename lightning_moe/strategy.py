@@ -37,9 +37,7 @@ from lightning_moe.checkpoint.state import (
 from lightning_moe.cp import context_parallel_attention
 from lightning_moe.layout import LAYOUT_KEYS
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
-from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, check_unreduced_replicas
-from lightning_moe.parallel.compile import apply_compile
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
@@ -47,7 +45,8 @@ from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.init import materialize
 from lightning_moe.parallel.lightning_pipeline import LightningPipeline
 from lightning_moe.parallel.parallelize import is_parallelized, parallelize
-from lightning_moe.parallel.precision import apply_mixed_precision, check_precision, mixed_precision_policy
+from lightning_moe.parallel.precision import check_precision
+from lightning_moe.parallel.training_plans import apply_training_plans
 
 
 
@@ -87,9 +86,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
         context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides
             ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``.
-        cp_head_chunks: ring attention passes per attention call under cp > 1, each over an equal
-            share of the key/value heads (a divisor of them): the K/V and dK/dV blocks in flight
-            shrink by this factor for as many times more P2P messages (memory vs. latency).
+        cp_head_chunks: ring attention passes per attention call under cp > 1, each over an equal share
+            of the key/value heads: K/V blocks in flight shrink by this factor, P2P messages grow by it.
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: process-group timeout (a ``timedelta`` or seconds).
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
@@ -134,13 +132,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         deterministic: bool = False,
     ) -> None:
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            # Seconds, as a YAML config can give them.
-            timeout = timedelta(seconds=timeout)
-        super().__init__(
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+            timeout = timedelta(seconds=timeout)  # as a YAML config gives it
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
         check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, dp=dp, pp=pp,
                                  save_distributed_checkpoint=save_distributed_checkpoint,
                                  activation_checkpointing=activation_checkpointing, compile=compile)
@@ -244,16 +238,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                 etp=self.parallel_dims.etp,
                 pp_stages_per_rank=self.pp_stages_per_rank,
             )
-        # FSDP2 all-gathers (and computes) in the trainer's precision, reducing gradients in fp32:
-        # set on every unit, the strategy's or the user's own, before the first forward.
-        apply_mixed_precision(self.model, mixed_precision_policy(self._precision_flag()))
-        try:
-            # Ring attention (cp > 1) is not recomputed: that would send K/V around the ring again.
-            apply_activation_checkpointing(self.model, self.activation_checkpointing, attention=self.parallel_dims.cp == 1)
-            if self.compile:
-                apply_compile(self.model)  # after parallelize and checkpointing, as torchtitan does
-        except ValueError as err:
-            raise MisconfigurationException(str(err)) from err
+        apply_training_plans(self.model, precision=self._precision_flag(), activation_checkpointing=self.activation_checkpointing,
+                             recompute_attention=self.parallel_dims.cp == 1, compile=self.compile)
         materialize(self.model, self.root_device, getattr(self.lightning_module, "initial_value", None))
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -263,14 +249,10 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             optimizers_to_device(self.optimizers, self.root_device)
-        # Dense and expert parameters are DTensors on different meshes, which torch's
-        # clip_grad_norm_ cannot stack: Lightning's gradient_clip_val goes through ours.
-        plugin = self.precision_plugin
-        # Pipeline stages hold different parameters: their norms combine over pp.
-        pp_group = self.parallel_dims.pp_group if pipelined else None
-        route_gradient_clipping(
-            plugin, lambda optimizer, clip_val: clip_grad_norm_(plugin.main_params(optimizer), clip_val, group=pp_group)
-        )
+        # Dense and expert parameters are DTensors on different meshes, which torch's clip_grad_norm_
+        # cannot stack: gradient_clip_val goes through ours (norms combined over pp stages).
+        plugin, pp_group = self.precision_plugin, self.parallel_dims.pp_group if pipelined else None
+        route_gradient_clipping(plugin, lambda opt, clip_val: clip_grad_norm_(plugin.main_params(opt), clip_val, group=pp_group))
         if pipelined:
             self._pipeline.build(self.model, self.lightning_module, self.root_device)
         self._apply_timeout()  # groups created while parallelizing
@@ -291,11 +273,6 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self._pipeline.backward()
         return self.precision_plugin.post_backward(closure_loss, module)
 
-    def _optimized_parameters(self) -> list[torch.Tensor]:
-        """The optimizers' parameters (FSDP's sharded ones, whatever state the modules are in)."""
-        params = {id(p): p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]}
-        return list(params.values()) if params else list(self.lightning_module.parameters())
-
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The optimizer step, then every ``MoELayer``'s expert-bias update (loads of the whole step)."""
@@ -305,11 +282,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
 
     @property
     def microbatches_per_step(self) -> int:
-        """Loader batches each Lightning batch holds: ``pp_microbatches`` under pp > 1, else 1.
-
-        A data module sizes its automatic ``micro_batch_size`` so that the accumulation count is a
-        multiple of it (``ByteTextDataModule`` does).
-        """
+        """Loader batches each Lightning batch holds: ``pp_microbatches`` under pp > 1, else 1 (a data
+        module's automatic ``micro_batch_size`` keeps the accumulation count a multiple of it)."""
         return self.pp_microbatches if self.parallel_dims.pp > 1 else 1
 
     @override
@@ -347,7 +321,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             # The schedule runs forward and backward of every micro-batch; Lightning's backward is a no-op.
             with self._step_context(), self.precision_plugin.train_step_context():
                 loss, size = self._pipeline.training_step(
-                    args[0], self.lightning_module.trainer.accumulate_grad_batches, self._optimized_parameters()
+                    args[0], self.lightning_module.trainer.accumulate_grad_batches, self.optimizers, self.lightning_module
                 )
             self.lightning_module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
             return loss

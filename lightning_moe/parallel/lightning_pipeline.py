@@ -45,9 +45,9 @@ class LightningPipeline:
     Example (what ``MoE5DStrategy`` does under ``pp > 1``)::
 
         pipeline = LightningPipeline(dims, schedule="1F1B", microbatches=4, stages_per_rank=1)
-        pipeline.setup(trainer)                       # checks; accumulate_grad_batches //= 4
-        pipeline.build(model, device)                 # after parallelize
-        loss, size = pipeline.training_step(module, batch, optimizers)   # forward + backward
+        pipeline.setup(trainer, module, has_grad_scaler=False)   # checks; accumulate_grad_batches //= 4
+        pipeline.build(model, module, device)                    # after parallelize
+        loss, size = pipeline.training_step(batch, accumulate, optimizers, module)   # forward + backward
         pipeline.backward()                           # in Lightning's backward: gradients back in place
     """
 
@@ -140,11 +140,12 @@ class LightningPipeline:
 
     # -- steps -------------------------------------------------------------------------------------
     def training_step(
-        self, batch: Any, accumulate_grad_batches: int, parameters: Sequence[torch.Tensor]
+        self, batch: Any, accumulate_grad_batches: int, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module
     ) -> tuple[torch.Tensor, int]:
         """Forward and backward of every micro-batch of ``batch``: the mean loss on every rank, and the batch size.
 
-        ``parameters`` are the optimizers' (their gradients are stashed until :meth:`backward`).
+        The gradients of the ``optimizers``' parameters (``module``'s without optimizers) are
+        stashed until :meth:`backward`.
         """
         runner = self._built()
         inputs, kwargs, target = pipeline_batch(
@@ -156,7 +157,7 @@ class LightningPipeline:
         self.backward()  # a previous step's gradients, if its backward never ran
         # Lightning zeroes gradients *after* training_step, before its backward: the schedule must
         # not add to the previous gradients, whose fate (zeroed or kept) is decided later.
-        previous = [(p, p.grad) for p in parameters]
+        previous = [(p, p.grad) for p in _optimized_parameters(optimizers, module)]
         for param, _ in previous:
             param.grad = None
         grad_scale = 1.0 / (accumulate_grad_batches * self.microbatches)
@@ -214,3 +215,9 @@ def forward_through_pipeline(module: nn.Module, runner: PipelineRunner) -> Itera
     finally:
         if "forward" in module.__dict__:
             del module.forward
+
+
+def _optimized_parameters(optimizers: Sequence[torch.optim.Optimizer], module: nn.Module) -> list[torch.Tensor]:
+    """The optimizers' parameters (FSDP's sharded ones, whatever state the modules are in)."""
+    params = {id(p): p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
+    return list(params.values()) if params else list(module.parameters())
