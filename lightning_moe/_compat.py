@@ -62,6 +62,7 @@ __all__ = [
     "module_child_table",
     "module_parameter_table",
     "non_persistent_buffer_names",
+    "optimizer_steps_after_this_batch",
     "optimizers_to_device",
     "pipeline_p2p_batcher",
     "pipeline_stage_class",
@@ -586,6 +587,14 @@ class LaunchCheckedModelParallelStrategy(ModelParallelStrategy):
     def process_group_timeout(self) -> Any:
         """The constructor's ``timeout`` (a ``timedelta`` or None)."""
         return self._timeout
+
+
+def optimizer_steps_after_this_batch(trainer: Any) -> bool:
+    """Whether Lightning's fit loop steps the optimizers after the current training batch (the last
+    micro-batch of an accumulation window, or the epoch's last batch): the negation of the private
+    ``trainer.fit_loop.epoch_loop._should_accumulate()``, valid from ``training_step`` on, which
+    Lightning itself uses to skip DDP's gradient sync. Checked on: lightning 2.6-2.6."""
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 def route_gradient_clipping(plugin: Any, clip_by_norm: Callable[[Any, float], None]) -> None:

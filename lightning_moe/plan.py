@@ -94,7 +94,7 @@ def layout_from_parallel(
         tp=tp, cp=int(sizes["cp"]), ep=int(sizes["ep"]), dp=int(sizes["dp"]), pp=int(sizes["pp"]), etp=int(etp),
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         pp_schedule=str(parallel.get("pp_schedule") or "1F1B"), pp_stages_per_rank=int(parallel.get("pp_stages_per_rank") or 1),
-        pp_microbatches=pp_microbatches,
+        pp_microbatches=pp_microbatches, gather_once_per_step=bool(parallel.get("gather_once_per_step") or False),
     )  # fmt: skip
 
 

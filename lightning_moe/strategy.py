@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_moe._compat import (
     LaunchCheckedModelParallelStrategy,
+    optimizer_steps_after_this_batch,
     optimizers_to_device,
     route_gradient_clipping,
     set_process_group_timeouts,
@@ -41,6 +42,7 @@ from lightning_moe.parallel.arguments import auto_layout, check_strategy_argumen
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.fsdp_accumulation import GatherOncePerStep
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.init import materialize
 from lightning_moe.parallel.lightning_pipeline import LightningPipeline
@@ -83,6 +85,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         pp_microbatches: micro-batches per pipeline step (default ``pp``); 1F1B needs ``>= pp``.
         pp_stages_per_rank: virtual stages per rank (interleaved schedule).
         data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"ddp"`` (replication) or ``"none"``.
+        gather_once_per_step: under FSDP and gradient accumulation (pp = 1), all-gather each unit
+            once per optimizer step and reduce-scatter once, holding its unsharded parameters and
+            gradients for the step (:mod:`lightning_moe.parallel.fsdp_accumulation`).
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
         context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides
             ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``.
@@ -118,6 +123,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int = 1,
         data_parallel: Literal["fsdp", "ddp", "none"] = "fsdp",
+        gather_once_per_step: bool = False,
         sequence_parallel: bool = True,
         context_parallel_keys: Sequence[str] = (),
         cp_head_chunks: int = 1,
@@ -137,7 +143,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, dp=dp, pp=pp,
                                  save_distributed_checkpoint=save_distributed_checkpoint,
-                                 activation_checkpointing=activation_checkpointing, compile=compile)
+                                 activation_checkpointing=activation_checkpointing, compile=compile,
+                                 gather_once_per_step=gather_once_per_step)
         self.layout, self.layout_options = layout, layout_options
         try:
             self.parallel_dims = ParallelDims(
@@ -153,6 +160,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.compile = compile
         self.deterministic = bool(deterministic)
         self.data_parallel = data_parallel
+        self.gather_once_per_step = gather_once_per_step
+        self._gather_once: GatherOncePerStep | None = None
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
         self.cp_head_chunks = cp_head_chunks
@@ -255,6 +264,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         route_gradient_clipping(plugin, lambda opt, clip_val: clip_grad_norm_(plugin.main_params(opt), clip_val, group=pp_group))
         if pipelined:
             self._pipeline.build(self.model, self.lightning_module, self.root_device)
+        if self.gather_once_per_step:
+            self._gather_once = GatherOncePerStep(self.model)
         self._apply_timeout()  # groups created while parallelizing
 
     def _apply_timeout(self) -> None:
@@ -266,7 +277,10 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.parallel_dims.pp == 1:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            output = super().backward(closure_loss, optimizer, *args, **kwargs)
+            if self._gather_once is not None:
+                self._gather_once.end_micro_batch()
+            return output
         # The schedule already ran backward inside training_step: only the hooks run here.
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
@@ -326,6 +340,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             self.lightning_module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
             return loss
         set_aux_loss_scale(self.parallel_dims.cp / self.lightning_module.trainer.accumulate_grad_batches)
+        if self._gather_once is not None:
+            self._gather_once.begin_micro_batch(optimizer_steps_after_this_batch(self.lightning_module.trainer))
         with self._step_context():
             return super().training_step(*args, **kwargs)
 

@@ -23,6 +23,7 @@ def check_strategy_arguments(
     save_distributed_checkpoint: bool,
     activation_checkpointing: str,
     compile: Any,
+    gather_once_per_step: Any = False,
 ) -> None:
     """Raise ``MisconfigurationException`` for a value ``MoE5DStrategy`` cannot take (sizes: ``ParallelDims``)."""
     if layout not in ("manual", "auto"):
@@ -45,6 +46,14 @@ def check_strategy_arguments(
         raise MisconfigurationException(str(err)) from err
     if not isinstance(compile, bool):
         raise MisconfigurationException(f"compile={compile!r} must be True or False")
+    if not isinstance(gather_once_per_step, bool):
+        raise MisconfigurationException(f"gather_once_per_step={gather_once_per_step!r} must be True or False")
+    if gather_once_per_step and (data_parallel != "fsdp" or pp > 1):
+        raise MisconfigurationException(
+            f"gather_once_per_step=True needs data_parallel='fsdp' and pp=1 (got data_parallel={data_parallel!r},"
+            f" pp={pp}): only FSDP gathers parameters, and pipeline schedules already reduce gradients once per"
+            " pipeline step; set gather_once_per_step=False"
+        )
 
 
 def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:

@@ -30,7 +30,7 @@ from lightning_moe.planner.parameters import fsdp_units
 # an optimizer step (lightning.pytorch.loops.training_epoch_loop._broadcast_sigterm_tensor).
 SIGTERM_FLAG_BYTES = INT64_BYTES
 # The pipeline's mean loss is one fp32 broadcast from the last stage per pipeline step
-# (lightning_moe.parallel.pipeline.PipelineRunner.broadcast_mean).
+# (lightning_moe.parallel.pipeline_runner.PipelineRunner.broadcast_mean).
 PIPELINE_LOSS_BYTES = FP32_BYTES
 
 
@@ -169,16 +169,18 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
             per_layer = 2 * gathered + idx + 2 * weights + 2 * rs
             add("all-gather dispatcher", "ep", "ep", per_layer * m * moe_per_rank, 7 * m * moe_per_rank, recorded_as="ep")
     # ---- data parallel: FSDP2 all-gathers (forward, and again in backward for non-root units) and
-    # reduce-scatters, once per micro-batch ----
+    # reduce-scatters, once per micro-batch; once per optimizer step with gather_once_per_step ----
+    once = layout.gather_once_per_step and layout.pp == 1
     for unit in fsdp_units(model, layout):
         n = group_size(layout, unit.group)
         if n == 1:
             continue
         shard = unit.padded_shard_numel * (n - 1)
-        gathers = (1 if unit.root else 2) * m
-        # pp = 1: gradients reduce-scatter after every micro-batch's backward; pp > 1: only in the
-        # last backward of the step (lightning_moe.parallel.pipeline's backward_maybe_with_nosync)
-        scatters = m if layout.pp == 1 else layout.pipeline_steps
+        gathers = 1 if once else (1 if unit.root else 2) * m
+        # pp = 1: gradients reduce-scatter after every micro-batch's backward (after the step's last
+        # with gather_once_per_step); pp > 1: only in the last backward of a pipeline step
+        # (lightning_moe._compat.pipeline_stage_class's backward_maybe_with_nosync)
+        scatters = (1 if once else m) if layout.pp == 1 else layout.pipeline_steps
         frac = unit.ranks_fraction * unit.count
         nbytes = (gathers * FSDP_GATHER_BYTES[precision] + scatters * FSDP_REDUCE_BYTES) * shard
         add(f"FSDP {unit.name}", "dp", unit.group, nbytes * frac, (gathers + scatters) * frac, overlapped=True)

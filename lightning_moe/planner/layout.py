@@ -17,6 +17,7 @@ class Layout:
 
     ``microbatches``: micro-batches per optimizer step on each data-parallel rank; under pp > 1 each
     pipeline step runs ``pp_microbatches`` of them (0: all, one pipeline step per optimizer step).
+    ``gather_once_per_step``: FSDP gathers each unit once per optimizer step (pp = 1).
     ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
     """
 
@@ -31,6 +32,7 @@ class Layout:
     pp_schedule: str = "1F1B"
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 0
+    gather_once_per_step: bool = False
 
     @property
     def pipeline_microbatches(self) -> int:
@@ -66,6 +68,8 @@ class Layout:
         if self.pp > 1:
             text += f" {self.pp_schedule}" + (f"v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
             text += f" pp_microbatches={self.pipeline_microbatches}"
+        if self.gather_once_per_step:
+            text += " gather_once_per_step"
         return text
 
     def strategy_kwargs(self) -> dict[str, Any]:
@@ -73,6 +77,8 @@ class Layout:
         kwargs["etp"] = self.etp
         if self.pp > 1:
             kwargs.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pipeline_microbatches, pp_stages_per_rank=self.pp_stages_per_rank)
+        if self.gather_once_per_step:
+            kwargs["gather_once_per_step"] = True
         return kwargs
 
     def coordinates(self, rank: int) -> dict[str, int]:
