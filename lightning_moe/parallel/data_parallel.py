@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe._compat import force_sum_reduction, replicate_module
 from lightning_moe.moe import MoELayer
@@ -22,6 +24,10 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
       with etp = 1, tp) peers through the dispatch backward;
     - with tp > 1 the router and shared expert see only their tp rank's tokens, so they reduce
       over the token mesh dp x ep x cp x tp.
+
+    Under FSDP, experts whose local count (``num_experts / ep``) is smaller than the ``edp`` group
+    shard on a non-expert dim (:func:`expert_shard_dim`) instead of FSDP2's dim 0, so each rank
+    holds ``1 / (ep * edp)`` of the expert state rather than whole experts plus padding.
     """
     if kind == "none":
         return
@@ -32,11 +38,15 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
 
     divisor = float(dims.dense_grad_mesh.size())
 
-    def averaged(modules: nn.Module | list[nn.Module], mesh: DeviceMesh) -> None:
-        wrap_averaged(wrap, modules, mesh, divisor, kind)
+    def averaged(modules: nn.Module | list[nn.Module], mesh: DeviceMesh, **options: Any) -> None:
+        wrap_averaged(wrap, modules, mesh, divisor, kind, **options)
 
+    edp = dims.edp_mesh.size()
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-        averaged(layer.experts, dims.edp_mesh)
+        options = {}
+        if kind == "fsdp" and layer.num_experts // dims.ep < edp:
+            options["shard_placement_fn"] = _expert_placement(edp)
+        averaged(layer.experts, dims.edp_mesh, **options)
         if dims.tp > 1:
             # Router, shared expert and its gate, output biases: they see this tp rank's tokens only.
             averaged([m for name, m in layer.named_children() if name != "experts" and _has_parameters(m)], dims.token_mesh)
@@ -55,11 +65,51 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
     wrap(module, mesh=dims.dense_grad_mesh)
 
 
+def expert_shard_dim(local_shape: Sequence[int], split_dims: set[int] | frozenset[int], group_size: int) -> int:
+    """The dim FSDP2 shards an expert parameter on over a data-parallel group of ``group_size`` ranks.
+
+    ``local_shape``: the parameter's shape on this rank after ep (and etp); dim 0 counts its
+    experts. ``split_dims``: dims already split over tp (expert tensor parallelism).
+
+    - Dim 0 (FSDP2's default) when the rank holds at least ``group_size`` experts: whole experts per
+      rank, padding at most one expert's worth over the group.
+    - Otherwise dim 0 would leave each rank whole experts plus padding (one expert over 4 ranks: each
+      holds a full expert, three of them padding). Instead: the largest dim other than the expert
+      and tp-split dims whose size ``group_size`` divides (FSDP2 shards a dim > 0 only evenly; ties
+      go to the lower dim), e.g. ``w1 [E, H, F]`` on F, or on H when etp splits F; so each rank
+      holds ``1 / (ep * edp)`` of the expert. A tp-split dim is never chosen: FSDP2 would describe
+      it as a ``_StridedShard``. Dim 0 again when no dim qualifies.
+
+    The planner (``lightning_moe.planner.parameters``) applies the same rule; its dry run checks
+    both agree on real shards.
+
+    Example: ``expert_shard_dim((1, 32, 24), set(), 2) == 1``; ``expert_shard_dim((4, 32, 24), set(), 2) == 0``.
+    """
+    if local_shape[0] >= group_size:
+        return 0
+    candidates = [d for d in range(1, len(local_shape)) if d not in split_dims and local_shape[d] % group_size == 0]
+    return max(candidates, key=lambda d: (local_shape[d], -d), default=0)
+
+
+def _expert_placement(group_size: int) -> Callable[[nn.Parameter], Shard]:
+    """FSDP2's ``shard_placement_fn`` for expert parameters: :func:`expert_shard_dim` of each."""
+
+    def placement(param: nn.Parameter) -> Shard:
+        if isinstance(param, DTensor):
+            split = frozenset(p.dim for p in param.placements if isinstance(p, Shard)) - {0}  # ep splits dim 0
+            return Shard(expert_shard_dim(tuple(param.to_local().shape), split, group_size))
+        return Shard(expert_shard_dim(tuple(param.shape), frozenset(), group_size))
+
+    return placement
+
+
 def wrap_averaged(
-    wrap: Callable[..., Any], modules: nn.Module | list[nn.Module], mesh: DeviceMesh, divisor: float, kind: str
+    wrap: Callable[..., Any], modules: nn.Module | list[nn.Module], mesh: DeviceMesh, divisor: float, kind: str,
+    **options: Any,
 ) -> None:
-    """``wrap(modules, mesh=mesh)`` (``fully_shard`` or ``replicate``) with the reduced gradient equal to
-    the sum over ``mesh`` divided by ``divisor`` (not by ``mesh.size()``).
+    """``wrap(modules, mesh=mesh, **options)`` (``fully_shard`` or ``replicate``) with the reduced gradient
+    equal to the sum over ``mesh`` divided by ``divisor`` (not by ``mesh.size()``). The divide factor
+    and the reduction apply alike to every shard dim (``options["shard_placement_fn"]``).
 
     How FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) applies a custom divide factor, with
     fp32 reduction (the strategy never reduces in fp16, which takes other branches):
@@ -76,7 +126,7 @@ def wrap_averaged(
       That branch's division is the torch behaviour tests/test_cuda_fsdp.py pins, on CPU and on
       the GPU machine's torch.
     """
-    wrap(modules, mesh=mesh)
+    wrap(modules, mesh=mesh, **options)
     unit = modules[0] if isinstance(modules, list) else modules
     unit.set_gradient_divide_factor(divisor)
     reduce_scatters = kind == "fsdp" and mesh.size() > 1

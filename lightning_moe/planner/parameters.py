@@ -1,7 +1,8 @@
 """Parameters: every one of the model, sharded as ``lightning_moe.parallelize`` shards it on each rank.
 
 Tensor-parallel plan, experts ``Shard(0)`` over ep and their FFN dim over etp, then FSDP2's ``Shard(0)``
-of the local tensor over the dense/expert/token data-parallel meshes, padded as FSDP2 pads; and the
+of the local tensor over the dense/expert/token data-parallel meshes, padded as FSDP2 pads (experts
+fewer per rank than their edp group shard on another dim instead: :func:`expert_fsdp_dim`); and the
 FSDP2 units those parameters are gathered in.
 """
 
@@ -27,6 +28,20 @@ def chunk_size(length: int, parts: int, index: int) -> int:
     """
     size = _ceil_div(length, parts)
     return max(0, min(size, length - index * size))
+
+
+def expert_fsdp_dim(local: tuple[int, ...] | list[int], tp_dim: int | None, n: int) -> int:
+    """The dim FSDP2 shards an expert parameter's local tensor on over its ``n`` edp ranks, as
+    ``lightning_moe.parallel.data_parallel.expert_shard_dim`` chooses it: dim 0 when the rank holds at
+    least ``n`` experts; else the largest dim other than dim 0 and ``tp_dim`` that ``n`` divides
+    (ties: the lower dim), so each rank holds ``1 / (ep * edp)`` of the expert state; dim 0 if none.
+
+    Example: ``expert_fsdp_dim((1, 4096, 7168), 2, 4) == 1`` (Mixtral-8x7B, ep8, etp2, edp4).
+    """
+    if local[0] >= n:
+        return 0
+    candidates = [d for d in range(1, len(local)) if d != tp_dim and local[d] % n == 0]
+    return max(candidates, key=lambda d: (local[d], -d), default=0)
 
 
 @dataclass(frozen=True)
@@ -100,7 +115,8 @@ def _parameter_specs(model: ModelShape, tp_on: bool, etp_is_tp: bool) -> tuple[P
 
 
 def local_shape(spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True, padded: bool = False) -> tuple[int, ...]:
-    """The shape of ``spec`` on ``rank``: ep and tp splits (DTensor chunks), then FSDP2's dim-0 chunk.
+    """The shape of ``spec`` on ``rank``: ep and tp splits (DTensor chunks), then FSDP2's chunk: of dim 0,
+    or for experts fewer per rank than their edp group, of :func:`expert_fsdp_dim` (an even split).
 
     ``padded``: FSDP2's allocation (every rank holds ``ceil(dim0 / n)`` rows) instead of the chunk.
     """
@@ -112,7 +128,10 @@ def local_shape(spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True
         shape[spec.tp_dim] = chunk_size(shape[spec.tp_dim], layout.tp, coords["tp"])
     if fsdp:
         n = group_size(layout, spec.group)
-        if n > 1:
+        dim = expert_fsdp_dim(shape, spec.tp_dim, n) if spec.expert and n > 1 else 0
+        if dim:
+            shape[dim] //= n  # FSDP2 shards a dim > 0 only evenly: no padding
+        elif n > 1:
             shape[0] = _ceil_div(shape[0], n) if padded else chunk_size(shape[0], n, group_index(layout, spec.group, coords))
     return tuple(shape)
 
