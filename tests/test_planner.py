@@ -208,7 +208,9 @@ def test_a_parallel_preset_that_does_not_fill_the_world_size_is_refused_in_the_l
 # -- dry run: parameter bytes per rank ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "sizes",
-    [dict(tp=2, ep=2, dp=2), dict(tp=2, etp=1, cp=2, ep=2), dict(pp=2, ep=4), dict(dp=3, ep=2), dict(tp=4, pp=2, cp=2)],
+    [dict(tp=2, ep=2, dp=2), dict(tp=2, etp=1, cp=2, ep=2), dict(pp=2, ep=4), dict(dp=3, ep=2), dict(tp=4, pp=2, cp=2),
+     # fewer experts per ep rank than edp: experts shard on a non-expert dim (etp 2: the hidden dim)
+     dict(tp=2, ep=4, dp=4), dict(ep=8, dp=2), dict(tp=2, etp=1, ep=4, pp=2)],
 )
 def test_dry_run_shards_equal_the_cost_model(sizes):
     cfg = {**TINY, "num_layers": 4, "num_kv_heads": 4, "moe_layer_freq": 2, "max_steps": 10, "max_seq_len": 64,
@@ -248,6 +250,36 @@ def test_expert_shards_are_contiguous_with_one_expert_per_rank():
     cfg = {"_target_": "lightning_moe.models.MoEGPT", **TINY, "max_steps": 1, "max_seq_len": 32}
     views = dry_run(cfg, Layout(tp=2, ep=4, etp=2), ranks=[0, 7])  # 4 experts over ep4: one per rank
     assert all(v.matches for v in views), [v.mismatches for v in views]
+    # ... and over dp2 too: FSDP2 splits each rank's one expert on its hidden dim, not dim 0
+    views = dry_run(cfg, Layout(tp=2, ep=4, dp=2, etp=2), ranks=[0, 15])
+    assert all(v.matches for v in views), [v.mismatches for v in views]
+    assert views[1].shapes["layers.0.feed_forward.experts.w1"] == (1, 16, 16)  # [E/ep, H/edp, F/etp]
+    assert views[1].shapes["layers.0.feed_forward.experts.w2"] == (1, 16, 16)  # [E/ep, F/etp, H/edp]
+
+
+def test_mixtral_experts_fewer_per_rank_than_edp_are_sharded_evenly():
+    """Mixtral-8x7B tp2·ep8·dp4·pp4 (etp 2, edp 4): one expert per ep rank. FSDP2's dim 0 left each
+    rank a whole expert slice (10.61 GiB of weights, gradients and Adam on the busiest rank); split
+    on the hidden dim, the rank holds 1/(ep·edp) of it, within 1% of the even 16 bytes x params / world."""
+    from lightning_moe.planner import memory_per_rank
+
+    shape = preset_shape("mixtral_8x7b")
+    lay = Layout(tp=2, ep=8, dp=4, pp=4, etp=2)
+    memory, _ = memory_per_rank(shape, lay, 4096)
+    state = memory.parameters + memory.gradients + memory.optimizer
+    even = 16 * shape.total_parameters() / lay.world_size
+    assert state / 2**30 == pytest.approx(2.734, abs=0.001)
+    assert state <= 1.01 * even
+    assert rank_parameters(shape, lay, rank=0)["layers.0.feed_forward.experts.w1"] == (1, 1024, 7168)
+
+
+def test_mixtral_dry_run_at_256_ranks_holds_a_quarter_expert_per_rank():
+    """The real shards of that layout (the model cut to 4 layers) on the fake process group."""
+    cfg = OmegaConf.to_container(compose_plan("model=mixtral_8x7b", "model.num_layers=4").model, resolve=True)
+    views = dry_run(cfg, Layout(tp=2, ep=8, dp=4, pp=4, etp=2))
+    assert all(v.matches for v in views), [v.mismatches[:3] for v in views]
+    expert = {n: s for n, s in views[0].shapes.items() if ".experts." in n}
+    assert expert and all(s[0] == 1 and math.prod(s) == 4096 * 14336 // (2 * 4) for s in expert.values()), expert
 
 
 def test_dry_run_fails_with_the_codes_own_error():

@@ -1,5 +1,10 @@
 """Memory per rank: parameter shards, fp32 gradients and Adam states, FSDP2's all-gather buffers,
-activations under each activation-checkpointing mode and the logits, on the busiest pipeline rank."""
+activations under each activation-checkpointing mode and the logits, on the busiest pipeline rank.
+
+Shards are FSDP2's padded allocation (:func:`~lightning_moe.planner.parameters.local_shape`): experts
+fewer per ep rank than their edp group split evenly on a non-expert dim
+(:func:`~lightning_moe.planner.parameters.expert_fsdp_dim`), so gradients and Adam states, which
+follow the shards, hold ``1 / (ep * edp)`` of the expert state rather than whole experts plus padding."""
 
 from __future__ import annotations
 
