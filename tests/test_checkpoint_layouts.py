@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cli import run_cli, run_cli_error
+from tests.cli import TINY_RUN, run_cli, run_cli_error
 
 REL = 1e-5
 FOUR_LAYERS = ["model.num_layers=4"]
@@ -65,6 +65,24 @@ def test_resume_on_another_layout_continues_the_single_process_curve(tmp_path, t
     resumed = run_cli(tmp_path / name, *target, *FOUR_LAYERS, "model.max_steps=10", f"ckpt_path={ckpt}")
     assert len(resumed["losses"]) == 5, "the resumed run starts at step 6"
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference[5:]), rtol=REL, atol=0.0)
+
+
+# Two experts: dp2·ep2 holds one expert per ep rank, fewer than its edp group of 2, so FSDP2 splits
+# each expert on its hidden dim (lightning_moe.parallel.data_parallel.expert_shard_dim).
+TWO_EXPERTS_RUN = [o for o in TINY_RUN if not o.startswith("model.moe.num_experts=")] + ["model.moe.num_experts=2"]
+
+
+@pytest.mark.slow
+def test_dp2_ep2_experts_sharded_on_the_hidden_dim_resume_on_one_process(tmp_path):
+    reference = run_cli(tmp_path / "reference", "parallel=single", *FOUR_LAYERS, base=TWO_EXPERTS_RUN)["losses"]
+    source = tmp_path / "source"
+    run_cli(source, "parallel=dp2_ep2", *FOUR_LAYERS, "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
+            "callbacks.checkpoint.every_n_train_steps=5", base=TWO_EXPERTS_RUN)
+    ckpt = source / "checkpoints" / "last.ckpt"
+    resumed = run_cli(tmp_path / "resumed", "parallel=single", *FOUR_LAYERS, "model.max_steps=10", f"ckpt_path={ckpt}",
+                      base=TWO_EXPERTS_RUN)["losses"]
+    assert len(resumed) == 5, "the resumed run starts at step 6"
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference[5:]), rtol=REL, atol=0.0)
 
 
 @pytest.mark.slow
