@@ -7,7 +7,8 @@ The only part of lightning-moe that imports ``transformers``; see docs/hf.md.
   GPT-OSS);
 - :class:`HFMoEModule`: a LightningModule around such a model (loading and SDPA: ``loading``; TP
   plan and pipeline split: ``plans``; what differs between families: ``families``);
-- :func:`save_hf`: gather from any layout and write a folder ``from_pretrained`` loads.
+- :func:`save_hf`: gather from any layout and write a folder ``from_pretrained`` loads;
+- :func:`upcycle`: a dense Llama/Mistral/Qwen2/Qwen3 becomes an equal MoE module (sparse upcycling).
 """
 
 from lightning_moe.hf.configs import TINY_CONFIGS, build_config
@@ -22,12 +23,14 @@ from lightning_moe.hf.convert import (
 from lightning_moe.hf.loading import load_causal_lm
 from lightning_moe.hf.module import HFMoEModule
 from lightning_moe.hf.save import save_hf
+from lightning_moe.hf.upcycle import UpcycledHFMoEModule, upcycle
 
 __all__ = [
     "FAMILIES",
     "HFMoEModule",
     "SUPPORTED_MODEL_TYPES",
     "TINY_CONFIGS",
+    "UpcycledHFMoEModule",
     "build_config",
     "check_supported",
     "convert_moe_blocks",
@@ -35,4 +38,5 @@ __all__ = [
     "load_causal_lm",
     "moe_layer_to_hf",
     "save_hf",
+    "upcycle",
 ]
