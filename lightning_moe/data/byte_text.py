@@ -170,7 +170,9 @@ def build_corpus(
 class ByteWindowDataset(Dataset):
     """Windows `[first_window, first_window + num_windows)` of `seq_len + 1` bytes of a `.bin`.
 
-    Item `i` is `{"input_ids": window[:-1], "labels": window[1:]}` (int64, shape `[seq_len]`).
+    Item `i` is `{"input_ids": window[:-1], "labels": window[1:]}` (int64, shape `[seq_len]`) and
+    `"sample_index"`: the window's index in the corpus, `first_window + i` (int64 scalar; batches
+    carry it as `[B]`): a key of the sample on every layout (routing record/replay).
     The memmap is opened lazily so that the dataset pickles cheaply into worker processes.
 
     Example:
@@ -208,7 +210,8 @@ class ByteWindowDataset(Dataset):
             self._tokens = self._open_tokens()
         start = (self.first_window + index) * (self.seq_len + 1)
         window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        sample = torch.tensor(self.first_window + index, dtype=torch.int64)
+        return {"input_ids": window[:-1], "labels": window[1:], "sample_index": sample}
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None}

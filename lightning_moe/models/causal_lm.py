@@ -7,6 +7,8 @@ the aux-loss-free expert-bias update once per optimizer step, under any strategy
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Mapping
 from functools import partial
@@ -22,6 +24,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from lightning_moe.moe import MoELayer, update_expert_biases
 
 __all__ = ["CausalLMModule", "next_token_loss", "warmup_cosine_factor"]
+
+
+@functools.cache
+def _forward_parameters(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 def warmup_cosine_factor(
@@ -87,10 +94,17 @@ class CausalLMModule(pl.LightningModule):
         `position_ids`, `loss_mask` and `loss_token_count`; masked tokens are left out of the
         mean, which divides by `loss_token_count` when the strategy provides it). Logits are cast
         to fp32 for the softmax."""
-        logits = self(batch["input_ids"], batch.get("position_ids"))
+        logits = self(batch["input_ids"], batch.get("position_ids"), **self.sample_index_kwargs(batch))
         return self.loss_from_logits(
             logits, batch["labels"], batch.get("loss_mask"), batch.get("loss_token_count")
         )
+
+    def sample_index_kwargs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`{"sample_index": batch["sample_index"]}` when the batch has it and `forward` takes it, else `{}`
+        (the token keys of routing record/replay, `lightning_moe.moe.replay`)."""
+        if "sample_index" not in batch or "sample_index" not in _forward_parameters(type(self)):
+            return {}
+        return {"sample_index": batch["sample_index"]}
 
     def loss_from_logits(
         self,

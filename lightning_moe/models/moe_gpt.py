@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_moe.models.blocks import Attention, FeedForward, TransformerBlock, rotary_cos_sin
 from lightning_moe.models.causal_lm import CausalLMModule, next_token_loss, warmup_cosine_factor
-from lightning_moe.moe import MoELayer
+from lightning_moe.moe import MoELayer, token_keys
 from lightning_moe.parallel.init import seeded_generator
 
 __all__ = ["MoEGPT", "is_moe_layer", "next_token_loss", "warmup_cosine_factor"]
@@ -160,13 +160,18 @@ class MoEGPT(CausalLMModule):
             tensor.copy_(self.initial_value(name, tensor))
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        sample_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`input_ids [B, S]` (int64) -> logits `[B, S, vocab]`.
 
         `position_ids [B, S]` or `[S]` drive RoPE (default `arange(S)`); context parallelism passes
         the global positions of its shard. On a pipeline stage without `tok_embeddings`,
         `input_ids` is the hidden state `[B, S, hidden]`; without `output`, hidden states return.
+        `sample_index [B]`: the samples' global indices (dataset batches carry them); with the
+        positions they key each token for routing record/replay (`lightning_moe.moe.replay`).
         """
         if position_ids is None:
             # input_ids, not the embeddings: under sequence parallelism those are sequence shards.
@@ -179,8 +184,9 @@ class MoEGPT(CausalLMModule):
             position_ids = torch.arange(seq_len, device=input_ids.device)
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta)
         h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        with token_keys(sample_index, position_ids):
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -6,6 +6,8 @@ Example::
     layer = MoELayer(hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2)
     y = layer(torch.randn(2, 16, 64))      # aux losses reach the router by themselves
     update_expert_biases(model)            # once per optimizer step (expert_bias=True layers)
+
+Routing record/replay (docs/routing-replay.md): ``record_routing(model)``, ``replay_routing(model, trace)``.
 """
 
 from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
@@ -22,6 +24,14 @@ from lightning_moe.moe.losses import (
     switch_aux_loss,
     z_loss,
 )
+from lightning_moe.moe.replay import (
+    RoutingTrace,
+    TokenKeys,
+    current_token_keys,
+    record_routing,
+    replay_routing,
+    token_keys,
+)
 from lightning_moe.moe.router import SCORE_FUNCS, RouterOutput, TopKRouter
 
 __all__ = [
@@ -36,17 +46,23 @@ __all__ = [
     "MoEAuxLossAutoScaler",
     "MoELayer",
     "RouterOutput",
+    "RoutingTrace",
     "SharedExpert",
+    "TokenKeys",
     "TopKRouter",
     "build_dispatcher",
     "capacity_keep_mask",
+    "current_token_keys",
     "expert_capacity",
     "global_aux_loss",
     "load_balancing_loss",
+    "record_routing",
+    "replay_routing",
     "seq_aux_loss",
     "set_aux_loss_scale",
     "sinkhorn",
     "switch_aux_loss",
+    "token_keys",
     "update_expert_biases",
     "z_loss",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,19 @@ from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
 from lightning_moe.moe.router import RouterOutput, TopKRouter
 
 __all__ = [
-    "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "ExpertOutputBias", "MoELayer", "build_dispatcher", "update_expert_biases",
+    "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "ExpertOutputBias", "MoELayer", "RoutingHook", "build_dispatcher",
+    "update_expert_biases",
 ]
+
+class RoutingHook(Protocol):
+    """What :attr:`MoELayer.routing_hook` provides (routing record and replay, :mod:`lightning_moe.moe.replay`)."""
+
+    def replayed_choice(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor | None:
+        """The experts ``[T, k]`` the tokens of ``x [..., H]`` must use, or None to let the router choose."""
+
+    def observe(self, layer: MoELayer, x: torch.Tensor, routing: RouterOutput) -> None:
+        """Called with the routing of ``x`` once the router ran."""
+
 
 LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 ROUTINGS: tuple[str, ...] = ("topk", "expert_choice")
@@ -257,6 +269,9 @@ class MoELayer(nn.Module):
         self.sequence_group: dist.ProcessGroup | None = None
         self.data_group: dist.ProcessGroup | None = None
         self.stats: dict[str, torch.Tensor] = {}
+        # Routing record/replay (lightning_moe.moe.replay sets it within record_routing / replay_routing):
+        # ``replayed_choice(layer, x) -> [T, k] | None`` before routing, ``observe(layer, x, routing)`` after.
+        self.routing_hook: RoutingHook | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:
@@ -264,7 +279,11 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, self.hidden_size)
         if self.routing == "expert_choice":
             self._expert_choice_capacity(tokens.shape[0] * self.ep_size)  # bad settings fail before any work
-        routing = self.router(tokens, self.sequence_group)
+        hook = self.routing_hook
+        replayed = hook.replayed_choice(self, x) if hook is not None else None
+        routing = self.router(tokens, self.sequence_group, replayed)
+        if hook is not None:
+            hook.observe(self, x, routing)
         keep = None
         if self.routing == "expert_choice":
             routing, keep = self._expert_choice(routing)

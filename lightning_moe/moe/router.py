@@ -114,11 +114,17 @@ class TopKRouter(Fp32BuffersModule):
         # nn.Linear's default initialisation.
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
-    def forward(self, x: torch.Tensor, sequence_group: dist.ProcessGroup | None = None) -> RouterOutput:
+    def forward(
+        self, x: torch.Tensor, sequence_group: dist.ProcessGroup | None = None, topk_idx: torch.Tensor | None = None
+    ) -> RouterOutput:
         """Route ``x [T, H]``; fp32 (fp64 for fp64 inputs) whatever an enclosing autocast says.
 
         ``sequence_group``: the ranks holding the micro-batch's other tokens (cp x tp shards), over
         which Sinkhorn balances, as one process balances the whole micro-batch.
+        ``topk_idx [T, k]``: the experts to use (routing replay, :mod:`lightning_moe.moe.replay`)
+        instead of choosing them; the gate weights still come from the scores at those experts,
+        normalised as usual, so the router gets gradients. Bias, group, node limits and Sinkhorn
+        do not select then; expert-bias loads count the replayed choice.
         """
         if self.max_nodes_per_token is not None and self.max_nodes_per_token > 1 and self.num_nodes is None:
             raise ValueError(
@@ -141,14 +147,10 @@ class TopKRouter(Fp32BuffersModule):
         # Loads count while grad is enabled (training), not in evaluation under no_grad.
         accumulate_load = self.use_expert_bias and torch.is_grad_enabled()
         with torch.no_grad():
-            choice = sinkhorn(logits, group=sequence_group) if self.use_sinkhorn and self.training else scores
-            if self.use_expert_bias:
-                choice = choice + self.expert_bias
-            if self.num_groups is not None:
-                choice = self._keep_best_groups(choice)
-            if self.max_nodes_per_token is not None and self.num_nodes is not None and self.max_nodes_per_token < self.num_nodes:
-                choice = self._keep_best_nodes(choice)
-            topk_idx = choice.topk(self.top_k, dim=-1).indices
+            if topk_idx is not None:
+                topk_idx = self._check_replayed(topk_idx, logits.shape[0])
+            else:
+                topk_idx = self._choose(logits, scores, sequence_group)
             tokens_per_expert = torch.bincount(topk_idx.reshape(-1), minlength=self.num_experts)
             if accumulate_load:
                 self.expert_load += tokens_per_expert
@@ -160,6 +162,29 @@ class TopKRouter(Fp32BuffersModule):
         if self.routed_scaling_factor != 1.0:
             topk_weights = topk_weights * self.routed_scaling_factor
         return RouterOutput(logits, scores, probs, topk_idx, topk_weights, tokens_per_expert)
+
+    def _check_replayed(self, topk_idx: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """A replayed ``[T, k]`` choice, checked against this router's tokens, ``top_k`` and experts."""
+        if tuple(topk_idx.shape) != (num_tokens, self.top_k):
+            raise ValueError(
+                f"replayed experts of shape {tuple(topk_idx.shape)} do not fit {num_tokens} tokens x top_k={self.top_k}"
+            )
+        if topk_idx.numel() and not (0 <= int(topk_idx.min()) and int(topk_idx.max()) < self.num_experts):
+            raise ValueError(f"replayed experts {topk_idx.unique().tolist()} outside [0, {self.num_experts})")
+        return topk_idx.to(torch.int64)
+
+    def _choose(
+        self, logits: torch.Tensor, scores: torch.Tensor, sequence_group: dist.ProcessGroup | None
+    ) -> torch.Tensor:
+        """The top-k experts of each token: ``[T, k]`` (no gradient)."""
+        choice = sinkhorn(logits, group=sequence_group) if self.use_sinkhorn and self.training else scores
+        if self.use_expert_bias:
+            choice = choice + self.expert_bias
+        if self.num_groups is not None:
+            choice = self._keep_best_groups(choice)
+        if self.max_nodes_per_token is not None and self.num_nodes is not None and self.max_nodes_per_token < self.num_nodes:
+            choice = self._keep_best_nodes(choice)
+        return choice.topk(self.top_k, dim=-1).indices
 
     def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """Set the scores outside each token's ``group_topk`` best groups to -inf."""

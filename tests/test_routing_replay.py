@@ -1,0 +1,255 @@
+"""Routing record and replay (R3): one process, the trace file, refusals, and other layouts."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lightning_moe.data import ByteWindowDataset
+from lightning_moe.models import MoEGPT
+from lightning_moe.moe import MoELayer, RoutingTrace, record_routing, replay_routing
+from lightning_moe.moe.replay import SCHEMA_VERSION
+
+H, E, K, S = 32, 4, 2, 16
+
+
+def _model(seed: int = 0, num_layers: int = 2, **moe) -> MoEGPT:
+    torch.manual_seed(seed)
+    return MoEGPT(hidden_size=H, num_layers=num_layers, num_heads=2, moe={"num_experts": E, "top_k": K, "ffn_hidden_size": 32, **moe})
+
+
+def _batch(samples=(3, 8, 11, 20), seq: int = S, seed: int = 1) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (len(samples), seq + 1), generator=gen)
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "sample_index": torch.tensor(samples)}
+
+
+def _record(model: MoEGPT, batch: dict, weights: bool = False) -> RoutingTrace:
+    with record_routing(model, weights=weights) as recorder:
+        model.loss(batch)
+    return recorder.trace()
+
+
+def _perturb_routers(model: MoEGPT, scale: float = 1.0, seed: int = 7) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.modules():
+            if isinstance(layer, MoELayer):
+                layer.router.weight.add_(scale * torch.randn(layer.router.weight.shape, generator=gen))
+
+
+# ------------------------------------------------------------------------------------------- one process
+def test_record_holds_every_token_in_global_order():
+    model, batch = _model(), _batch()
+    trace = _record(model, batch, weights=True)
+    assert trace.sample_index.tolist() == [3, 8, 11, 20]
+    assert tuple(trace.experts.shape) == (4, S, 2, K)
+    assert trace.layer_names == ["layers.0.feed_forward", "layers.1.feed_forward"]
+    assert trace.num_experts == [E, E]
+    assert int(trace.experts.min()) >= 0 and int(trace.experts.max()) < E
+    # topk_norm: the weights of a token sum to 1; the experts of a token are distinct.
+    torch.testing.assert_close(trace.weights.sum(-1), torch.ones(4, S, 2))
+    assert (trace.experts[..., 0] != trace.experts[..., 1]).all()
+    # Counting slots per expert gives the layer's statistics.
+    layer = model.layers["1"].feed_forward
+    counts = torch.bincount(trace.experts[:, :, 1].reshape(-1), minlength=E).float()
+    assert torch.equal(counts, layer.stats["tokens_per_expert"])
+
+
+def test_replay_of_the_same_model_changes_nothing():
+    model, batch = _model(), _batch()
+    loss = model.loss(batch)
+    trace = _record(model, batch)
+    with replay_routing(model, trace):
+        replayed = model.loss(batch)
+    assert replayed.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_replay_with_perturbed_router_keeps_the_recorded_experts_and_trains_the_router():
+    model, batch = _model(), _batch()
+    trace = _record(model, batch)
+    _perturb_routers(model)
+    assert not torch.equal(_record(model, batch).experts, trace.experts)  # the router would choose otherwise
+
+    inputs: dict[str, torch.Tensor] = {}
+    layer = model.layers["0"].feed_forward
+    handle = layer.register_forward_pre_hook(lambda mod, args: inputs.__setitem__("x", args[0].detach()))
+    with replay_routing(model, trace), record_routing(model, weights=True) as seen:
+        loss = model.loss(batch)
+        loss.backward()
+    handle.remove()
+    replayed = seen.trace()
+    assert torch.equal(replayed.experts, trace.experts)
+    # Gate weights: the router's scores at the replayed experts, normalised to sum 1 (topk_norm).
+    scores = torch.softmax(inputs["x"].reshape(-1, H) @ layer.router.weight.detach().T, dim=-1)
+    chosen = scores.gather(1, trace.experts[:, :, 0].reshape(-1, K))
+    torch.testing.assert_close(replayed.weights[:, :, 0].reshape(-1, K), chosen / chosen.sum(-1, keepdim=True))
+    # Gradients reach every router, and the statistics count the replayed experts.
+    for moe in (model.layers["0"].feed_forward, model.layers["1"].feed_forward):
+        grad = moe.router.weight.grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    counts = torch.bincount(trace.experts[:, :, 0].reshape(-1), minlength=E).float()
+    assert torch.equal(layer.stats["tokens_per_expert"], counts)
+
+
+def test_replay_gradient_equals_the_router_that_chose_the_same_experts():
+    # Replaying a model's own routing gives the very gradients of its normal step (aux loss included).
+    model, batch = _model(), _batch()
+    reference = copy.deepcopy(model)
+    reference.loss(batch).backward()
+    trace = _record(model, batch)
+    with replay_routing(model, trace):
+        model.loss(batch).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"load_balancing": "aux_loss", "z_loss_coeff": 1e-3},
+        {"load_balancing": "seq_aux_loss"},
+        {"load_balancing": "global_aux_loss"},
+        {"load_balancing": "sinkhorn"},
+        {"load_balancing": "none", "score_func": "sigmoid", "expert_bias": True},
+        {"load_balancing": "aux_loss", "num_groups": 2, "group_topk": 1},
+    ],
+    ids=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "expert_bias", "group_limited"],
+)
+def test_balancing_types_follow_the_replayed_choice(options):
+    model, batch = _model(**options), _batch()
+    model.train()
+    if options.get("expert_bias"):
+        with torch.no_grad():
+            model.layers["0"].feed_forward.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, E))
+    trace = _record(model, batch)
+    # Unperturbed, the replay reproduces the normal step exactly (Sinkhorn's and the bias's choice included).
+    reference, twin = copy.deepcopy(model), copy.deepcopy(model)
+    with replay_routing(twin, trace):
+        replayed = twin.loss(batch)
+    assert replayed.item() == pytest.approx(reference.loss(batch).item(), rel=1e-6)
+    for layer in model.modules():
+        if isinstance(layer, MoELayer) and layer.router.use_expert_bias:
+            layer.router.expert_load.zero_()
+    _perturb_routers(model, scale=0.5)
+    with replay_routing(model, trace), record_routing(model) as seen:
+        model.loss(batch).backward()
+    assert torch.equal(seen.trace().experts, trace.experts)
+    for index, key in enumerate(("0", "1")):
+        layer = model.layers[key].feed_forward
+        counts = torch.bincount(trace.experts[:, :, index].reshape(-1), minlength=E).float()
+        assert torch.equal(layer.stats["tokens_per_expert"], counts)
+        assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+        if options.get("expert_bias"):
+            # Loads of the replayed choice accumulate for the bias update.
+            assert torch.equal(layer.router.expert_load, counts)
+
+
+def test_trace_file_round_trip(tmp_path):
+    model, batch = _model(), _batch()
+    trace = _record(model, batch, weights=True)
+    path = tmp_path / "routing.safetensors"
+    trace.save(path)
+    loaded = RoutingTrace.load(path)
+    assert torch.equal(loaded.experts, trace.experts) and torch.equal(loaded.sample_index, trace.sample_index)
+    assert torch.equal(loaded.weights, trace.weights)
+    assert loaded.layer_names == trace.layer_names and loaded.num_experts == trace.num_experts
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata()["schema_version"] == str(SCHEMA_VERSION)
+        assert set(f.keys()) == {"sample_index", "experts", "weights"}
+    with replay_routing(model, path):  # a path works too
+        model.loss(batch)
+
+
+def test_trace_file_of_another_schema_or_format_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    model, batch = _model(), _batch()
+    trace = _record(model, batch)
+    path = tmp_path / "t.safetensors"
+    trace.save(path)
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    save_file(tensors, str(tmp_path / "v99.safetensors"), metadata={**meta, "schema_version": "99"})
+    with pytest.raises(ValueError, match="schema version 99"):
+        RoutingTrace.load(tmp_path / "v99.safetensors")
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not a routing trace"):
+        RoutingTrace.load(tmp_path / "other.safetensors")
+
+
+# ------------------------------------------------------------------------------------------- refusals
+def test_mismatched_batches_are_refused_with_the_mismatch_named():
+    model, batch = _model(), _batch()
+    trace = _record(model, batch)
+    with replay_routing(model, trace):
+        with pytest.raises(ValueError, match=r"samples \[99\] are not in the trace"):
+            model.loss(_batch(samples=(3, 99, 11, 20)))
+        with pytest.raises(ValueError, match=r"positions \[16, 17.*outside the trace's sequence of 16"):
+            model.loss(_batch(seq=2 * S))
+    partial = _record(model, {k: v[:, : S // 2] if v.dim() == 2 else v for k, v in batch.items()})
+    partial.experts = torch.cat([partial.experts, partial.experts.new_full(partial.experts.shape, -1)], dim=1)
+    with replay_routing(model, partial), pytest.raises(ValueError, match="holds no experts for .* sample 3 position 8"):
+        model.loss(batch)
+    # Without sample indices, batch rows are the samples: rows 0..3 are not samples 3, 8, 11, 20.
+    with replay_routing(model, trace), pytest.raises(ValueError, match="not in the trace"):
+        model.loss({k: v for k, v in batch.items() if k != "sample_index"})
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"num_layers": 3}, "no layer 'layers.2.feed_forward'"),
+        ({"num_experts": 8}, "recorded 4 experts, the layer has 8"),
+        ({"top_k": 1}, "recorded top_k=2, the layer has top_k=1"),
+    ],
+)
+def test_traces_of_other_models_are_refused(kwargs, match):
+    trace = _record(_model(), _batch())
+    num_layers = kwargs.pop("num_layers", 2)
+    other = _model(num_layers=num_layers, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        with replay_routing(other, trace):
+            pass
+
+
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"capacity_factor": 1.0}, "capacity_factor=1.0 cannot be recorded or replayed: which slots an expert drops"),
+        ({"capacity_factor": 1.0, "routing": "expert_choice"}, "routing='expert_choice' cannot be recorded"),
+    ],
+)
+def test_undefined_combinations_are_refused(options, match):
+    model = _model(**options)
+    with pytest.raises(ValueError, match=match):
+        with record_routing(model):
+            pass
+    trace = _record(_model(), _batch())
+    with pytest.raises(ValueError, match=match):
+        with replay_routing(model, trace):
+            pass
+
+
+def test_hooks_are_removed_after_the_block():
+    model, batch = _model(), _batch()
+    trace = _record(model, batch)
+    with replay_routing(model, trace):
+        pass
+    assert all(m.routing_hook is None for m in model.modules() if isinstance(m, MoELayer))
+    model.loss(_batch(samples=(100, 101, 102, 103)))  # no trace lookup outside the block
+
+
+def test_datasets_carry_the_global_sample_index(tmp_path):
+    path = tmp_path / "c.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    ds = ByteWindowDataset(path, seq_len=7, first_window=10, num_windows=5)
+    assert ds[0]["sample_index"].item() == 10 and ds[4]["sample_index"].item() == 14
+    batch = torch.utils.data.default_collate([ds[1], ds[3]])
+    assert batch["sample_index"].tolist() == [11, 13]
