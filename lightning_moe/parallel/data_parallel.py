@@ -72,7 +72,7 @@ def expert_shard_dim(local_shape: Sequence[int], split_dims: set[int] | frozense
     experts. ``split_dims``: dims already split over tp (expert tensor parallelism).
 
     - Dim 0 (FSDP2's default) when the rank holds at least ``group_size`` experts: whole experts per
-      rank, padding at most one expert's worth over the group.
+      rank, padded to ``ceil(experts / group_size)`` of them (under one expert of padding per rank).
     - Otherwise dim 0 would leave each rank whole experts plus padding (one expert over 4 ranks: each
       holds a full expert, three of them padding). Instead: the largest dim other than the expert
       and tp-split dims whose size ``group_size`` divides (FSDP2 shards a dim > 0 only evenly; ties
