@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -253,3 +254,77 @@ def test_datasets_carry_the_global_sample_index(tmp_path):
     assert ds[0]["sample_index"].item() == 10 and ds[4]["sample_index"].item() == 14
     batch = torch.utils.data.default_collate([ds[1], ds[3]])
     assert batch["sample_index"].tolist() == [11, 13]
+
+
+# ------------------------------------------------------------------------------------------- other layouts
+WORLD = 4
+SAMPLES = (3, 8, 11, 20)
+RTOL = 1e-5
+
+
+def replay_layout_case(tp: int, cp: int, ep: int, trace_path: str) -> dict:
+    """This rank's share of the batch replayed under a layout: its loss, the gathered chosen experts, the counts."""
+    import torch.distributed as dist
+
+    from lightning_moe import parallelize
+    from lightning_moe.cp import context_parallel_attention
+    from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
+    from tests.dist_pool import layout
+
+    dims = layout(tp=tp, cp=cp, ep=ep)
+    model = _model()
+    _perturb_routers(model)
+    parallelize(model, dims.mesh, data_parallel="none", sequence_parallel=True)
+    batch = _batch(SAMPLES)
+    share = len(SAMPLES) // dims.dp_ep_mesh.size()
+    rank = dims.dp_ep_mesh.get_local_rank()
+    batch = {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
+    context = context_parallel_attention(dims.cp_group) if cp > 1 else contextlib.nullcontext()
+    if cp > 1:
+        batch = shard_batch_for_context_parallel(batch, dims)
+    with replay_routing(model, trace_path), record_routing(model) as seen, context:
+        loss = model.loss(batch)
+        loss.backward()
+    chosen = seen.trace(group=dist.group.WORLD)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    counts = []
+    for layer in model.modules():
+        if isinstance(layer, MoELayer):
+            c = layer.stats["tokens_per_expert"].clone()  # reduced over cp x tp already
+            dist.all_reduce(c, group=dims.dp_ep_mesh.get_group())
+            counts.append(c)
+    grads = [layer.router.weight.grad.abs().sum().item() for layer in model.modules() if isinstance(layer, MoELayer)]
+    return {"loss": total.item() / dist.get_world_size(), "experts": chosen.experts, "samples": chosen.sample_index,
+            "counts": torch.stack(counts), "router_grad": grads}
+
+
+@pytest.fixture(scope="module")
+def one_process_replay(tmp_path_factory):
+    """The trace of the unperturbed model and the one-process replay of it by the perturbed model."""
+    path = str(tmp_path_factory.mktemp("trace") / "routing.safetensors")
+    model, batch = _model(), _batch(SAMPLES)
+    _record(model, batch).save(path)
+    _perturb_routers(model)
+    free = model.loss(batch).item()
+    with replay_routing(model, path), record_routing(model) as seen:
+        loss = model.loss(batch).item()
+    counts = torch.stack([m.stats["tokens_per_expert"] for m in model.modules() if isinstance(m, MoELayer)])
+    assert abs(free - loss) > 1e-4 * abs(loss)  # the perturbed router alone would route otherwise
+    return {"path": path, "loss": loss, "experts": seen.trace().experts, "counts": counts}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,cp,ep", [(1, 1, 2), (2, 1, 2), (1, 2, 2)], ids=["ep2", "tp2-ep2-sp", "cp2-ep2"])
+def test_trace_recorded_on_one_process_replays_on_other_layouts(one_process_replay, tp, cp, ep):
+    from tests.conftest import get_pool
+
+    reference = one_process_replay
+    reports = get_pool(WORLD).run(replay_layout_case, tp=tp, cp=cp, ep=ep, trace_path=reference["path"])
+    for rank, report in enumerate(reports):
+        assert report["samples"].tolist() == list(SAMPLES)
+        assert torch.equal(report["experts"], reference["experts"]), f"rank {rank}: other experts"
+        assert torch.equal(report["counts"], reference["counts"]), f"rank {rank}: {report['counts']}"
+        assert report["loss"] == pytest.approx(reference["loss"], rel=RTOL), f"rank {rank}"
+        assert all(g > 0 for g in report["router_grad"])
+    print(f"{tp=} {cp=} {ep=}: loss rel diff {abs(reports[0]['loss'] - reference['loss']) / reference['loss']:.2e}")
