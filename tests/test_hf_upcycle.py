@@ -246,3 +246,21 @@ def test_cli_trains_an_upcycled_model(folders, tmp_path):
     )
     assert len(summary["losses"]) == 4 and all(l == l for l in summary["losses"])
     assert len(summary["expert_load"]) == 2
+
+
+def test_a_config_mapping_upcycles_a_seeded_random_dense_model(folders):
+    """The preset's default (no folder): the same values eagerly and built on the meta device; a
+    ``pretrained`` folder replaces the mapping (the CLI's ``model.pretrained=...``)."""
+    from lightning_moe.hf import UpcycledHFMoEModule, upcycle
+    from lightning_moe.parallel.init import materialize_sharded
+
+    spec = {"model_type": "qwen3", **DENSE["qwen3"]}
+    eager = upcycle(spec, 4, 1, granularity=2, seed=1)
+    with torch.device("meta"):
+        meta = UpcycledHFMoEModule(spec, num_experts=4, top_k=1, granularity=2, seed=1)
+    materialize_sharded(meta, torch.device("cpu"), meta.initial_value)
+    want = dict(eager.named_parameters())
+    for name, t in meta.named_parameters():
+        assert torch.equal(t, want[name]), name
+    replaced = UpcycledHFMoEModule(spec, num_experts=4, top_k=1, pretrained=str(folders["qwen3"]))
+    assert _rel(replaced.eval()(TOKENS), _logits(dense_model("qwen3"))) < REL

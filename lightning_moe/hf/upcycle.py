@@ -189,7 +189,9 @@ class UpcycledHFMoEModule(HFMoEModule):
 
     Built by :func:`upcycle` (Python) or the Hydra preset ``model=hf_upcycle`` (CLI, built on the
     meta device: each rank then reads only its slices of the dense folder). Arguments: those of
-    :func:`upcycle`; ``pretrained`` is the dense folder (the CLI's ``model.pretrained``), instead of ``dense``.
+    :func:`upcycle`; ``pretrained`` is the dense folder (the CLI's ``model.pretrained``), instead of ``dense``,
+    and replaces a ``dense`` config mapping (``{"model_type": "qwen3", ...}``: a random dense model, the
+    preset's default, so that ``model=hf_upcycle`` alone runs without a folder).
     """
 
     def __init__(
@@ -208,9 +210,12 @@ class UpcycledHFMoEModule(HFMoEModule):
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-        if (dense is None) == (pretrained is None):
-            raise ValueError("upcycle: pass exactly one of dense (a model or folder) and pretrained (a local folder)")
-        source = pretrained if dense is None else dense
+        if dense is None and pretrained is None:
+            raise ValueError("upcycle: pass dense (a model, config mapping or folder) or pretrained (a local folder)")
+        if dense is not None and pretrained is not None and not isinstance(dense, Mapping):
+            raise ValueError("upcycle: pass either dense or pretrained, not both (pretrained replaces only a config mapping)")
+        source = pretrained if pretrained is not None else dense
+        random_shapes: dict[str, tuple[int, ...]] | None = None
         on_meta = torch.empty(()).is_meta
         folder: Path | None = None
         state: Mapping[str, torch.Tensor] | None = None
@@ -227,6 +232,16 @@ class UpcycledHFMoEModule(HFMoEModule):
                 with torch.device("cpu"):
                     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
                 state = model.state_dict()
+        elif isinstance(source, Mapping):  # a random dense model (the preset's demo default): seeded per tensor
+            from lightning_moe.hf.configs import build_config
+
+            spec = dict(source)
+            if "model_type" not in spec:
+                raise ValueError(f"upcycle: a dense config mapping needs a 'model_type' key, got {sorted(spec)}")
+            dense_config = build_config(spec.pop("model_type"), **spec)
+            with torch.device("meta"):
+                shapes = AutoModelForCausalLM.from_config(dense_config).state_dict()
+            random_shapes = {k: tuple(v.shape) for k, v in shapes.items()}
         elif isinstance(source, PreTrainedModel):
             dense_config = source.config
             state = source.state_dict()
@@ -252,6 +267,7 @@ class UpcycledHFMoEModule(HFMoEModule):
         self.upcycle_seed = torch.initial_seed() if seed is None else int(seed)
         self._dense_folder = folder
         self._dense_state = state
+        self._random_dense = random_shapes
         self._dense_reader: Reader | None = None
         self._check_weights_match(self._dense_keys())
         if not on_meta:
@@ -262,6 +278,8 @@ class UpcycledHFMoEModule(HFMoEModule):
     def _dense_keys(self) -> dict[str, tuple[int, ...]]:
         if self._dense_state is not None:
             return {k: tuple(v.shape) for k, v in self._dense_state.items()}
+        if self._random_dense is not None:
+            return self._random_dense
         from safetensors import safe_open
 
         from lightning_moe.hf.sharded_load import SafetensorsFolder
@@ -278,6 +296,8 @@ class UpcycledHFMoEModule(HFMoEModule):
             if self._dense_state is not None:
                 state = self._dense_state
                 self._dense_reader = lambda k, i: state[k][i]
+            elif self._random_dense is not None:
+                self._dense_reader = self._random_dense_value
             else:
                 from lightning_moe.hf.sharded_load import SafetensorsFolder
 
@@ -285,6 +305,15 @@ class UpcycledHFMoEModule(HFMoEModule):
         if key == "lm_head.weight" and self.config.tie_word_embeddings:
             key = "model.embed_tokens.weight"  # tied: often not written separately
         return self._dense_reader(key, index).detach()
+
+    def _random_dense_value(self, key: str, index: Index) -> torch.Tensor:
+        """A random dense model's tensor: norms ones, other vectors zeros, matrices normal(0, initializer_range),
+        each from a generator seeded by ``seed`` and its name (the same on every rank and layout)."""
+        shape = self._random_dense[key]  # type: ignore[index]
+        if len(shape) < 2:
+            return (torch.ones if "norm" in key else torch.zeros)(shape)[index]
+        generator = seeded_generator(self.upcycle_seed, "dense." + key)
+        return torch.empty(shape).normal_(0.0, self.config.initializer_range, generator=generator)[index]
 
     def _check_weights_match(self, dense: Mapping[str, tuple[int, ...]]) -> None:
         """Every non-MLP weight of the MoE model must be a dense weight of the same shape, and the dense
@@ -387,8 +416,9 @@ def upcycle(
 
     Args:
         model: a transformers dense causal LM (``LlamaForCausalLM``, ``MistralForCausalLM``,
-            ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; its dtype and device are kept) or a local folder
-            (read with ``from_pretrained``, in ``dtype``; nothing is downloaded). Llama and Mistral become
+            ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; its dtype and device are kept), a local folder
+            (read with ``from_pretrained``, in ``dtype``; nothing is downloaded) or a config mapping
+            ``{"model_type": "qwen3", ...}`` (a random dense model, seeded per tensor). Llama and Mistral become
             Mixtral, Qwen2 Qwen2-MoE, Qwen3 Qwen3-MoE (:data:`UPCYCLE_TARGETS`).
         num_experts: the number of routed experts per layer, Megatron's ``--num-experts``: the
             fine-grained count, ``granularity`` slices times ``num_experts / granularity`` replicas.
