@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 
 from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
+from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
 from lightning_moe.data import resolve_batch_layout
 from lightning_moe.layout import PARALLEL_DIMS, size_problems
 from lightning_moe.parallel.parallelize import check_layout
@@ -147,6 +148,8 @@ def build(cfg: DictConfig) -> TrainingRun:
     strategy = hydra.utils.instantiate(cfg.parallel)
     callbacks = _instantiate_all(cfg.callbacks)
     loggers = _instantiate_all(cfg.logger)
+    if cfg.get("routing") is not None:  # +routing.record=<path> / +routing.replay=<path> (docs/routing-replay.md)
+        callbacks.append(RoutingReplayCallback(**cfg.routing))
     trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
     # A model that says how to initialise any shard of itself is built on the meta device: no
     # process ever holds all of it, and the strategy materialises each rank's shards.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -328,3 +329,29 @@ def test_trace_recorded_on_one_process_replays_on_other_layouts(one_process_repl
         assert report["loss"] == pytest.approx(reference["loss"], rel=RTOL), f"rank {rank}"
         assert all(g > 0 for g in report["router_grad"])
     print(f"{tp=} {cp=} {ep=}: loss rel diff {abs(reports[0]['loss'] - reference['loss']) / reference['loss']:.2e}")
+
+
+# ------------------------------------------------------------------------------------------- CLI
+@pytest.mark.slow
+def test_cli_records_in_validation_and_replays_in_training(tmp_path):
+    from tests.cli import run_cli, run_cli_error
+
+    recorded = tmp_path / "val_routing.safetensors"
+    steps = ["~link", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=2"]
+    run_cli(tmp_path / "record", *steps, f"+routing.record={recorded}")
+    trace = RoutingTrace.load(recorded)
+    # Validation windows are the corpus tail; 2 validation batches of 2 samples.
+    assert trace.num_samples == 4 and trace.seq_len == 32 and trace.layer_names == [
+        "layers.0.feed_forward", "layers.1.feed_forward"]
+    assert int(trace.experts.min()) >= 0
+    # Training samples are other windows: replaying the validation trace in training is refused by name.
+    error = run_cli_error(tmp_path / "wrong", "~link", "trainer.max_steps=1", f"+routing.replay={recorded}")
+    assert "are not in the trace" in error
+    # A trace covering every training window (its experts made up) replays.
+    num_train = int(trace.sample_index.min())
+    gen = torch.Generator().manual_seed(0)
+    experts = torch.rand(num_train, 32, 2, E, generator=gen).argsort(-1)[..., :K]
+    made_up = tmp_path / "train_routing.safetensors"
+    RoutingTrace(torch.arange(num_train), experts, trace.layer_names, trace.num_experts).save(made_up)
+    summary = run_cli(tmp_path / "replay", "~link", "trainer.max_steps=2", f"+routing.replay={made_up}")
+    assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
