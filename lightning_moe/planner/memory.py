@@ -82,17 +82,23 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
     for pp_rank in edge_pp_ranks(layout):
         rank = pp_rank * (layout.world_size // layout.pp)
         counts = kind_counts(model, layout, pp_rank)
-        params = 0.0
+        params = gathered = 0.0
         unit_sizes: dict[str, float] = {}
         for spec in reps:
             n = counts[kind_of(model, spec)]
             if not n:
                 continue
             params += n * math.prod(local_shape(spec, layout, rank, padded=True))
-            # FSDP2 unshards one unit and prefetches the next: two of the largest units, in the all-gather dtype.
             if group_size(layout, spec.group) > 1:
-                unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + math.prod(local_shape(spec, layout, rank, fsdp=False))
-        buffers = 2 * max(unit_sizes.values(), default=0) * FSDP_GATHER_BYTES[precision]
+                unsharded = math.prod(local_shape(spec, layout, rank, fsdp=False))
+                unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + unsharded
+                gathered += n * unsharded
+        if layout.gather_once_per_step and layout.pp == 1:
+            # Every unit stays gathered for the optimizer step, with its unsharded fp32 gradients.
+            buffers = gathered * (FSDP_GATHER_BYTES[precision] + FP32_BYTES)
+        else:
+            # FSDP2 unshards one unit and prefetches the next: two of the largest units, in the all-gather dtype.
+            buffers = 2 * max(unit_sizes.values(), default=0) * FSDP_GATHER_BYTES[precision]
         layers = rank_layers(model, layout, pp_rank)
         # micro-batches in flight on this rank: GPipe all of them, 1F1B up to pp - pp_rank,
         # interleaved the 1F1B figure times (1 + (p-1)/(p v)) (Korthikanti et al. 2022, §4.2.3)

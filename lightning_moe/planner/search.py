@@ -82,9 +82,11 @@ def enumerate_layouts(
                             m = per_rank // mb
                             options = [("1F1B", 1)] if pp == 1 else [(sch, 2 if sch == "Interleaved1F1B" else 1) for sch in schedules]
                             for schedule, v in options:
-                                layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v)
-                                if not layout_problems(model, layout, seq_len, global_batch_size):
-                                    yield layout
+                                # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory)
+                                for once in (False, True) if pp == 1 and m > 1 else (False,):
+                                    layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once)
+                                    if not layout_problems(model, layout, seq_len, global_batch_size):
+                                        yield layout
 
 
 @dataclass
