@@ -355,3 +355,45 @@ def test_cli_records_in_validation_and_replays_in_training(tmp_path):
     RoutingTrace(torch.arange(num_train), experts, trace.layer_names, trace.num_experts).save(made_up)
     summary = run_cli(tmp_path / "replay", "~link", "trainer.max_steps=2", f"+routing.replay={made_up}")
     assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
+
+
+def replay_pipeline_case(trace_path: str) -> dict:
+    """pp2 x dp2: this data rank's half of the batch replayed through a 1F1B schedule (2 micro-batches)."""
+    import torch.distributed as dist
+
+    from lightning_moe import parallelize
+    from lightning_moe.parallel.pipeline import pipeline_batch, pipeline_stage_modules
+    from lightning_moe.parallel.pipeline_runner import PipelineRunner
+    from tests.dist_pool import layout
+
+    dims = layout(pp=2)
+    model = _model()
+    _perturb_routers(model)
+    parallelize(model, dims.mesh, data_parallel="none")
+    runner = PipelineRunner(pipeline_stage_modules(model), 2, dims.pp_group, torch.device("cpu"), "1F1B", 2,
+                            lambda output, labels: model.loss_from_logits(output, labels))
+    share = len(SAMPLES) // dims.dp_ep_mesh.size()
+    rank = dims.dp_ep_mesh.get_local_rank()
+    batch = {k: v[rank * share : (rank + 1) * share] for k, v in _batch(SAMPLES).items()}
+    inputs, kwargs, target = pipeline_batch(batch, 2, with_sample_index="sample_index" in runner.forward_kwargs)
+    with replay_routing(model, trace_path), record_routing(model) as seen:
+        loss = runner.broadcast_mean(runner.step(inputs, kwargs, target, train=False))
+    total = loss.clone()
+    dist.all_reduce(total, group=dims.dp_ep_mesh.get_group())
+    mine = seen.trace()
+    return {"loss": total.item() / dims.dp_ep_mesh.size(), "experts": mine.experts, "samples": mine.sample_index,
+            "layers": list(mine.layer_names)}
+
+
+@pytest.mark.slow
+def test_trace_recorded_on_one_process_replays_through_the_pipeline(one_process_replay):
+    """pp2: each stage replays its own layers' recorded choices for the samples of its data rank."""
+    from tests.conftest import get_pool
+
+    reference = one_process_replay
+    reports = get_pool(WORLD).run(replay_pipeline_case, trace_path=reference["path"])
+    for rank, report in enumerate(reports):
+        assert report["loss"] == pytest.approx(reference["loss"], rel=RTOL), f"rank {rank}"
+        rows = [SAMPLES.index(s) for s in report["samples"].tolist()]
+        layers = [int(name.split(".")[1]) for name in report["layers"]]  # layers.<i>.feed_forward
+        assert torch.equal(report["experts"], reference["experts"][rows][:, :, layers]), f"rank {rank}: other experts"

@@ -152,6 +152,7 @@ class LightningPipeline:
             batch,
             self.microbatches,
             with_positions="position_ids" in runner.forward_kwargs,
+            with_sample_index="sample_index" in runner.forward_kwargs,
             cp_group=self.dims.cp_group if self.dims.cp > 1 else None,
         )
         self.backward()  # a previous step's gradients, if its backward never ran

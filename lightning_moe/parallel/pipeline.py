@@ -271,13 +271,19 @@ def concat_batches(batches: Sequence[Any]) -> Any:
 
 
 def pipeline_batch(
-    batch: Any, microbatches: int, *, with_positions: bool = True, cp_group: dist.ProcessGroup | None = None
+    batch: Any,
+    microbatches: int,
+    *,
+    with_positions: bool = True,
+    with_sample_index: bool = False,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor], torch.Tensor]:
     """Schedule ``inputs`` (first stage), ``kwargs`` (every stage) and ``target`` (last stage) of a batch dict.
 
     ``position_ids`` go to every stage (later stages may receive sequence shards under sequence
-    parallelism, from which no position can be derived). Without ``loss_mask`` and context
-    parallelism the target is ``labels``; otherwise a float64 ``[B, S, 2 or 3]`` packing of labels,
+    parallelism, from which no position can be derived); so does the batch's ``sample_index`` when
+    ``with_sample_index`` (the stages' forward takes it: routing replay keys tokens by it).
+    Without ``loss_mask`` and context parallelism the target is ``labels``; otherwise a float64 ``[B, S, 2 or 3]`` packing of labels,
     each sample's loss tokens over the whole sequence (all ranks of ``cp_group``) and the mask,
     which :func:`unpack_target_loss` turns into ``loss_token_count`` per micro-batch: the schedule
     splits it by sample like the inputs.
@@ -294,6 +300,8 @@ def pipeline_batch(
         if positions is None:
             positions = torch.arange(seq, device=input_ids.device).expand(size, seq)
         kwargs["position_ids"] = positions
+    if with_sample_index and isinstance(batch.get("sample_index"), torch.Tensor):
+        kwargs["sample_index"] = batch["sample_index"]
     mask = batch.get("loss_mask")
     if mask is None and cp_group is None:
         return (input_ids,), kwargs, labels
