@@ -222,7 +222,7 @@ def upcycle_layout_case(folder: str, sizes: dict, meta: bool) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sizes", [{"ep": 2}, {"tp": 2}], ids=["ep2", "tp2"])
-@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral"])
 def test_upcycled_logits_equal_dense_under_layouts(folders, family, sizes):
     pool = get_pool(2)
     for meta in (False, True):
