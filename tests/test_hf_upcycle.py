@@ -120,6 +120,9 @@ def test_from_folder_and_meta_build_equal_the_eager_upcycle(folders):
         for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
             assert torch.equal(t, want[name]), name
     assert _rel(meta.eval()(TOKENS), _logits(dense)) < REL
+    rebuilt = UpcycledHFMoEModule(**eager.hparams)  # what load_from_checkpoint does: the folder and arguments
+    for name, t in rebuilt.named_parameters():
+        assert torch.equal(t, want[name]), name
 
 
 @pytest.mark.parametrize("family,granularity", [("llama", 1), ("mistral", 2), ("qwen2", 2), ("qwen3", 4)])

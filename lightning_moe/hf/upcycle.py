@@ -259,8 +259,14 @@ class UpcycledHFMoEModule(HFMoEModule):
         with warnings.catch_warnings():  # Lightning's note that ``dense`` (a module) is in the init args
             warnings.filterwarnings("ignore", message=r"Attribute 'dense' is an instance of `nn.Module`")
             super().__init__(moe, **module_kwargs)
-        self.hparams.pop("dense", None)  # a model object does not belong in checkpoints
-        self.hparams["upcycled_from"] = str(folder) if folder is not None else dense_config.model_type
+        # The hyper-parameters rebuild this module (``cls(**hparams)``): a folder, a config mapping and the
+        # arguments; a model object does not belong in checkpoints, nor HFMoEModule's ``model`` (the MoE).
+        self.hparams.pop("model", None)
+        if not isinstance(dense, Mapping):
+            self.hparams.pop("dense", None)
+        if folder is not None:
+            self.hparams["pretrained"] = str(folder)
+        self.upcycled_from = str(folder) if folder is not None else dense_config.model_type
         self.dense_model_type: str = dense_config.model_type
         self.granularity = granularity
         self.router_std = float(router_std if router_std is not None else dense_config.initializer_range)
