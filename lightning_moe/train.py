@@ -147,7 +147,7 @@ def build(cfg: DictConfig) -> TrainingRun:
     datamodule = hydra.utils.instantiate(cfg.data)
     strategy = hydra.utils.instantiate(cfg.parallel)
     callbacks = _instantiate_all(cfg.callbacks)
-    if cfg.get("link") is not None:  # the `link` group: simulated link speeds (lightning_moe.link_simulator)
+    if cfg.get("link"):  # the `link` group: simulated link speeds (lightning_moe.link_simulator)
         callbacks.append(hydra.utils.instantiate(cfg.link))
     loggers = _instantiate_all(cfg.logger)
     if cfg.get("routing") is not None:  # +routing.record=<path> / +routing.replay=<path> (docs/routing-replay.md)

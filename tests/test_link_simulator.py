@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
@@ -190,6 +191,9 @@ def test_link_config_group(tmp_path):
             cfg = compose("train", overrides=[f"trainer.default_root_dir={tmp_path}", "logger=none", *overrides])
         return [c for c in build(cfg).trainer.callbacks if isinstance(c, LinkSimulatorCallback)]
 
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        default = build(compose("train", overrides=[f"trainer.default_root_dir={tmp_path}", "logger=none"]))
+    assert all(isinstance(c, pl.Callback) for c in default.trainer.callbacks)  # nothing added by link=none
     assert callbacks() == []  # the default is no simulation
     assert callbacks("link=none") == []
     (sim,) = callbacks("link=ib_50", "link.ep_inter=25GB/s")
