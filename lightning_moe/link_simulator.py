@@ -344,23 +344,33 @@ class LinkSimulator:
         finally:
             self._local.depth = depth
 
+    def _issue(
+        self, fn: Callable[..., Any], signature: inspect.Signature, sent_bytes: SentBytes, functional: bool,
+        args: tuple[Any, ...], kwargs: dict[str, Any],
+    ) -> tuple[Any, float | None, tuple[str, str] | None, bool]:
+        """Run ``fn`` and schedule its transfer on its link: ``(result, deadline, link, async_op)``;
+        no deadline when the call is nested in another simulated one, off every simulated link or on one rank."""
+        issued = time.perf_counter()
+        with self._outermost() as outermost:
+            if not outermost:
+                return fn(*args, **kwargs), None, None, False
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            size, rank, link = self._link_of(bound.arguments.get("group"), functional, fn.__name__.startswith("all_to_all"))
+            if link is None or size < 2:
+                return fn(*args, **kwargs), None, None, False
+            deadline = self._schedule(link, sent_bytes(bound.arguments, size, rank), issued)
+            return fn(*args, **kwargs), deadline, link, bool(bound.arguments.get("async_op"))
+
     def _wrap_c10d(self, fn: Callable[..., Any], sent_bytes: SentBytes) -> Callable[..., Any]:
         signature = inspect.signature(fn)
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            issued = time.perf_counter()
-            with self._outermost() as outermost:
-                if not outermost:
-                    return fn(*args, **kwargs)
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                size, rank, link = self._link_of(bound.arguments.get("group"), False, fn.__name__.startswith("all_to_all"))
-                if link is None or size < 2:
-                    return fn(*args, **kwargs)
-                deadline = self._schedule(link, sent_bytes(bound.arguments, size, rank), issued)
-                result = fn(*args, **kwargs)
-            if bound.arguments.get("async_op") and result is not None:
+            result, deadline, link, async_op = self._issue(fn, signature, sent_bytes, False, args, kwargs)
+            if deadline is None or link is None:
+                return result
+            if async_op and result is not None:
                 return _DelayedWork(result, deadline, self.stats[link[0]])
             _sleep_until(deadline, self.stats[link[0]])
             return result
@@ -396,18 +406,9 @@ class LinkSimulator:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            issued = time.perf_counter()
-            with self._outermost() as outermost:
-                if not outermost:
-                    return fn(*args, **kwargs)
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                size, rank, link = self._link_of(bound.arguments.get("group"), True, fn.__name__.startswith("all_to_all"))
-                if link is None or size < 2:
-                    return fn(*args, **kwargs)
-                deadline = self._schedule(link, sent_bytes(bound.arguments, size, rank), issued)
-                result = fn(*args, **kwargs)
-            self._await_at_first_use(result, deadline, self.stats[link[0]])
+            result, deadline, link, _ = self._issue(fn, signature, sent_bytes, True, args, kwargs)
+            if deadline is not None and link is not None:
+                self._await_at_first_use(result, deadline, self.stats[link[0]])
             return result
 
         return wrapper
