@@ -281,6 +281,12 @@ def _check_moe_layer(proc: subprocess.CompletedProcess, cwd: Path) -> None:
     assert len(counts) == 8 and sum(counts) == 64, proc.stdout
 
 
+def _check_replay_and_upcycle(proc: subprocess.CompletedProcess, cwd: Path) -> None:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (cwd / "routing.safetensors").is_file()
+    assert proc.stdout.strip().splitlines()[-1] == "True", proc.stdout  # the upcycled logits equal the dense ones
+
+
 PYTHON_CHECKS = [
     PythonCheck(
         "trainer.fit(MoEGPT(",
@@ -302,6 +308,7 @@ PYTHON_CHECKS = [
         _check_hf_example,
     ),
     PythonCheck("layer = MoELayer(hidden_size=256", (), _check_moe_layer),
+    PythonCheck("with replay_routing(model, \"routing.safetensors\"):", (), _check_replay_and_upcycle),
 ]
 
 
