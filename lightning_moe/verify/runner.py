@@ -409,8 +409,7 @@ def verify_layout(
             raise VerifyConfigError("the factories are defined in an interactive session: define them in an importable module")
     common = {"kind": "factories", "module_factory": module_factory, "datamodule_factory": datamodule_factory,
               "trainer_kwargs": trainer_kwargs}
-    layout = {"tp": sizes["tp"], "cp": sizes["cp"], "ep": sizes["ep"], "dp": devices // product, "pp": sizes["pp"],
-              "etp": strategy_kwargs.get("etp") or sizes["tp"]}
+    layout = {**sizes, "dp": devices // math.prod(sizes.values()), "etp": strategy_kwargs.get("etp") or sizes["tp"]}
     job = Job(
         single_body={**common, "strategy_kwargs": single_kwargs, "devices": 1},
         layout_body={**common, "strategy_kwargs": dict(strategy_kwargs), "devices": devices},
