@@ -60,12 +60,6 @@ _SKIPPED_CALLERS = frozenset({comm.__name__, funcol.__name__, c10d.__name__, "li
 # Wrappers of other tools (the link simulator) between a caller and ours: the caller is behind them.
 _TRANSPARENT_CALLERS = frozenset({"lightning_moe.link_simulator"})
 
-# The bytes tables and group lookup live in lightning_moe.collective_traffic (the link simulator uses them too).
-_C10D: dict[str, SentBytes] = C10D_SENT_BYTES
-_FUNCOL: dict[str, SentBytes] = FUNCOL_SENT_BYTES
-_nbytes = tensor_bytes
-_resolve_group = resolve_group
-
 _ACTIVE_GROUPS: GroupDims | None = None  # set while count_collectives() is active
 _GROUP_CACHE: dict[tuple[str, bool], tuple[int, int, str]] = {}  # (group, functional) -> (size, rank, dim)
 _PAUSE_DEPTH = 0
@@ -74,7 +68,7 @@ _PAUSE_DEPTH = 0
 def _group_info(group: Any, functional: bool = False) -> tuple[int, int, str]:
     """``(size, rank, dim)`` of a call's process group."""
     assert _ACTIVE_GROUPS is not None
-    pg = _resolve_group(group)
+    pg = resolve_group(group)
     key = (pg.group_name, functional)
     info = _GROUP_CACHE.get(key)
     if info is None:
@@ -119,7 +113,7 @@ def _counted_batch_isend_irecv(fn: Callable[..., Any]) -> Callable[..., Any]:
             for op in p2p_op_list:
                 size, _, dim = _group_info(op.group)
                 if op.op is dist.isend and size > 1:
-                    sent[dim] = sent.get(dim, 0) + _nbytes(op.tensor)
+                    sent[dim] = sent.get(dim, 0) + tensor_bytes(op.tensor)
             for dim, nbytes in sent.items():
                 comm.record(dim, nbytes)
         return fn(p2p_op_list)
@@ -141,7 +135,7 @@ def _counted_pipeline_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
             if op.op is dist.isend:
                 size, _, dim = _group_info(op.group)
                 if size > 1:
-                    comm.record(dim, _nbytes(op.tensor))
+                    comm.record(dim, tensor_bytes(op.tensor))
         with uncounted():
             return fn(p2p_ops, *args, **kwargs)
 
@@ -170,10 +164,10 @@ def count_collectives(groups: GroupDims) -> Iterator[None]:
         return
     restore = wrap_distributed_functions(
         c10d={
-            **{name: functools.partial(_counted, sent_bytes=bytes_, functional=False) for name, bytes_ in _C10D.items()},
+            **{name: functools.partial(_counted, sent_bytes=bytes_, functional=False) for name, bytes_ in C10D_SENT_BYTES.items()},
             "batch_isend_irecv": _counted_batch_isend_irecv,
         },
-        functional={name: functools.partial(_counted, sent_bytes=bytes_, functional=True) for name, bytes_ in _FUNCOL.items()},
+        functional={name: functools.partial(_counted, sent_bytes=bytes_, functional=True) for name, bytes_ in FUNCOL_SENT_BYTES.items()},
         pipeline_batch=_counted_pipeline_batch,
     )
     try:
