@@ -297,5 +297,22 @@ def main(cfg: DictConfig) -> float | None:
     return train(cfg)
 
 
+def _end_launched_rank() -> None:
+    """End a rank that a launcher started (``LOCAL_RANK`` > 0) without interpreter finalization.
+
+    After ``destroy_process_group`` torch 2.13 still holds the gloo process groups (its DTensor
+    caches keep the meshes alive), and finalizing them can abort the process: a loaded machine
+    printed "terminate called without an active exception" after a run had ended well. This
+    rank's outputs are all written by now, so the process flushes them and exits at once.
+    """
+    if os.environ.get("LOCAL_RANK", "0") in ("", "0"):
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    _end_launched_rank()
