@@ -7,6 +7,10 @@ Ranks vary fastest in tp and slowest in pp (Megatron's ``tp-cp-ep-dp-pp``: tp st
 fast links, pp crosses nodes); as a row-major mesh that is ``(pp, dp, ep, cp, tp)``. One mesh is
 seen two ways: the dense view (attention, norms, embeddings) and the expert view (routed experts),
 whose data-parallel group mixes dims on both sides of ep.
+
+Parallel folding (Megatron's MoE Parallel Folding): the expert view's ep group may also span the
+attention view's cp and tp ranks (``fold_ep``), so ep does not multiply the world size by all of
+itself: 8 ranks run attention at tp8 and experts at ep8, the all-to-all inside tp's node.
 """
 
 from __future__ import annotations
@@ -38,6 +42,43 @@ EXPERT_MESH_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "etp")
 EP_NODE_MESH_DIMS: tuple[str, ...] = tuple(n for d in MESH_DIMS for n in (("ep_node", "ep_local") if d == "ep" else (d,)))
 
 
+# Attention-view dims the expert ep group can fold over (ep already acts as dp for the dense view).
+FOLDABLE_DIMS: tuple[str, ...] = ("cp", "tp")
+
+
+def normalize_fold_ep(fold_ep: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``fold_ep`` as a tuple of mesh dims in mesh order: ``"tp"``, ``"cp,tp"``, ``["cp", "tp"]``;
+    None, ``""`` or ``()`` for no folding. ``ValueError`` naming the fix for any other dim."""
+    if fold_ep is None:
+        return ()
+    names = [n.strip() for n in fold_ep.split(",")] if isinstance(fold_ep, str) else [str(n) for n in fold_ep]
+    names = [n for n in names if n]
+    wrong = [n for n in names if n not in FOLDABLE_DIMS]
+    if wrong or len(set(names)) != len(names):
+        raise ValueError(
+            f"fold_ep={fold_ep!r}: ep folds over the attention dims {list(FOLDABLE_DIMS)}, each once"
+            " (dp ranks are ep's data-parallel peers already: raise ep instead of folding dp)"
+        )
+    return tuple(d for d in MESH_DIMS if d in names)
+
+
+def fold_size(fold_ep: Sequence[str], tp: int = 1, cp: int = 1) -> int:
+    """How many ranks of the attention view each ep group takes in: the product of the folded dims."""
+    return math.prod({"tp": tp, "cp": cp}[d] for d in fold_ep)
+
+
+def unfolded_ep(ep: int, fold_ep: Sequence[str] = (), tp: int = 1, cp: int = 1) -> int:
+    """The part of ``ep`` on ranks of its own: the size of the mesh's ``ep`` dim (``ep`` when unfolded)."""
+    return ep // fold_size(fold_ep, tp, cp)
+
+
+def default_etp(tp: int, etp: int | None, fold_ep: Sequence[str] = ()) -> int:
+    """``etp`` as given, else ``tp`` (experts split like attention), or 1 when ep folds over tp."""
+    if etp is not None:
+        return etp
+    return 1 if "tp" in fold_ep else tp
+
+
 def expert_tensor_parallel(tp: int, etp: int | None) -> bool:
     """Whether experts are split over the tp ranks (``etp`` left unset means ``etp = tp``)."""
     return etp is None or etp == tp
@@ -48,21 +89,24 @@ def experts_split_over_tp(tp: int, etp: int | None) -> bool:
     return expert_tensor_parallel(tp, etp) and tp > 1
 
 
-def expert_group_spans(tp: int, etp: int | None) -> dict[str, tuple[str, ...]]:
+def expert_group_spans(tp: int, etp: int | None, fold_ep: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
     """The expert view's groups as the full mesh's dims they span.
 
-    ``edp`` takes in every dim the experts are replicated over: dp and cp, and tp as well when the
-    experts are not tensor-parallel (``etp = 1``), in which case ``etp`` spans no dim.
+    ``ep`` spans the mesh's ep dim and the folded ones (``fold_ep``). ``edp`` takes in every other
+    dim the experts are replicated over: dp and cp, and tp as well when the experts are not
+    tensor-parallel (``etp = 1``), in which case ``etp`` spans no dim; nor does it when ep folds
+    over tp.
     """
-    if expert_tensor_parallel(tp, etp):
-        return {"edp": ("dp", "cp"), "ep": ("ep",), "etp": ("tp",)}
-    return {"edp": ("dp", "cp", "tp"), "ep": ("ep",), "etp": ()}
+    fold = tuple(fold_ep)
+    etp_spans = ("tp",) if expert_tensor_parallel(tp, etp) and "tp" not in fold else ()
+    edp = tuple(d for d in ("dp", "cp", "tp") if d not in fold and d not in etp_spans)
+    return {"edp": edp, "ep": tuple(d for d in MESH_DIMS if d == "ep" or d in fold), "etp": etp_spans}
 
 
-def expert_view_order(tp: int, etp: int | None) -> tuple[str, ...]:
+def expert_view_order(tp: int, etp: int | None, fold_ep: Sequence[str] = ()) -> tuple[str, ...]:
     """The full mesh's dims reordered so that, read row-major, they give the ranks of
-    ``(pp, edp, ep, etp)``: edp's dims, then ep, then etp's."""
-    spans = expert_group_spans(tp, etp)
+    ``(pp, edp, ep, etp)``: edp's dims, then ep's, then etp's."""
+    spans = expert_group_spans(tp, etp, fold_ep)
     return ("pp", *spans["edp"], *spans["ep"], *spans["etp"])
 
 
@@ -133,11 +177,13 @@ def size_problems(
     global_batch_size: int | None = None,
     micro_batch_size: int = 1,
     pp_microbatches: int = 1,
+    fold_ep: Sequence[str] = (),
 ) -> list[str]:
     """Why a layout's sizes do not fit (empty: they do), each problem naming its fix.
 
     ``dp=-1`` is inferred from ``world_size``; facts left at None are not checked.
     ``pp_microbatches`` counts only under pp > 1 (micro-batches one pipeline step runs).
+    ``fold_ep``: the attention dims ep folds over (:func:`normalize_fold_ep`).
 
     Example::
 
@@ -145,10 +191,14 @@ def size_problems(
         # ['num_experts 6 is not divisible by ep 4: choose ep dividing num_experts']
     """
     problems: list[str | None] = []
+    etp = default_etp(tp, etp, fold_ep)
     if not expert_tensor_parallel(tp, etp) and etp != 1:
         problems.append(f"etp={etp} must be 1 or equal to tp={tp} (expert tensor parallel size)")
+    problems.append(fold_problem(ep, fold_ep, tp, cp, etp))
+    if problems[-1] is not None:
+        return [problems[-1]]  # the other rules need the mesh's ep
     if world_size is not None:
-        problems.append(world_size_problem(world_size, tp, cp, ep, dp, pp))
+        problems.append(world_size_problem(world_size, tp, cp, ep, dp, pp, fold_ep=fold_ep))
     for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
         if count is not None:
             problems.append(heads_problem(name, count, tp))
@@ -159,7 +209,8 @@ def size_problems(
     if seq_len is not None and cp > 1:
         problems.append(seq_len_problem(seq_len, cp))
     if global_batch_size is not None and dp != -1:
-        problems.append(batch_problem(global_batch_size, micro_batch_size, dp * ep, pp_microbatches if pp > 1 else 1))
+        dp_ep = dp * unfolded_ep(ep, fold_ep, tp, cp)
+        problems.append(batch_problem(global_batch_size, micro_batch_size, dp_ep, pp_microbatches if pp > 1 else 1))
     return [problem for problem in problems if problem is not None]
 
 
@@ -167,29 +218,51 @@ def size_problems(
 # size_problems applies them all; runtime checks (on tensors, modules, loaders) apply one and raise it.
 
 
-def world_size_problem(world_size: int, tp: int = 1, cp: int = 1, ep: int = 1, dp: int = -1, pp: int = 1) -> str | None:
-    """``world_size = tp*cp*ep*dp*pp`` (``dp=-1``: inferred, so the other sizes must divide it)."""
-    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+def world_size_problem(
+    world_size: int, tp: int = 1, cp: int = 1, ep: int = 1, dp: int = -1, pp: int = 1, *, fold_ep: Sequence[str] = ()
+) -> str | None:
+    """``world_size = tp*cp*ep*dp*pp`` (``dp=-1``: inferred, so the other sizes must divide it); ep
+    counts only its unfolded part (``ep/(tp*cp)`` for ``fold_ep=("cp", "tp")``)."""
+    sizes = {"tp": tp, "cp": cp, "ep": unfolded_ep(ep, fold_ep, tp, cp), "dp": dp, "pp": pp}
+    names = {"ep": f"(ep/{'*'.join(fold_ep)})"} if fold_ep else {}
     non_dp = math.prod(sizes[d] for d in NON_DP_DIMS)
     if dp == -1:
         if world_size % non_dp == 0:
             return None
         return (
-            f"world_size {world_size} is not divisible by {_product(NON_DP_DIMS, sizes)} = {non_dp}:"
+            f"world_size {world_size} is not divisible by {_product(NON_DP_DIMS, sizes, names)} = {non_dp}:"
             " change devices/num_nodes or the parallel sizes"
         )
     product = non_dp * dp
     if product == world_size:
         return None
     return (
-        f"world_size {world_size} != {_product(PARALLEL_DIMS, sizes)} = {product}:"
+        f"world_size {world_size} != {_product(PARALLEL_DIMS, sizes, names)} = {product}:"
         f" set devices*num_nodes to {product} or change the parallel sizes"
     )
 
 
-def _product(dims: Sequence[str], sizes: Mapping[str, int]) -> str:
-    """``tp*cp*ep*pp = 1*1*2*1``: the names of a product and its factors."""
-    return f"{'*'.join(dims)} = {'*'.join(str(sizes[d]) for d in dims)}"
+def _product(dims: Sequence[str], sizes: Mapping[str, int], names: Mapping[str, str] | None = None) -> str:
+    """``tp*cp*ep*pp = 1*1*2*1``: the names of a product (``names`` replaces some) and its factors."""
+    names = names or {}
+    return f"{'*'.join(names.get(d, d) for d in dims)} = {'*'.join(str(sizes[d]) for d in dims)}"
+
+
+def fold_problem(ep: int, fold_ep: Sequence[str], tp: int = 1, cp: int = 1, etp: int | None = None) -> str | None:
+    """Folding ep over attention dims: each ep group takes in whole groups of the folded dims (their
+    product divides ep), and folded tp ranks hold different experts, so none is split over tp."""
+    if not fold_ep:
+        return None
+    folded = fold_size(fold_ep, tp, cp)
+    if ep % folded:
+        sizes = {"tp": tp, "cp": cp}
+        return (
+            f"ep={ep} is not divisible by the folded {_product(fold_ep, sizes)} = {folded} (fold_ep={list(fold_ep)}):"
+            f" choose ep as a multiple of {folded} or fold fewer dims"
+        )
+    if "tp" in fold_ep and tp > 1 and default_etp(tp, etp, fold_ep) != 1:
+        return f"etp={etp} with ep folded over tp: the tp ranks hold different experts, so set etp=1 (or leave it unset)"
+    return None
 
 
 def heads_problem(name: str, count: int, tp: int, *, owner: str | None = None) -> str | None:

@@ -78,7 +78,10 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     Args:
         tp, cp, ep, pp: tensor, context, expert and pipeline parallel sizes.
         dp: data parallel size, or ``"auto"`` for ``world_size // (tp*cp*ep*pp)``.
-        etp: expert tensor parallel size, 1 or ``tp`` (default ``tp``).
+        etp: expert tensor parallel size, 1 or ``tp`` (default ``tp``; 1 when ep folds over tp).
+        fold_ep: parallel folding: the attention dims (``"tp"``, ``"cp"``, ``"cp,tp"``) whose ranks the
+            expert ep group spans too; ``MoE5DStrategy(tp=2, ep=2, fold_ep="tp")`` runs on 2 ranks.
+            The world size counts only ep's unfolded part (``tp*cp*(ep/(tp*cp))*dp*pp`` folding both).
         ranks_per_node: ranks sharing a node (default: Lightning's devices per node, ``Trainer(devices=...)``);
             set it smaller to simulate nodes (see ``ParallelDims``).
         pp_schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"`` (needs ``pp_stages_per_rank >= 2``).
@@ -119,6 +122,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         dp: int | Literal["auto"] = "auto",
         pp: int = 1,
         etp: int | None = None,
+        fold_ep: str | Sequence[str] | None = None,
         pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = "1F1B",
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int = 1,
@@ -148,7 +152,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.layout, self.layout_options = layout, layout_options
         try:
             self.parallel_dims = ParallelDims(
-                tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp, ranks_per_node=ranks_per_node
+                tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp, ranks_per_node=ranks_per_node,
+                fold_ep=fold_ep,
             )
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
@@ -245,6 +250,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                 data_parallel=self.data_parallel,
                 sequence_parallel=self.sequence_parallel,
                 etp=self.parallel_dims.etp,
+                fold_ep=self.parallel_dims.fold_ep,
                 pp_stages_per_rank=self.pp_stages_per_rank,
             )
         apply_training_plans(self.model, precision=self._precision_flag(), activation_checkpointing=self.activation_checkpointing,

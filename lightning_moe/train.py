@@ -40,7 +40,7 @@ from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
 from lightning_moe.data import resolve_batch_layout
-from lightning_moe.layout import PARALLEL_DIMS, size_problems
+from lightning_moe.layout import PARALLEL_DIMS, fold_problem, normalize_fold_ep, size_problems, unfolded_ep
 from lightning_moe.parallel.parallelize import check_layout
 from lightning_moe.parallel.arguments import check_unreduced_replicas
 
@@ -48,15 +48,22 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def devices_per_node(parallel: DictConfig, num_nodes: int = 1) -> int:
-    """Processes per node implied by the parallel sizes; ``dp="auto"`` counts as 1.
+    """Processes per node implied by the parallel sizes; ``dp="auto"`` counts as 1, and ep only its
+    part not folded over tp/cp (``fold_ep``).
 
     Registered as the ``lmoe.devices`` resolver, which ``conf/trainer/default.yaml`` uses for
     ``trainer.devices``. Example::
 
         devices_per_node(OmegaConf.create({"ep": 2, "dp": 2}))  # 4
     """
-    sizes = [parallel.get(name, 1) for name in PARALLEL_DIMS]
-    world_size = math.prod(size if isinstance(size, int) else 1 for size in sizes)
+    sizes = {name: parallel.get(name, 1) for name in PARALLEL_DIMS}
+    sizes = {name: size if isinstance(size, int) else 1 for name, size in sizes.items()}
+    fold = normalize_fold_ep(parallel.get("fold_ep"))
+    problem = fold_problem(sizes["ep"], fold, sizes["tp"], sizes["cp"], parallel.get("etp"))
+    if problem:
+        raise ValueError(problem)
+    sizes["ep"] = unfolded_ep(sizes["ep"], fold, sizes["tp"], sizes["cp"])
+    world_size = math.prod(sizes.values())
     if world_size % num_nodes:
         raise ValueError(
             f"the parallel sizes give {world_size} processes, not divisible by trainer.num_nodes={num_nodes}: "
@@ -211,9 +218,10 @@ def check_config(cfg: DictConfig) -> None:
     data = cfg.data
     if "global_batch_size" in data:
         resolve_batch_layout(
-            data.global_batch_size, data.get("micro_batch_size"), dims.dp * dims.ep, strategy.microbatches_per_step
+            data.global_batch_size, data.get("micro_batch_size"), dims.dp * dims.mesh_ep, strategy.microbatches_per_step
         )
-    problems = size_problems(*(getattr(dims, d) for d in PARALLEL_DIMS), dims.etp, seq_len=data.get("seq_len"))
+    problems = size_problems(*(getattr(dims, d) for d in PARALLEL_DIMS), dims.etp, seq_len=data.get("seq_len"),
+                             fold_ep=dims.fold_ep)
     if problems:
         raise ValueError(problems[0])
     try:

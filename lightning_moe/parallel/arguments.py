@@ -62,10 +62,10 @@ def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:
     Across dp x ep x cp ranks every parameter sees different tokens, and across tp ranks the router
     and shared expert do; without a reduction their copies train apart.
     """
-    replicas = dims.dp * dims.ep * dims.cp * dims.tp
+    replicas = dims.dp * dims.mesh_ep * dims.cp * dims.tp
     if data_parallel == "none" and replicas > 1:
         raise MisconfigurationException(
-            f"data_parallel='none' reduces no gradient, but dp*ep*cp*tp = {dims.dp}*{dims.ep}*{dims.cp}*{dims.tp} ="
+            f"data_parallel='none' reduces no gradient, but dp*ep*cp*tp = {dims.dp}*{dims.mesh_ep}*{dims.cp}*{dims.tp} ="
             f" {replicas} ranks hold copies of parameters that see different tokens (they would drift apart):"
             " use data_parallel='fsdp' or 'ddp', or reduce gradients yourself with lightning_moe.parallelize in"
             " configure_model"

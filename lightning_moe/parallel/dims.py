@@ -20,9 +20,12 @@ from lightning_moe.layout import (
     LAYOUT_KEYS,
     MESH_DIMS,
     NON_DP_DIMS,
+    default_etp,
     expert_group_spans,
     expert_view_order,
+    normalize_fold_ep,
     size_problems,
+    unfolded_ep,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +58,12 @@ class ParallelDims:
     ``ep_node_ids`` (no process group needed) gives each ep rank's node, ``ep_num_nodes`` their
     number and ``ep_ranks_per_node`` the ep ranks sharing one; ``ep_node_mesh`` splits ``ep`` into
     ``("ep_node", "ep_local")`` for two-stage dispatch.
+
+    Parallel folding: ``fold_ep=("tp",)`` (or ``"cp,tp"``) lets the expert view's ep group span the
+    attention view's tp (and cp) ranks as well, so ``ParallelDims(tp=2, ep=2, fold_ep="tp")`` runs
+    on 2 ranks: attention at tp2, experts at ep2 over the same ranks. ``ep`` is the expert-parallel
+    size either way; the mesh's ``ep`` dim holds its unfolded part (:attr:`mesh_ep`), and the
+    world size is ``tp*cp*mesh_ep*dp*pp``. Folded tp ranks hold different experts (``etp = 1``).
     """
 
     tp: int = 1
@@ -64,6 +73,7 @@ class ParallelDims:
     pp: int = 1
     etp: int | None = None
     ranks_per_node: int | None = None
+    fold_ep: tuple[str, ...] | str | None = ()
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,19 +83,31 @@ class ParallelDims:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if not isinstance(self.dp, int) or (self.dp < 1 and self.dp != -1):
             raise ValueError(f"dp={self.dp!r} must be an integer >= 1, or -1 to infer it from the world size")
-        if self.etp is None:
-            self.etp = self.tp
+        self.fold_ep = normalize_fold_ep(self.fold_ep)
+        self.etp = default_etp(self.tp, self.etp, self.fold_ep)
         self._raise_size_problems()
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be an integer >= 1 (or None: devices per node)")
 
     @property
+    def mesh_ep(self) -> int:
+        """The size of the mesh's ``ep`` dim: ``ep`` over the folded dims' product (``ep`` when unfolded).
+        With dp, it splits the samples of a step."""
+        return unfolded_ep(self.ep, self.fold_ep, self.tp, self.cp)
+
+    def mesh_size(self, dim: str) -> int:
+        """The size of one dim of the full ``(pp, dp, ep, cp, tp)`` mesh."""
+        return self.mesh_ep if dim == "ep" else getattr(self, dim)
+
+    @property
     def non_dp_size(self) -> int:
-        return self.tp * self.cp * self.ep * self.pp
+        return self.tp * self.cp * self.mesh_ep * self.pp
 
     def _raise_size_problems(self, world_size: int | None = None) -> None:
         """``ValueError`` with the first of :func:`lightning_moe.layout.size_problems` for these sizes."""
-        problems = size_problems(self.tp, self.cp, self.ep, self.dp, self.pp, self.etp, world_size=world_size)
+        problems = size_problems(
+            self.tp, self.cp, self.ep, self.dp, self.pp, self.etp, world_size=world_size, fold_ep=self.fold_ep
+        )
         if problems:
             raise ValueError(problems[0])
 
@@ -102,7 +124,7 @@ class ParallelDims:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, d) for d in MESH_DIMS)
+        return tuple(self.mesh_size(d) for d in MESH_DIMS)
 
     def _ranks_in_order(self, order: tuple[str, ...]) -> torch.Tensor:
         """Global ranks in the full mesh, its dims permuted to ``order`` (a permutation of the mesh dims)."""
@@ -121,8 +143,10 @@ class ParallelDims:
         return self.world_size if self.dp != -1 else self.non_dp_size
 
     def _ep_group_ranks(self) -> torch.Tensor:
-        """``[groups, ep]``: the global ranks of every ep group, one row per (pp, dp, cp, tp) coordinate."""
-        return self._ranks_in_order((*(d for d in MESH_DIMS if d != "ep"), "ep")).reshape(-1, self.ep)
+        """``[groups, ep]``: the global ranks of every ep group, one row per coordinate of the dims
+        outside it (all but ep, and the folded dims)."""
+        spans = expert_group_spans(self.tp, self.etp, self.fold_ep)["ep"]
+        return self._ranks_in_order((*(d for d in MESH_DIMS if d not in spans), *spans)).reshape(-1, self.ep)
 
     def _check_nodes(self) -> None:
         """``ranks_per_node`` divides the world size, every ep group splits into equal node blocks, and
@@ -223,22 +247,33 @@ class ParallelDims:
             self.__dict__.pop(name, None)
         # Remembered on the mesh, so that every parallelize() over it reuses the same sub-meshes
         # and process groups instead of creating new ones (process groups are never freed).
-        mesh.__dict__.setdefault(_DIMS_ATTR, {})[self.etp] = self
+        mesh.__dict__.setdefault(_DIMS_ATTR, {})[(self.etp, self.fold_ep)] = self
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, etp: int | None = None) -> ParallelDims:
-        """The dims of a full mesh built by :meth:`build_mesh` (or with the same names)."""
+    def from_mesh(
+        cls, mesh: DeviceMesh, etp: int | None = None, fold_ep: tuple[str, ...] | str | None = None
+    ) -> ParallelDims:
+        """The dims of a full mesh built by :meth:`build_mesh` (or with the same names).
+
+        ``etp`` and ``fold_ep`` both left at None: the dims the mesh was built with (the strategy's),
+        else those of a plain mesh (``etp = tp``, no folding).
+        """
         sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
         missing = [n for n in MESH_DIM_NAMES if n not in sizes]
         if missing:
             raise ValueError(f"mesh needs the dims {MESH_DIM_NAMES}, it lacks {missing}: build it with ParallelDims.build_mesh")
         attached = mesh.__dict__.get(_DIMS_ATTR, {})
-        known = attached.get(sizes["tp"] if etp is None else etp)
+        if etp is None and fold_ep is None and attached:
+            return next(iter(attached.values()))
+        fold = normalize_fold_ep(fold_ep)
+        known = attached.get((default_etp(sizes["tp"], etp, fold), fold))
         if known is not None:
             return known
         # The node layout belongs to the ranks, not to etp: keep the one the mesh was built with.
         ranks_per_node = next(iter(attached.values())).ranks_per_node if attached else None
-        dims = cls(**{n: sizes[n] for n in MESH_DIM_NAMES}, etp=etp, ranks_per_node=ranks_per_node)
+        ep = sizes["ep"] * math.prod(sizes[d] for d in fold)
+        dims = cls(**{n: sizes[n] for n in MESH_DIM_NAMES if n != "ep"}, ep=ep, etp=etp, ranks_per_node=ranks_per_node,
+                   fold_ep=fold)
         dims.attach(mesh)
         return dims
 
@@ -293,7 +328,8 @@ class ParallelDims:
     # Expert view ----------------------------------------------------------------------------------
     @property
     def ep_mesh(self) -> DeviceMesh:
-        return self.mesh["ep"]
+        """The ranks sharing a token all-to-all: the mesh's ep dim, or the expert view's when ep is folded."""
+        return self.expert_root_mesh["ep"] if self.fold_ep else self.mesh["ep"]
 
     @cached_property
     def expert_root_mesh(self) -> DeviceMesh:
@@ -305,9 +341,9 @@ class ParallelDims:
         """
         from torch.distributed.device_mesh import DeviceMesh
 
-        spans = expert_group_spans(self.tp, self.etp)  # pp, not among them, is a dim of both views
-        shape = [math.prod(getattr(self, d) for d in spans.get(name, (name,))) for name in EXPERT_MESH_DIMS]
-        ranks = self._ranks_in_order(expert_view_order(self.tp, self.etp)).reshape(shape)
+        spans = expert_group_spans(self.tp, self.etp, self.fold_ep)  # pp, not among them, is a dim of both views
+        shape = [math.prod(self.mesh_size(d) for d in spans.get(name, (name,))) for name in EXPERT_MESH_DIMS]
+        ranks = self._ranks_in_order(expert_view_order(self.tp, self.etp, self.fold_ep)).reshape(shape)
         return DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
 
     @property
@@ -336,7 +372,7 @@ class ParallelDims:
 
         nodes, local = self.ep_num_nodes, self.ep_ranks_per_node
         sizes = {"ep_node": nodes, "ep_local": local}
-        ranks = torch.arange(self.world_size).view(*(sizes.get(d) or getattr(self, d) for d in EP_NODE_MESH_DIMS))
+        ranks = torch.arange(self.world_size).view(*(sizes.get(d) or self.mesh_size(d) for d in EP_NODE_MESH_DIMS))
         return DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=EP_NODE_MESH_DIMS)
 
     # Process groups -------------------------------------------------------------------------------

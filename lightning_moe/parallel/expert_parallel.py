@@ -89,6 +89,11 @@ def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
                     f"max_nodes_per_token={layer.max_nodes_per_token} exceeds the {nodes} node(s) of the ep group"
                     f" (ep={dims.ep}, ranks_per_node={dims.node_size}): lower it or spread ep over more nodes"
                 )
+        if layer.dispatcher_kind == "hierarchical" and dims.fold_ep:
+            raise ValueError(
+                f"dispatcher='hierarchical' splits the mesh's ep dim by node, which fold_ep={list(dims.fold_ep)} leaves"
+                " incomplete: use dispatcher='alltoall' with folding, or unfold ep"
+            )
         if layer.routing == "expert_choice" and dims.tp * dims.cp > 1:
             raise ValueError(
                 "routing='expert_choice' ranks the tokens of the ep group only; under tp or cp > 1 each tp/cp rank"

@@ -92,10 +92,10 @@ class LightningPipeline:
         global_batch = getattr(datamodule, "global_batch_size", None)
         micro_batch = getattr(datamodule, "micro_batch_size", None)
         if isinstance(global_batch, int) and isinstance(micro_batch, int):
-            product = dims.dp * dims.ep * m * micro_batch
+            product = dims.dp * dims.mesh_ep * m * micro_batch
             raise MisconfigurationException(
                 f"global_batch_size {global_batch} is not divisible by dp*ep*pp_microbatches*micro_batch_size ="
-                f" {dims.dp}*{dims.ep}*{m}*{micro_batch} = {product}: every pipeline step runs pp_microbatches"
+                f" {dims.dp}*{dims.mesh_ep}*{m}*{micro_batch} = {product}: every pipeline step runs pp_microbatches"
                 f" micro-batches; make global_batch_size a multiple of {product} or change pp_microbatches"
                 " or micro_batch_size"
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from torch import nn
@@ -58,6 +59,7 @@ def parallelize(
     data_parallel: DataParallelKind = "fsdp",
     sequence_parallel: bool = True,
     etp: int | None = None,
+    fold_ep: str | Sequence[str] | None = None,
     pp_stages_per_rank: int = 1,
 ) -> nn.Module:
     """Parallelize ``module`` in place over the full ``(pp, dp, ep, cp, tp)`` mesh and return it.
@@ -77,7 +79,7 @@ def parallelize(
     """
     if data_parallel not in DATA_PARALLEL_KINDS:
         raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL_KINDS}")
-    dims = ParallelDims.from_mesh(mesh, etp=etp)
+    dims = ParallelDims.from_mesh(mesh, etp=etp, fold_ep=fold_ep)
     check_layout(module, dims, pp_stages_per_rank)
     if dims.pp > 1:
         # Split first: only this rank's layers get sharded for ep, tp and dp.
