@@ -190,6 +190,8 @@ def _layout(summary: dict[str, Any]) -> str:
     parts = [f"{dim}{layout[dim]}" for dim in PARALLEL_DIMS if layout.get(dim, 1) > 1]
     if layout.get("etp", layout.get("tp", 1)) != layout.get("tp", 1):
         parts.append(f"etp{layout['etp']}")
+    if layout.get("fold_ep"):
+        parts.append(f"fold_ep={layout['fold_ep']}")
     return " ".join(parts) or "single"
 
 

@@ -45,6 +45,7 @@ A_LAYOUTS = {
     "tp2": ["parallel=tp2"],
     "pp2_interleaved": ["parallel=pp2_interleaved"],
     "dp2_tp2_ep2": ["parallel=dp2_tp2_ep2"],  # 8 processes
+    "tp2_ep2_folded": ["parallel=tp2_ep2_folded"],  # experts at ep2 over the tp ranks: 2 processes
 }
 PAIRS = [
     ("ep2_to_single", "ep2", ["parallel=single"]),  # ep 2 -> 1, accumulation 2 -> 4
@@ -55,6 +56,9 @@ PAIRS = [
     ("interleaved_to_1f1b", "pp2_interleaved", ["parallel=pp2"]),
     ("pp2_to_single_micro4", "pp2_interleaved", ["parallel=single", "data.micro_batch_size=4"]),  # pp 2 -> 1, micro 2 -> 4
     ("8_processes_to_ep2", "dp2_tp2_ep2", ["parallel=ep2"]),
+    # Parallel folding both ways: the experts' ep group over tp ranks <-> ep ranks of their own.
+    ("folded_to_unfolded_tp2_etp1_ep2", "tp2_ep2_folded", ["parallel=tp2_etp1_ep2"]),
+    ("unfolded_to_folded_cp2_tp2_ep4", "ep2", ["parallel=cp2_tp2_ep4_folded"]),
 ]
 
 

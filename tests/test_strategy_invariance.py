@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omegaconf import OmegaConf
+
+from lightning_moe.train import devices_per_node
 from tests.cli import run_cli, run_cli_error
 
 REL = 1e-5
@@ -54,14 +57,14 @@ DEFAULT_DATA_RUN = [
 
 
 def _preset_processes(preset: str) -> int:
-    """Processes a preset starts (dp="auto" counts as 1, as trainer.devices does)."""
+    """Processes a preset starts (dp="auto" counts as 1, as trainer.devices does; folded ep counts
+    only its unfolded part)."""
     import yaml
+    from omegaconf import OmegaConf
 
-    from lightning_moe.train import CONF_DIR
+    from lightning_moe.train import CONF_DIR, devices_per_node
 
-    config = yaml.safe_load((CONF_DIR / "parallel" / f"{preset}.yaml").read_text())
-    sizes = [config.get(dim, 1) for dim in ("tp", "cp", "ep", "pp")] + [config.get("dp", 1)]
-    return int(torch.tensor([s if isinstance(s, int) else 1 for s in sizes]).prod())
+    return devices_per_node(OmegaConf.create(yaml.safe_load((CONF_DIR / "parallel" / f"{preset}.yaml").read_text())))
 
 
 def _presets_up_to_8_processes() -> list[str]:
@@ -98,8 +101,7 @@ def test_preset_with_default_data_matches_single_process(tmp_path, single_defaul
     num_layers = PRESET_LAYERS.get(preset, 2)
     summary = run_cli(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN,
                       timeout=900)
-    layout = summary["layout"]
-    assert layout["tp"] * layout["cp"] * layout["ep"] * layout["dp"] * layout["pp"] == _preset_processes(preset)
+    assert devices_per_node(OmegaConf.create(summary["layout"])) == _preset_processes(preset)
     _assert_same_curve(summary["losses"], single_default_losses(num_layers))
 
 

@@ -18,9 +18,10 @@ from lightning_moe.layout import LAYOUT_KEYS
 
 
 
-def parallel_layout(trainer: pl.Trainer) -> dict[str, int]:
+def parallel_layout(trainer: pl.Trainer) -> dict[str, int | str]:
     """``{tp, cp, ep, dp, pp, etp}`` of the run: from ``trainer.strategy.parallel_dims`` when the
     strategy has it (``MoE5DStrategy``), otherwise plain data parallel over ``trainer.world_size``.
+    A folded layout adds ``fold_ep`` (e.g. ``"cp,tp"``).
 
     Example::
 
@@ -29,10 +30,10 @@ def parallel_layout(trainer: pl.Trainer) -> dict[str, int]:
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is None:
         return {"tp": 1, "cp": 1, "ep": 1, "dp": trainer.world_size, "pp": 1, "etp": 1}
-    layout = {name: getattr(dims, name) for name in LAYOUT_KEYS}
-    if layout["etp"] is None:  # etp defaults to tp (DESIGN §1)
-        layout["etp"] = layout["tp"]
-    return {name: int(size) for name, size in layout.items()}
+    layout: dict[str, int | str] = {name: int(getattr(dims, name)) for name in LAYOUT_KEYS}
+    if getattr(dims, "fold_ep", ()):
+        layout["fold_ep"] = ",".join(dims.fold_ep)
+    return layout
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
