@@ -50,8 +50,42 @@ def test_expert_view(tp: int, etp: int | None, edp: tuple[str, ...], etp_span: t
 
 
 @pytest.mark.parametrize(
+    ("tp", "etp", "fold", "edp", "ep", "etp_span"),
+    [
+        (2, None, ("tp",), ("dp", "cp"), ("ep", "tp"), ()),
+        (2, 1, ("tp",), ("dp", "cp"), ("ep", "tp"), ()),
+        (2, None, ("cp", "tp"), ("dp",), ("ep", "cp", "tp"), ()),
+        (2, None, ("cp",), ("dp",), ("ep", "cp"), ("tp",)),  # experts still split over tp
+        (2, 1, ("cp",), ("dp", "tp"), ("ep", "cp"), ()),
+    ],
+)
+def test_folded_expert_view(tp, etp, fold, edp, ep, etp_span) -> None:
+    """Folding moves the folded dims from edp (or etp) into ep; the view is still a permutation of the mesh."""
+    spans = layout.expert_group_spans(tp, etp, fold)
+    assert (spans["edp"], spans["ep"], spans["etp"]) == (edp, ep, etp_span)
+    assert sorted(layout.expert_view_order(tp, etp, fold)) == sorted(layout.MESH_DIMS)
+
+
+def test_fold_sizes() -> None:
+    assert layout.normalize_fold_ep(" tp,cp ") == layout.normalize_fold_ep(["cp", "tp"]) == ("cp", "tp")
+    assert layout.normalize_fold_ep(None) == layout.normalize_fold_ep("") == ()
+    assert layout.unfolded_ep(8, ("tp",), tp=8) == 1 and layout.unfolded_ep(8, ("cp", "tp"), tp=2, cp=2) == 2
+    assert layout.default_etp(2, None, ("tp",)) == 1 and layout.default_etp(2, None, ("cp",)) == 2
+    assert layout.size_problems(tp=8, ep=8, world_size=8, fold_ep=("tp",), num_experts=8, num_heads=8) == []
+    with pytest.raises(ValueError, match=r"fold_ep='dp'.*raise ep instead"):
+        layout.normalize_fold_ep("dp")
+
+
+@pytest.mark.parametrize(
     ("sizes", "facts", "expected"),
     [
+        (dict(tp=2, cp=2, ep=2, fold_ep=("cp", "tp")), {},
+         "ep=2 is not divisible by the folded cp*tp = 2*2 = 4 (fold_ep=['cp', 'tp']): choose ep as a multiple of 4"),
+        (dict(tp=2, ep=2, etp=2, fold_ep=("tp",)), {}, "etp=2 with ep folded over tp: the tp ranks hold different experts"),
+        (dict(tp=2, ep=4, dp=1, fold_ep=("tp",)), dict(world_size=2), "world_size 2 != tp*cp*(ep/tp)*dp*pp = 2*1*2*1*1 = 4"),
+        (dict(tp=2, ep=4, fold_ep=("tp",)), dict(world_size=6), "world_size 6 is not divisible by tp*cp*(ep/tp)*pp = 2*1*2*1 = 4"),
+        (dict(tp=2, ep=4, dp=1, fold_ep=("tp",)), dict(global_batch_size=3),
+         "global_batch_size 3 not divisible by micro_batch_size*dp_ep = 1*2 = 2"),  # the mesh's ep splits samples
         (dict(tp=2, etp=3), {}, r"etp=3 must be 1 or equal to tp=2 (expert tensor parallel size)"),
         (dict(ep=2), dict(world_size=3), "world_size 3 is not divisible by tp*cp*ep*pp = 1*1*2*1 = 2"),
         (dict(ep=2, dp=2), dict(world_size=3), "world_size 3 != tp*cp*ep*dp*pp = 1*1*2*2*1 = 4"),

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
@@ -149,10 +150,14 @@ def test_every_preset_passes_the_offline_check_with_default_configs(preset):
         (["parallel=cp2", "data.seq_len=30"], r"seq_len 30 not divisible by 2\*cp = 4"),
         (["parallel=ep2", "trainer.devices=3"], r"world_size 3"),
         (["parallel=dp2", "parallel.data_parallel=none"], r"data_parallel='none' reduces no gradient"),
+        (["parallel=cp2_tp2_ep4_folded", "parallel.ep=2"], r"ep=2 is not divisible by the folded cp\*tp = 2\*2 = 4"),
+        (["parallel=tp2_ep2_folded", "parallel.fold_ep=dp"], r"fold_ep='dp': ep folds over the attention dims"),
+        (["parallel=tp2_ep2_folded", "trainer.devices=4", "parallel.dp=1"], r"world_size 4 != tp\*cp\*\(ep/tp\)\*dp\*pp = 2\*1\*1\*1\*1 = 2"),
     ],
 )
 def test_offline_check_names_the_fix(overrides, message):
-    with pytest.raises((ValueError, MisconfigurationException), match=message):
+    # The strategy's own argument errors reach the user through Hydra's InstantiationException.
+    with pytest.raises((ValueError, MisconfigurationException, InstantiationException), match=message):
         check_config(_compose(*overrides))
 
 
