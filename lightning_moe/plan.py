@@ -30,7 +30,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe.data.sampler import default_micro_batch_size
-from lightning_moe.layout import MESH_DIMS, NON_DP_DIMS, world_size_problem
+from lightning_moe.layout import (
+    MESH_DIMS,
+    NON_DP_DIMS,
+    default_etp,
+    fold_problem,
+    normalize_fold_ep,
+    unfolded_ep,
+    world_size_problem,
+)
 from lightning_moe.planner import (
     CHECKPOINT_MODES,
     PARALLEL_DIMS,
@@ -80,14 +88,17 @@ def layout_from_parallel(
     sizes = {d: parallel.get(d, 1) for d in PARALLEL_DIMS}
     if sizes["dp"] in ("auto", None):
         sizes["dp"] = -1
-    problem = world_size_problem(world_size, **sizes)
+    fold = normalize_fold_ep(parallel.get("fold_ep"))
+    problem = fold_problem(sizes["ep"], fold, sizes["tp"], sizes["cp"], parallel.get("etp"))
+    problem = problem or world_size_problem(world_size, **sizes, fold_ep=fold)
     if problem:
         raise ValueError(f"parallel preset: {problem}")
+    mesh_ep = unfolded_ep(sizes["ep"], fold, sizes["tp"], sizes["cp"])
     if sizes["dp"] == -1:
-        sizes["dp"] = world_size // math.prod(sizes[d] for d in NON_DP_DIMS)
+        sizes["dp"] = world_size // math.prod(mesh_ep if d == "ep" else sizes[d] for d in NON_DP_DIMS)
     tp = int(sizes["tp"])
-    etp = parallel.get("etp") or tp
-    per_rank = global_batch_size // (sizes["dp"] * sizes["ep"])
+    etp = default_etp(tp, parallel.get("etp"), fold)
+    per_rank = global_batch_size // (sizes["dp"] * mesh_ep)
     microbatches = max(1, per_rank // micro_batch_size)
     pp_microbatches = int(parallel.get("pp_microbatches") or sizes["pp"]) if sizes["pp"] > 1 else 0
     return Layout(
@@ -95,6 +106,7 @@ def layout_from_parallel(
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         pp_schedule=str(parallel.get("pp_schedule") or "1F1B"), pp_stages_per_rank=int(parallel.get("pp_stages_per_rank") or 1),
         pp_microbatches=pp_microbatches, gather_once_per_step=bool(parallel.get("gather_once_per_step") or False),
+        fold_ep=fold,
     )  # fmt: skip
 
 
@@ -176,8 +188,8 @@ def plot_plan(result: Plan, path: Path, checkpointing: str = "none") -> Path:
     return path
 
 
-def _sizes(layout: Layout) -> tuple[int, ...]:
-    return (*(layout.size(d) for d in PARALLEL_DIMS), layout.etp)
+def _sizes(layout: Layout) -> tuple[Any, ...]:
+    return (*layout.parallel_sizes().values(), layout.etp, layout.fold_ep)
 
 
 def format_same_sizes(requested: Estimate, result: Plan) -> str:
@@ -273,12 +285,13 @@ def dry_run(
             raise ValueError(f"dry_run rank {rank} is outside world_size={world}")
         dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
         try:
-            dims = ParallelDims(tp=layout.tp, cp=layout.cp, ep=layout.ep, dp=layout.dp, pp=layout.pp, etp=layout.etp)
+            dims = ParallelDims(**layout.parallel_sizes(), etp=layout.etp, fold_ep=layout.fold_ep)
             dims.validate(world)
             mesh = dims.build_mesh("cpu")
             with torch.device("meta"):
                 module = hydra.utils.instantiate(cfg)
-            parallelize(module, mesh, data_parallel="fsdp", etp=layout.etp, pp_stages_per_rank=layout.pp_stages_per_rank)
+            parallelize(module, mesh, data_parallel="fsdp", etp=layout.etp, fold_ep=layout.fold_ep,
+                        pp_stages_per_rank=layout.pp_stages_per_rank)
             shapes = {}
             numel = nbytes = 0
             for name, param in module.named_parameters():

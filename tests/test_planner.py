@@ -23,7 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lightning_moe.layout import LAYOUT_KEYS, PARALLEL_DIMS
+from lightning_moe.layout import LAYOUT_KEYS, PARALLEL_DIMS, default_etp, normalize_fold_ep, size_problems, unfolded_ep
 from lightning_moe.planner import (
     Cluster,
     Layout,
@@ -31,7 +31,9 @@ from lightning_moe.planner import (
     accounted_comm_bytes,
     chunk_size,
     comm_records,
+    enumerate_layouts,
     estimate,
+    group_ranks,
     parameter_bytes_per_rank,
     peer_split,
     plan,
@@ -60,6 +62,17 @@ def preset_shape(name: str) -> ModelShape:
 TINY = {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128,
         "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}}  # fmt: skip
 TINY_SEQ, TINY_GLOBAL_BATCH, TINY_MICRO_BATCH = 32, 8, 2
+
+
+def sizes_layout(sizes: dict, world_size: int | None = None) -> Layout:
+    """The planner's :class:`Layout` of ``ParallelDims(**sizes)``: etp and fold_ep as it defaults
+    them, dp filling ``world_size`` when given (the mesh's ep counts only ep's unfolded part)."""
+    fold = normalize_fold_ep(sizes.get("fold_ep"))
+    tp, cp = sizes.get("tp", 1), sizes.get("cp", 1)
+    full = {**sizes, "etp": default_etp(tp, sizes.get("etp"), fold), "fold_ep": fold}
+    if world_size is not None:
+        full["dp"] = world_size // (tp * cp * unfolded_ep(sizes.get("ep", 1), fold, tp, cp) * sizes.get("pp", 1))
+    return Layout(**full)
 
 
 # -- pure cost model -----------------------------------------------------------------------------------
@@ -115,6 +128,42 @@ def test_intra_and_inter_node_split_follows_rank_order():
     assert est.ep_internode_bytes == est.comm["ep"]["inter"]
 
 
+def test_folding_keeps_the_expert_all_to_all_inside_the_node():
+    """tp8·ep8 folded over tp runs on 8 ranks, its ep group the tp ranks of one 8-GPU node; unfolded
+    it takes 64 ranks and its ep group strides over 8 nodes. Same bytes per rank, other tier."""
+    folded, unfolded = Layout(tp=8, ep=8, fold_ep="tp"), Layout(tp=8, ep=8, etp=1)
+    assert (folded.world_size, folded.mesh_ep, unfolded.world_size) == (8, 1, 64)
+    assert group_ranks(folded, "ep", rank=5) == list(range(8))
+    assert group_ranks(unfolded, "ep", rank=5) == list(range(5, 64, 8))
+    assert folded.label() == "tp8·ep8(fold tp) mb1" and unfolded.label() == "tp8·ep8·etp1 mb1"
+    assert folded.strategy_kwargs() == {"tp": 8, "cp": 1, "ep": 8, "dp": 1, "pp": 1, "etp": 1, "fold_ep": "tp"}
+    shape, cl = preset_shape("mixtral_8x7b"), cluster("h100_sxm")
+    near, far = (estimate(shape, lay, cl, 4096, lay.world_size) for lay in (folded, unfolded))
+    assert near.comm["ep"]["inter"] == near.ep_internode_bytes == 0 and near.comm["ep"]["intra"] > 0
+    assert far.comm["ep"]["intra"] == 0 and far.comm["ep"]["inter"] == near.comm["ep"]["intra"]
+    assert near.exposed_comm_time < far.exposed_comm_time
+    # the folded ep group spans cp and tp: 4 ranks of ep8, in (ep, cp, tp) order as ParallelDims' expert view
+    both = Layout(tp=2, cp=2, ep=8, dp=2, fold_ep=["tp", "cp"])
+    assert (both.fold_ep, both.world_size, both.size("edp")) == (("cp", "tp"), 16, 2)
+    assert group_ranks(both, "ep", rank=9) == [8, 9, 10, 11, 12, 13, 14, 15]
+    # rank 9 is ep rank 1 of its group: one expert, split on its FFN dim over edp = dp 2
+    assert rank_parameters(shape, both, rank=9)["layers.0.feed_forward.experts.w1"] == (1, 4096, 14336 // 2)
+
+
+def test_the_search_offers_folded_layouts_the_layout_rules_accept():
+    shape = ModelShape.from_config(TINY)
+    layouts = list(enumerate_layouts(4, shape, TINY_SEQ, TINY_GLOBAL_BATCH))
+    assert {lay.fold_ep for lay in layouts} == {(), ("tp",), ("cp",), ("cp", "tp")}
+    for lay in layouts:
+        sizes = lay.parallel_sizes()
+        assert lay.world_size == 4
+        assert not size_problems(**sizes, etp=lay.etp, world_size=4, num_experts=4, fold_ep=lay.fold_ep), lay.label()
+    labels = {lay.label() for lay in layouts}
+    assert len(labels) == len(layouts)
+    assert "tp2·cp2·ep4(fold cp,tp) mb2" in labels and "tp2·ep2(fold tp)·dp2 mb1" in labels
+    assert not any(lay.fold_ep for lay in enumerate_layouts(4, shape, TINY_SEQ, TINY_GLOBAL_BATCH, folding=False))
+
+
 def test_expert_bytes_scale_with_the_share_of_slots_leaving_the_rank():
     shape = ModelShape.from_config(TINY)
     ep_bytes = {ep: sum(r.bytes for r in comm_records(shape, Layout(ep=ep, microbatches=1), 32) if r.dim == "ep" and r.routing_dependent) for ep in (2, 4)}
@@ -131,7 +180,8 @@ def test_mixtral_on_256_h100_plans_in_seconds_and_writes_its_outputs(tmp_path, c
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["layouts"] and saved["rejected"]
     best = saved["layouts"][0]
-    assert math.prod(best[d] for d in PARALLEL_DIMS) == 256
+    mesh_ep = unfolded_ep(best["ep"], best["fold_ep"], best["tp"], best["cp"])
+    assert math.prod(mesh_ep if d == "ep" else best[d] for d in PARALLEL_DIMS) == 256
     assert best["step_time_s"] == min(e["step_time_s"] for e in saved["layouts"])
     assert all(not e["fits"] and e["reason"] for e in saved["rejected"])
     assert set(best["memory_bytes"]["activations"]) == {"none", "selective", "full"}
@@ -211,12 +261,16 @@ def test_a_parallel_preset_that_does_not_fill_the_world_size_is_refused_in_the_l
     "sizes",
     [dict(tp=2, ep=2, dp=2), dict(tp=2, etp=1, cp=2, ep=2), dict(pp=2, ep=4), dict(dp=3, ep=2), dict(tp=4, pp=2, cp=2),
      # fewer experts per ep rank than edp: experts shard on a non-expert dim (etp 2: the hidden dim)
-     dict(tp=2, ep=4, dp=4), dict(ep=8, dp=2), dict(tp=2, etp=1, ep=4, pp=2)],
+     dict(tp=2, ep=4, dp=4), dict(ep=8, dp=2), dict(tp=2, etp=1, ep=4, pp=2),
+     # parallel folding: ep over tp (one expert per rank, sharded over edp = dp 4), over cp with
+     # expert TP kept, over both, and under a pipeline
+     dict(tp=2, ep=8, dp=4, fold_ep="tp"), dict(cp=2, tp=2, ep=4, dp=2, fold_ep="cp"),
+     dict(cp=2, tp=2, ep=8, fold_ep="cp,tp"), dict(tp=2, ep=2, pp=2, dp=2, fold_ep="tp")],
 )
 def test_dry_run_shards_equal_the_cost_model(sizes):
     cfg = {**TINY, "num_layers": 4, "num_kv_heads": 4, "moe_layer_freq": 2, "max_steps": 10, "max_seq_len": 64,
            "moe": {**TINY["moe"], "num_experts": 8, "shared_expert_hidden_size": 16}}  # fmt: skip
-    lay = Layout(**{"etp": sizes.get("tp", 1), **sizes})
+    lay = sizes_layout(sizes)
     views = dry_run({"_target_": "lightning_moe.models.MoEGPT", **cfg}, lay, ranks=range(lay.world_size))
     assert all(v.matches for v in views), [v.mismatches for v in views]
     assert len({v.parameter_bytes for v in views}) >= 1
@@ -299,19 +353,24 @@ def _held_parameters(sizes: dict, cfg: dict) -> dict:
 
     dims = pool_layout(**sizes)
     torch.manual_seed(0)
-    module = parallelize(MoEGPT(**cfg), dims.mesh, data_parallel="fsdp", etp=sizes.get("etp"))
+    module = parallelize(MoEGPT(**cfg), dims.mesh, data_parallel="fsdp", etp=sizes.get("etp"), fold_ep=sizes.get("fold_ep"))
     shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
     nbytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in module.parameters())
     return {"rank": dist.get_rank(), "shapes": shapes, "bytes": nbytes}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sizes", [dict(tp=2, ep=2), dict(ep=2, dp=2), dict(pp=2, ep=2), dict(tp=2, etp=1, cp=2)])
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(tp=2, ep=2), dict(ep=2, dp=2), dict(pp=2, ep=2), dict(tp=2, etp=1, cp=2),
+     # folded over tp: one expert per rank; then two, sharded over edp = dp 2
+     dict(tp=2, ep=4, fold_ep=("tp",)), dict(tp=2, ep=2, fold_ep=("tp",))],
+)  # fmt: skip
 def test_real_gloo_ranks_hold_the_planned_bytes(sizes):
     cfg = {**TINY, "max_steps": 10, "max_seq_len": 64}
     held = get_pool(4).run(_held_parameters, sizes=sizes, cfg=cfg)
     shape = ModelShape.from_config(cfg)
-    lay = Layout(**{"etp": sizes.get("tp", 1), "dp": 4 // math.prod(v for k, v in sizes.items() if k != "etp"), **sizes})
+    lay = sizes_layout(sizes, world_size=4)
     for entry in held:
         assert entry["shapes"] == rank_parameters(shape, lay, entry["rank"])
         assert entry["bytes"] == parameter_bytes_per_rank(shape, lay, entry["rank"])
@@ -343,17 +402,19 @@ _EXTRA = pytest.mark.skipif(not _ALL_LAYOUTS, reason="set LMOE_PLANNER_ALL_LAYOU
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "parallel", ["cp2_tp2", "pp2_ep2", *(pytest.param(p, marks=_EXTRA) for p in ("dp2", "tp2", "cp2", "ep2", "pp2"))]
-)
+    "parallel",
+    ["cp2_tp2", "pp2_ep2", "cp2_tp2_ep4_folded",
+     *(pytest.param(p, marks=_EXTRA) for p in ("dp2", "tp2", "cp2", "ep2", "pp2", "tp2_ep2_folded", "pp2_tp2_ep2_folded"))],
+)  # fmt: skip
 def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, parallel):
     """Deterministic dims exactly; ep within the routing band. The planner's ep figure assumes
     balanced routing ((ep-1)/ep of each rank's token slots leave it); the measured share depends on
     the router, so it must lie within 25% of it (and never above every slot leaving)."""
     measured = _measured_comm(tmp_path / parallel, parallel)
     cfg = compose_plan("model=tiny", f"parallel={parallel}").parallel
-    sizes = {d: cfg.get(d) for d in PARALLEL_DIMS}
-    world = math.prod(v if isinstance(v, int) else 1 for v in sizes.values())  # dp "auto": 1
-    lay = layout_from_parallel(cfg, world, TINY_GLOBAL_BATCH, TINY_MICRO_BATCH)
+    sizes = {d: cfg.get(d) if isinstance(cfg.get(d), int) else 1 for d in PARALLEL_DIMS}  # dp "auto": 1
+    sizes["ep"] = unfolded_ep(sizes["ep"], normalize_fold_ep(cfg.get("fold_ep")), sizes["tp"], sizes["cp"])
+    lay = layout_from_parallel(cfg, math.prod(sizes.values()), TINY_GLOBAL_BATCH, TINY_MICRO_BATCH)
     shape = ModelShape.from_config(TINY)
     planned = accounted_comm_bytes(shape, lay, TINY_SEQ, precision="32-true")
     assert planned["other"] == 0

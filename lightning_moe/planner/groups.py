@@ -13,9 +13,10 @@ from functools import lru_cache
 from lightning_moe.layout import DENSE_GROUPS, MESH_DIMS, expert_group_spans, spanned_ranks
 from lightning_moe.planner.layout import Layout
 
-# Mesh groups the code communicates on, as the mesh dims they span: the single dims, the dense
-# view's groups the cost model charges (dense: FSDP of dense parameters; token: router and shared
-# expert under tp, expert-bias loads; sequence: MoE statistics) and every rank.
+# Mesh groups the code communicates on, as the mesh dims they span: the single dims (ep unfolded:
+# :func:`group_spans` gives a folded ep group's), the dense view's groups the cost model charges
+# (dense: FSDP of dense parameters; token: router and shared expert under tp, expert-bias loads;
+# sequence: MoE statistics) and every rank.
 GROUP_SPANS: dict[str, tuple[str, ...]] = {
     **{dim: (dim,) for dim in MESH_DIMS},
     "dense": DENSE_GROUPS["dense_grad"],
@@ -27,9 +28,10 @@ GROUP_SPANS: dict[str, tuple[str, ...]] = {
 
 def group_spans(layout: Layout, group: str) -> tuple[str, ...]:
     """Mesh dims ``group`` spans: a key of :data:`GROUP_SPANS`, or ``"edp"``, the experts' data-parallel
-    mesh, which takes tp in when experts are not tensor-parallel (etp = 1)."""
-    if group == "edp":
-        return expert_group_spans(layout.tp, layout.etp)["edp"]
+    mesh, which takes tp in when experts are not tensor-parallel (etp = 1). ``"ep"`` is the expert
+    view's all-to-all group: the mesh's ep dim and, folded, the attention dims it spans too."""
+    if group in ("edp", "ep"):
+        return expert_group_spans(layout.tp, layout.etp, layout.fold_ep)[group]
     return GROUP_SPANS[group]
 
 
@@ -45,7 +47,7 @@ def group_size(layout: Layout, group: str) -> int:
 def _mesh_only(layout: Layout) -> Layout:
     """The layout's mesh (sizes and etp): the splits below depend on nothing else, so they are cached
     on it, shared by every micro-batch and schedule variant of a mesh."""
-    return Layout(layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.etp)
+    return Layout(layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.etp, fold_ep=layout.fold_ep)
 
 
 def peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, float]:

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from lightning_moe.layout import MESH_DIMS, PARALLEL_DIMS, expert_group_spans, rank_coordinates
+from lightning_moe.layout import (
+    MESH_DIMS,
+    PARALLEL_DIMS,
+    expert_group_spans,
+    normalize_fold_ep,
+    rank_coordinates,
+    unfolded_ep,
+)
 from lightning_moe.planner.model_shape import ModelShape
 
 
@@ -18,6 +25,9 @@ class Layout:
     ``microbatches``: micro-batches per optimizer step on each data-parallel rank; under pp > 1 each
     pipeline step runs ``pp_microbatches`` of them (0: all, one pipeline step per optimizer step).
     ``gather_once_per_step``: FSDP gathers each unit once per optimizer step (pp = 1).
+    ``fold_ep``: parallel folding, the attention dims (``"tp"``, ``"cp"``) the expert ep group spans
+    too (:func:`lightning_moe.layout.normalize_fold_ep`). ``ep`` is the expert-parallel size either
+    way, as ``ParallelDims`` takes it; the mesh's ep dim holds its unfolded part (:attr:`mesh_ep`).
     ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
     """
 
@@ -33,6 +43,16 @@ class Layout:
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 0
     gather_once_per_step: bool = False
+    fold_ep: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # "cp,tp", ["tp", "cp"] and ("cp", "tp") are one layout: one hash, one label
+        object.__setattr__(self, "fold_ep", normalize_fold_ep(self.fold_ep))
+
+    @property
+    def mesh_ep(self) -> int:
+        """The size of the mesh's ep dim: ``ep`` over the folded dims' product (``ep`` unfolded)."""
+        return unfolded_ep(self.ep, self.fold_ep, self.tp, self.cp)
 
     @property
     def pipeline_microbatches(self) -> int:
@@ -46,23 +66,29 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp * self.ep * self.dp * self.pp
+        return self.tp * self.cp * self.mesh_ep * self.dp * self.pp
 
     def size(self, dim: str) -> int:
-        """A mesh dim's size, or an expert-view group's (``edp``, ``etp``): the product of the dims it spans."""
-        spans = expert_group_spans(self.tp, self.etp).get(dim)
-        if spans is not None:
-            return math.prod(getattr(self, d) for d in spans)
-        return getattr(self, dim)
+        """A mesh dim's size (``ep``: :attr:`mesh_ep`), or an expert-view group's (``edp``, ``etp``):
+        the product of the mesh dims it spans. The expert-parallel size is :attr:`ep`."""
+        if dim in ("edp", "etp"):
+            return math.prod(self.size(d) for d in expert_group_spans(self.tp, self.etp, self.fold_ep)[dim])
+        return self.mesh_ep if dim == "ep" else getattr(self, dim)
+
+    def parallel_sizes(self) -> dict[str, int]:
+        """The five sizes as the strategy takes them (``ep``: the expert-parallel size, folded or not)."""
+        return {d: getattr(self, d) for d in PARALLEL_DIMS}
 
     def label(self) -> str:
         """Everything the estimate depends on besides the model and cluster, e.g.
         ``tp8·ep8·dp2·pp8 mb1 1F1B pp_microbatches=32``: the sizes, ``etp1`` when experts are not
         tensor-parallel, the micro-batch size and, under pp > 1, the schedule (``v2``: stages per
         rank) and the micro-batches of one pipeline step (they set the bubble), so that two layouts
-        with different estimates never share a label."""
-        parts = [f"{d}{self.size(d)}" for d in PARALLEL_DIMS if self.size(d) > 1] or ["single"]
-        if self.tp > 1 and self.etp == 1:
+        with different estimates never share a label. A folded ep names the dims it folds over,
+        ``tp8·ep8(fold tp)`` (8 ranks), apart from ``tp8·ep8`` (64); folding tp implies etp1."""
+        sizes = self.parallel_sizes()
+        parts = [f"{d}{n}" + (self._fold_note() if d == "ep" else "") for d, n in sizes.items() if n > 1] or ["single"]
+        if self.tp > 1 and self.etp == 1 and "tp" not in self.fold_ep:
             parts.append("etp1")
         text = "·".join(parts) + f" mb{self.micro_batch_size}"
         if self.pp > 1:
@@ -72,9 +98,14 @@ class Layout:
             text += " gather_once_per_step"
         return text
 
+    def _fold_note(self) -> str:
+        return f"(fold {','.join(self.fold_ep)})" if self.fold_ep else ""
+
     def strategy_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {d: self.size(d) for d in PARALLEL_DIMS}
+        kwargs: dict[str, Any] = self.parallel_sizes()
         kwargs["etp"] = self.etp
+        if self.fold_ep:
+            kwargs["fold_ep"] = ",".join(self.fold_ep)
         if self.pp > 1:
             kwargs.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pipeline_microbatches, pp_stages_per_rank=self.pp_stages_per_rank)
         if self.gather_once_per_step:

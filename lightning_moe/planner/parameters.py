@@ -123,7 +123,8 @@ def local_shape(spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True
     coords = layout.coordinates(rank)
     shape = list(spec.shape)
     if spec.expert:
-        shape[0] = chunk_size(shape[0], layout.ep, coords["ep"])
+        # the rank's place in its ep group, which spans the folded attention dims too
+        shape[0] = chunk_size(shape[0], layout.ep, group_index(layout, "ep", coords))
     if spec.tp_dim is not None:
         shape[spec.tp_dim] = chunk_size(shape[spec.tp_dim], layout.tp, coords["tp"])
     if fsdp:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_moe.layout import PARALLEL_DIMS, sequence_split_problem, size_problems
+from lightning_moe.layout import fold_size, sequence_split_problem, size_problems
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
 from lightning_moe.planner.layout import Layout
@@ -27,7 +27,7 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
     """Why the code would refuse ``layout`` (empty: valid): the layout rules
     (:func:`lightning_moe.layout.size_problems`) for this model and batch, then what only a shape
     tells (sequence parallel shards, experts without MoE layers) and the pipeline's own checks."""
-    tp, cp, ep, dp, pp = (layout.size(d) for d in PARALLEL_DIMS)
+    tp, cp, ep, dp, pp = layout.parallel_sizes().values()
     mp = layout.pipeline_microbatches
     problems = size_problems(
         tp, cp, ep, dp, pp, layout.etp,
@@ -35,7 +35,7 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
         num_experts=model.num_experts if model.num_moe_layers else None,
         expert_ffn_hidden_size=model.moe_ffn_hidden_size,
         seq_len=seq_len, global_batch_size=global_batch_size,
-        micro_batch_size=layout.micro_batch_size, pp_microbatches=mp,
+        micro_batch_size=layout.micro_batch_size, pp_microbatches=mp, fold_ep=layout.fold_ep,
     )  # fmt: skip
     if not model.num_moe_layers and ep > 1:
         problems.append("ep > 1 without MoE layers")
@@ -52,6 +52,13 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
     return problems
 
 
+def fold_options(tp: int, cp: int) -> list[tuple[str, ...]]:
+    """The ways ep can fold over the attention dims of a mesh: not at all, over tp, over cp, over
+    both (a dim of size 1 adds nothing to fold)."""
+    dims = [d for d, n in (("cp", cp), ("tp", tp)) if n > 1]
+    return [(), *((d,) for d in dims), *([tuple(dims)] if len(dims) == 2 else [])]
+
+
 def enumerate_layouts(
     world_size: int,
     model: ModelShape,
@@ -61,32 +68,48 @@ def enumerate_layouts(
     max_tp: int | None = None,
     micro_batch_sizes: Iterable[int] | None = None,
     schedules: Iterable[str] = ("1F1B", "Interleaved1F1B"),
+    folding: bool = True,
 ) -> Iterator[Layout]:
     """Every layout the code accepts for ``world_size`` ranks (tp at most ``max_tp``, a node).
 
-    Under pp > 1 one pipeline step runs all micro-batches of the optimizer step.
+    The mesh's ep dim (``mesh_ep``) and dp share the samples; with ``folding`` each mesh is also
+    tried with ep folded over its tp and/or cp ranks (:func:`fold_options`): ``ep = mesh_ep x`` the
+    folded product, validated by the layout rules like any other. Under pp > 1 one pipeline step
+    runs all micro-batches of the optimizer step.
     """
     for tp in _divisors(world_size):
         if max_tp is not None and tp > max_tp:
             continue
         for cp in _divisors(world_size // tp):
-            for ep in _divisors(world_size // (tp * cp)):
-                for pp in _divisors(world_size // (tp * cp * ep)):
-                    dp = world_size // (tp * cp * ep * pp)
-                    if global_batch_size % (dp * ep):
+            for mesh_ep in _divisors(world_size // (tp * cp)):
+                for pp in _divisors(world_size // (tp * cp * mesh_ep)):
+                    dp = world_size // (tp * cp * mesh_ep * pp)
+                    if global_batch_size % (dp * mesh_ep):
                         continue
-                    per_rank = global_batch_size // (dp * ep)
+                    per_rank = global_batch_size // (dp * mesh_ep)
                     sizes = [x for x in _divisors(per_rank) if x <= MAX_MICRO_BATCH] if micro_batch_sizes is None else [x for x in micro_batch_sizes if per_rank % x == 0]
-                    for etp in sorted({1, tp}):
-                        for mb in sizes:
-                            m = per_rank // mb
-                            options = [("1F1B", 1)] if pp == 1 else [(sch, 2 if sch == "Interleaved1F1B" else 1) for sch in schedules]
-                            for schedule, v in options:
-                                # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory)
-                                for once in (False, True) if pp == 1 and m > 1 else (False,):
-                                    layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once)
-                                    if not layout_problems(model, layout, seq_len, global_batch_size):
-                                        yield layout
+                    for fold in fold_options(tp, cp) if folding else [()]:
+                        ep = mesh_ep * fold_size(fold, tp, cp)
+                        if fold and model.num_moe_layers and model.num_experts % ep:
+                            continue  # the layout rules would refuse every variant below
+                        for etp in [1] if "tp" in fold else sorted({1, tp}):
+                            yield from _schedules(model, seq_len, global_batch_size, (tp, cp, ep, dp, pp, etp, fold), per_rank, sizes, schedules)
+
+
+def _schedules(
+    model: ModelShape, seq_len: int, global_batch_size: int, mesh: tuple[Any, ...], per_rank: int, sizes: list[int], schedules: Iterable[str]
+) -> Iterator[Layout]:
+    """The valid micro-batch and pipeline variants of one mesh ``(tp, cp, ep, dp, pp, etp, fold_ep)``."""
+    tp, cp, ep, dp, pp, etp, fold = mesh
+    for mb in sizes:
+        m = per_rank // mb
+        options = [("1F1B", 1)] if pp == 1 else [(sch, 2 if sch == "Interleaved1F1B" else 1) for sch in schedules]
+        for schedule, v in options:
+            # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory)
+            for once in (False, True) if pp == 1 and m > 1 else (False,):
+                layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once, fold_ep=fold)
+                if not layout_problems(model, layout, seq_len, global_batch_size):
+                    yield layout
 
 
 @dataclass
@@ -123,8 +146,11 @@ def plan(
     memory_budget: float | None = None,
     max_tp: int | None = None,
     micro_batch_sizes: Iterable[int] | None = None,
+    folding: bool = True,
 ) -> Plan:
     """Estimate every valid layout and rank those that fit by step time.
+
+    ``folding``: also try ep folded over tp and/or cp (parallel folding, :func:`enumerate_layouts`).
 
     Raises ``ValueError`` (before any work) for bad arguments, when no layout is valid for
     ``world_size``, and when ``memory_budget`` cannot hold the parameters, gradients and optimizer
@@ -151,7 +177,7 @@ def plan(
             f" {state_bytes / 2**30:.2f} GiB): raise memory_budget or world_size, or pick a smaller model"
         )
     max_tp = cluster.gpus_per_node if max_tp is None else max_tp
-    layouts = list(enumerate_layouts(world_size, model, seq_len, global_batch_size, max_tp=max_tp, micro_batch_sizes=micro_batch_sizes))
+    layouts = list(enumerate_layouts(world_size, model, seq_len, global_batch_size, max_tp=max_tp, micro_batch_sizes=micro_batch_sizes, folding=folding))
     if not layouts:
         raise ValueError(
             f"no layout of world_size={world_size} is valid for {model.name} with seq_len={seq_len} and"
@@ -214,6 +240,9 @@ def resolve_auto_layout(
     result = plan(
         world_size, shape, machine, seq_len=int(seq_len), global_batch_size=int(global_batch_size),  # type: ignore[arg-type]
         precision=_precision_of(precision), micro_batch_sizes=[int(micro_batch_size)],
+        # MoE5DStrategy.before_launch builds ParallelDims from LAYOUT_KEYS alone: a folded choice
+        # would lose its fold_ep there, so "auto" ranks unfolded layouts until it reads fold_ep too
+        folding=False,
     )  # fmt: skip
     if not result.ranked:
         smallest = result.rejected[0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, record_split
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES
@@ -50,8 +49,9 @@ class Estimate:
 
     def as_dict(self) -> dict[str, Any]:
         out = {
-            **{d: self.layout.size(d) for d in PARALLEL_DIMS},
+            **self.layout.parallel_sizes(),
             "etp": self.layout.etp,
+            "fold_ep": list(self.layout.fold_ep),
             "micro_batch_size": self.layout.micro_batch_size,
             "microbatches": self.layout.microbatches,
             "pp_schedule": self.layout.pp_schedule if self.layout.pp > 1 else None,
