@@ -14,6 +14,7 @@ torch API below is present there; pipeline parallelism included, see
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -75,6 +76,7 @@ __all__ = [
     "set_fsdp_mixed_precision",
     "set_process_group_timeouts",
     "shallow_copy_module",
+    "slice_flattened",
     "tensor_is_view",
     "trainer_logging_step",
     "trainer_should_update_logs",
@@ -204,6 +206,17 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
     """``DeviceMesh._flatten(name)``: one process group over several mesh dims. Present in torch 2.9-2.13.
     Checked on: torch 2.11-2.13."""
     return mesh._flatten(name)
+
+
+def slice_flattened(root: Any, names: tuple[str, ...]) -> Any:
+    """``root[names]`` where some of ``names`` are dims flattened on ``root`` (:func:`flatten_mesh`).
+    torch 2.11-2.13 slice them, warning that slicing a flattened dim from the root "will be
+    deprecated"; HSDP needs it so that the full mesh (its dp flattened from dp_replicate x dp_shard)
+    and the HSDP meshes share one root, as FSDP2 requires of a tensor-parallel parameter's mesh.
+    Checked on: torch 2.11-2.13."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+        return root[names]
 
 
 def replicate_module(modules: nn.Module | list[nn.Module], mesh: Any) -> None:

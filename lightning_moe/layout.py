@@ -37,6 +37,10 @@ DENSE_GROUPS: dict[str, tuple[str, ...]] = {
 
 # The expert view as a mesh of its own, slowest first: expert data parallel, ep, expert tensor parallel.
 EXPERT_MESH_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "etp")
+# HSDP (``data_parallel="hsdp"``): dp splits into replica groups (slower) of ``dp_shard`` ranks each,
+# so the full mesh comes from a root with dp split in two; the expert view splits edp alike.
+HSDP_MESH_DIMS: tuple[str, ...] = tuple(n for d in MESH_DIMS for n in (("dp_replicate", "dp_shard") if d == "dp" else (d,)))
+EXPERT_HSDP_MESH_DIMS: tuple[str, ...] = ("pp", "edp_replicate", "edp_shard", "ep", "etp")
 # The full mesh with ep split by node, for two-stage dispatch: the ep ranks sharing a position in
 # their nodes (one per node), then those of one node.
 EP_NODE_MESH_DIMS: tuple[str, ...] = tuple(n for d in MESH_DIMS for n in (("ep_node", "ep_local") if d == "ep" else (d,)))
@@ -136,8 +140,9 @@ ACCOUNTED_GROUPS: tuple[tuple[tuple[str, ...], str], ...] = (
     (DENSE_GROUPS["token"], "dp"), (("dp", "cp", "tp"), "dp"), (("dp",), "dp"), (("tp",), "tp"),
     (DENSE_GROUPS["sequence"], "cp"), (("cp",), "cp"), (("ep",), "ep"), (("ep", "tp"), "ep"), (("pp",), "pp"),
 )  # fmt: skip
-# Expert-view mesh dims and the dim their traffic is charged to.
-ACCOUNTED_EXPERT_DIMS: dict[str, str] = {"edp": "dp", "etp": "tp"}
+# Expert-view mesh dims and the dim their traffic is charged to; HSDP's qualifiers (``dp_shard``,
+# ``edp_replicate``, as a group name splits into parts) stay with their dp.
+ACCOUNTED_EXPERT_DIMS: dict[str, str] = {"edp": "dp", "etp": "tp", "replicate": "dp", "shard": "dp"}
 
 
 def accounted_dim(spans: Sequence[str], sizes: Mapping[str, int]) -> str | None:
@@ -246,6 +251,30 @@ def _product(dims: Sequence[str], sizes: Mapping[str, int], names: Mapping[str, 
     """``tp*cp*ep*pp = 1*1*2*1``: the names of a product (``names`` replaces some) and its factors."""
     names = names or {}
     return f"{'*'.join(names.get(d, d) for d in dims)} = {'*'.join(str(sizes[d]) for d in dims)}"
+
+
+def hsdp_problem(dp: int, dp_replicate: int | None = None, dp_shard: int | None = None) -> str | None:
+    """HSDP splits dp into ``dp_replicate`` replica groups of ``dp_shard`` ranks (either may be left
+    out and follows from dp): the two multiply to dp."""
+    for name, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            return f"{name}={value!r} must be a positive integer (HSDP: dp = dp_replicate*dp_shard)"
+    if dp_replicate is None and dp_shard is None:
+        return "data_parallel='hsdp' needs dp_replicate or dp_shard (dp = dp_replicate*dp_shard), e.g. dp_replicate=2"
+    replicate = dp_replicate if dp_replicate is not None else dp // dp_shard
+    shard = dp_shard if dp_shard is not None else dp // replicate
+    if replicate * shard != dp:
+        return (
+            f"dp_replicate*dp_shard = {dp_replicate}*{dp_shard} != dp = {dp}: HSDP splits dp into replica groups;"
+            " choose sizes whose product is dp"
+        )
+    return None
+
+
+def hsdp_sizes(dp: int, dp_replicate: int | None = None, dp_shard: int | None = None) -> tuple[int, int]:
+    """``(dp_replicate, dp_shard)`` with the one left out filled in (:func:`hsdp_problem` must pass)."""
+    replicate = dp_replicate if dp_replicate is not None else dp // dp_shard  # type: ignore[operator]
+    return replicate, dp // replicate
 
 
 def fold_problem(ep: int, fold_ep: Sequence[str], tp: int = 1, cp: int = 1, etp: int | None = None) -> str | None:

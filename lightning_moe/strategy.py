@@ -38,7 +38,7 @@ from lightning_moe.checkpoint.state import (
 from lightning_moe.cp import context_parallel_attention
 from lightning_moe.layout import LAYOUT_KEYS
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
-from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, check_unreduced_replicas
+from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, check_unreduced_replicas, resolve_hsdp
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
@@ -87,7 +87,10 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         pp_schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"`` (needs ``pp_stages_per_rank >= 2``).
         pp_microbatches: micro-batches per pipeline step (default ``pp``); 1F1B needs ``>= pp``.
         pp_stages_per_rank: virtual stages per rank (interleaved schedule).
-        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"ddp"`` (replication) or ``"none"``.
+        data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"hsdp"`` (FSDP2 sharding within replica groups,
+            all-reducing across them), ``"ddp"`` (replication) or ``"none"``.
+        dp_replicate, dp_shard: under ``"hsdp"``, dp = ``dp_replicate * dp_shard`` (give one or both): the
+            replica groups and the ranks of each (torchtitan's names). Expert data parallel splits alike.
         gather_once_per_step: under FSDP and gradient accumulation (pp = 1), all-gather each unit
             once per optimizer step and reduce-scatter once, holding its unsharded parameters and
             gradients for the step (:mod:`lightning_moe.parallel.fsdp_accumulation`).
@@ -126,7 +129,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = "1F1B",
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int = 1,
-        data_parallel: Literal["fsdp", "ddp", "none"] = "fsdp",
+        data_parallel: Literal["fsdp", "hsdp", "ddp", "none"] = "fsdp",
+        dp_replicate: int | None = None,
+        dp_shard: int | None = None,
         gather_once_per_step: bool = False,
         sequence_parallel: bool = True,
         context_parallel_keys: Sequence[str] = (),
@@ -148,7 +153,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, dp=dp, pp=pp,
                                  save_distributed_checkpoint=save_distributed_checkpoint,
                                  activation_checkpointing=activation_checkpointing, compile=compile,
-                                 gather_once_per_step=gather_once_per_step)
+                                 gather_once_per_step=gather_once_per_step, dp_replicate=dp_replicate, dp_shard=dp_shard)
         self.layout, self.layout_options = layout, layout_options
         try:
             self.parallel_dims = ParallelDims(
@@ -165,6 +170,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.compile = compile
         self.deterministic = bool(deterministic)
         self.data_parallel = data_parallel
+        self.dp_replicate, self.dp_shard = dp_replicate, dp_shard
         self.gather_once_per_step = gather_once_per_step
         self._gather_once: GatherOncePerStep | None = None
         self.sequence_parallel = sequence_parallel
@@ -197,6 +203,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             raise MisconfigurationException(
                 f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})"
             ) from err
+        resolve_hsdp(self.parallel_dims, self.data_parallel, self.dp_replicate, self.dp_shard)
         check_unreduced_replicas(self.parallel_dims, self.data_parallel)
         try:
             check_precision(self._precision_flag())

@@ -6,11 +6,12 @@ from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_moe.layout import hsdp_problem, hsdp_sizes
 from lightning_moe.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS
 
-__all__ = ["auto_layout", "check_strategy_arguments", "check_unreduced_replicas"]
+__all__ = ["auto_layout", "check_strategy_arguments", "check_unreduced_replicas", "resolve_hsdp"]
 
 
 def check_strategy_arguments(
@@ -24,6 +25,8 @@ def check_strategy_arguments(
     activation_checkpointing: str,
     compile: Any,
     gather_once_per_step: Any = False,
+    dp_replicate: Any = None,
+    dp_shard: Any = None,
 ) -> None:
     """Raise ``MisconfigurationException`` for a value ``MoE5DStrategy`` cannot take (sizes: ``ParallelDims``)."""
     if layout not in ("manual", "auto"):
@@ -48,12 +51,30 @@ def check_strategy_arguments(
         raise MisconfigurationException(f"compile={compile!r} must be True or False")
     if not isinstance(gather_once_per_step, bool):
         raise MisconfigurationException(f"gather_once_per_step={gather_once_per_step!r} must be True or False")
+    if data_parallel != "hsdp" and (dp_replicate is not None or dp_shard is not None):
+        raise MisconfigurationException(
+            f"dp_replicate={dp_replicate!r}, dp_shard={dp_shard!r} split dp for HSDP, but data_parallel={data_parallel!r}:"
+            " set data_parallel='hsdp' or leave both unset"
+        )
+    if data_parallel == "hsdp" and dp_replicate is None and dp_shard is None:
+        raise MisconfigurationException(hsdp_problem(1))
     if gather_once_per_step and (data_parallel != "fsdp" or pp > 1):
         raise MisconfigurationException(
             f"gather_once_per_step=True needs data_parallel='fsdp' and pp=1 (got data_parallel={data_parallel!r},"
             f" pp={pp}): only FSDP gathers parameters, and pipeline schedules already reduce gradients once per"
             " pipeline step; set gather_once_per_step=False"
         )
+
+
+def resolve_hsdp(dims: ParallelDims, data_parallel: str, dp_replicate: int | None, dp_shard: int | None) -> None:
+    """Under ``data_parallel="hsdp"`` set ``dims.dp_replicate`` from the sizes given, once dp is known
+    (``dims.validate`` ran); ``MisconfigurationException`` naming the fix when they do not split dp."""
+    if data_parallel != "hsdp":
+        return
+    problem = hsdp_problem(dims.dp, dp_replicate, dp_shard)
+    if problem:
+        raise MisconfigurationException(problem)
+    dims.dp_replicate = hsdp_sizes(dims.dp, dp_replicate, dp_shard)[0]
 
 
 def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:

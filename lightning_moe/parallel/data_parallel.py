@@ -1,4 +1,4 @@
-"""Data parallelism: FSDP2 ``fully_shard`` or DDP-style ``replicate`` over the dense and expert views."""
+"""Data parallelism: FSDP2 ``fully_shard`` (flat or HSDP) or DDP-style ``replicate`` over the dense and expert views."""
 
 from __future__ import annotations
 
@@ -28,41 +28,55 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
     Under FSDP, experts whose local count (``num_experts / ep``) is smaller than the ``edp`` group
     shard on a non-expert dim (:func:`expert_shard_dim`) instead of FSDP2's dim 0, so each rank
     holds ``1 / (ep * edp)`` of the expert state rather than whole experts plus padding.
+
+    ``kind="hsdp"``: FSDP2 over the 2-D ``(replicate, shard)`` meshes of ``dims`` (``dp_replicate``
+    replica groups): parameters shard within a group, gradients reduce-scatter there and all-reduce
+    across the groups.
     """
     if kind == "none":
         return
-    if kind == "fsdp":
+    if kind in ("fsdp", "hsdp"):
         from torch.distributed.fsdp import fully_shard as wrap
     else:
         wrap = replicate_module
+    hsdp = kind == "hsdp"
+    dense_mesh, token_mesh, edp_mesh = (
+        (dims.dense_fsdp_mesh, dims.token_fsdp_mesh, dims.edp_fsdp_mesh) if hsdp
+        else (dims.dense_grad_mesh, dims.token_mesh, dims.edp_mesh)
+    )  # fmt: skip
 
     divisor = float(dims.dense_grad_mesh.size())
 
     def averaged(modules: nn.Module | list[nn.Module], mesh: DeviceMesh, **options: Any) -> None:
         wrap_averaged(wrap, modules, mesh, divisor, kind, **options)
 
-    edp = dims.edp_mesh.size()
+    edp_shard = shard_group_size(edp_mesh)
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         options = {}
-        if kind == "fsdp" and layer.num_experts // dims.ep < edp:
-            options["shard_placement_fn"] = _expert_placement(edp)
-        averaged(layer.experts, dims.edp_mesh, **options)
+        if kind != "ddp" and layer.num_experts // dims.ep < edp_shard:
+            options["shard_placement_fn"] = _expert_placement(edp_shard)
+        averaged(layer.experts, edp_mesh, **options)
         if dims.tp > 1:
             # Router, shared expert and its gate, output biases: they see this tp rank's tokens only.
-            averaged([m for name, m in layer.named_children() if name != "experts" and _has_parameters(m)], dims.token_mesh)
+            averaged([m for name, m in layer.named_children() if name != "experts" and _has_parameters(m)], token_mesh)
     blocks = block_container(module)
     if blocks is not None:
         for block in iter_blocks(blocks):
-            wrap(block, mesh=dims.dense_grad_mesh)
+            wrap(block, mesh=dense_mesh)
     if dims.pp > 1:
         # Pipeline stages call the module's children, never the module itself (a stage may be a
         # shallow copy of it): each child holding parameters is a unit of its own, so every unit's
         # hooks run in the stages' forward and backward.
         for child in module.children():
             if child is not blocks and _has_unwrapped_parameters(child):
-                wrap(child, mesh=dims.dense_grad_mesh)
+                wrap(child, mesh=dense_mesh)
         return
-    wrap(module, mesh=dims.dense_grad_mesh)
+    wrap(module, mesh=dense_mesh)
+
+
+def shard_group_size(mesh: DeviceMesh) -> int:
+    """Ranks FSDP2 shards over on ``mesh``: its last dim (the shard dim of an HSDP mesh, the only one otherwise)."""
+    return mesh.size(mesh.ndim - 1)
 
 
 def expert_shard_dim(local_shape: Sequence[int], split_dims: set[int] | frozenset[int], group_size: int) -> int:
@@ -129,8 +143,8 @@ def wrap_averaged(
     wrap(modules, mesh=mesh, **options)
     unit = modules[0] if isinstance(modules, list) else modules
     unit.set_gradient_divide_factor(divisor)
-    reduce_scatters = kind == "fsdp" and mesh.size() > 1
-    force_sum_reduction(unit, reduce_scatters and dist.get_backend(mesh.get_group()) != "nccl")
+    reduce_scatters = kind in ("fsdp", "hsdp") and shard_group_size(mesh) > 1
+    force_sum_reduction(unit, reduce_scatters and dist.get_backend(mesh.get_group(mesh.ndim - 1)) != "nccl")
 
 
 def _has_parameters(module: nn.Module) -> bool:

@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lightning_moe._compat import flatten_mesh
+from lightning_moe._compat import flatten_mesh, slice_flattened
 from lightning_moe.layout import (
     DENSE_GROUPS,
     EP_NODE_MESH_DIMS,
+    EXPERT_HSDP_MESH_DIMS,
     EXPERT_MESH_DIMS,
+    HSDP_MESH_DIMS,
     LAYOUT_KEYS,
     MESH_DIMS,
     NON_DP_DIMS,
@@ -64,6 +66,11 @@ class ParallelDims:
     on 2 ranks: attention at tp2, experts at ep2 over the same ranks. ``ep`` is the expert-parallel
     size either way; the mesh's ``ep`` dim holds its unfolded part (:attr:`mesh_ep`), and the
     world size is ``tp*cp*mesh_ep*dp*pp``. Folded tp ranks hold different experts (``etp = 1``).
+
+    HSDP: ``dp_replicate > 1`` splits dp into that many replica groups of ``dp / dp_replicate``
+    ranks (replicas vary slower, so a shard group stays on a node). :attr:`dense_fsdp_mesh`,
+    :attr:`token_fsdp_mesh` and :attr:`edp_fsdp_mesh` are then 2-D ``(replicate, shard)`` meshes,
+    FSDP2's HSDP form, with one root shared with the tp mesh.
     """
 
     tp: int = 1
@@ -74,7 +81,9 @@ class ParallelDims:
     etp: int | None = None
     ranks_per_node: int | None = None
     fold_ep: tuple[str, ...] | str | None = ()
+    dp_replicate: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _hsdp_root: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in NON_DP_DIMS:
@@ -83,6 +92,8 @@ class ParallelDims:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if not isinstance(self.dp, int) or (self.dp < 1 and self.dp != -1):
             raise ValueError(f"dp={self.dp!r} must be an integer >= 1, or -1 to infer it from the world size")
+        if not isinstance(self.dp_replicate, int) or self.dp_replicate < 1:
+            raise ValueError(f"dp_replicate={self.dp_replicate!r} must be an integer >= 1 (HSDP replica groups)")
         self.fold_ep = normalize_fold_ep(self.fold_ep)
         self.etp = default_etp(self.tp, self.etp, self.fold_ep)
         self._raise_size_problems()
@@ -116,11 +127,21 @@ class ParallelDims:
         self._raise_size_problems(world_size)
         if self.dp == -1:
             self.dp = world_size // self.non_dp_size
+        if self.dp % self.dp_replicate:
+            raise ValueError(
+                f"dp_replicate={self.dp_replicate} does not divide dp={self.dp}: HSDP splits dp into replica groups"
+                " of equal size; choose a divisor of dp"
+            )
         self._check_nodes()
 
     @property
     def world_size(self) -> int:
         return self.non_dp_size * self.dp
+
+    @property
+    def dp_shard(self) -> int:
+        """Ranks of one HSDP shard group along dp (dp itself without HSDP)."""
+        return self.dp // self.dp_replicate
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -225,12 +246,23 @@ class ParallelDims:
 
         if self.dp == -1:
             self.validate(dist.get_world_size())
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
+        if self.dp_replicate > 1:
+            # One root for the full mesh and the HSDP meshes: FSDP2 needs it with tensor parallelism.
+            shape = tuple(self.dp_replicate if d == "dp_replicate" else self.dp_shard if d == "dp_shard"
+                          else self.mesh_size(d) for d in HSDP_MESH_DIMS)
+            root = init_device_mesh(device_type, shape, mesh_dim_names=HSDP_MESH_DIMS)
+            flatten_mesh(root[("dp_replicate", "dp_shard")], "dp")
+            mesh = slice_flattened(root, MESH_DIM_NAMES)
+        else:
+            root, mesh = None, init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIM_NAMES)
         self.attach(mesh)
+        self._hsdp_root = root
         # Every rank creates every sub-mesh now, in one order: a pipeline stage without MoE layers
         # would otherwise skip the expert groups, and the groups created later would pair up wrong
         # ranks (a hang in the next new_group, e.g. in a second trainer.fit/validate).
-        names = ["dp_ep_mesh", "dense_grad_mesh", "sequence_mesh", "token_mesh", "expert_root_mesh"]
+        names = ["dp_ep_mesh", "dense_grad_mesh", "sequence_mesh", "token_mesh", "expert_root_mesh", "edp_mesh"]
+        if self.dp_replicate > 1:
+            names += ["dense_fsdp_mesh", "token_fsdp_mesh"]
         for name in names + (["ep_node_mesh"] if self.ep_num_nodes > 1 else []):
             getattr(self, name)
         return mesh
@@ -243,8 +275,10 @@ class ParallelDims:
                 f"ParallelDims {MESH_DIM_NAMES} = {self.shape}"
             )
         self._mesh = mesh
-        for name in ("dp_ep_mesh", "dense_grad_mesh", "token_mesh", "sequence_mesh", "expert_root_mesh", "ep_node_mesh"):
+        for name in ("dp_ep_mesh", "dense_grad_mesh", "token_mesh", "sequence_mesh", "expert_root_mesh", "ep_node_mesh",
+                     "edp_mesh", "dense_fsdp_mesh", "token_fsdp_mesh"):
             self.__dict__.pop(name, None)
+        self._hsdp_root = None
         # Remembered on the mesh, so that every parallelize() over it reuses the same sub-meshes
         # and process groups instead of creating new ones (process groups are never freed).
         mesh.__dict__.setdefault(_DIMS_ATTR, {})[(self.etp, self.fold_ep)] = self
@@ -312,6 +346,29 @@ class ParallelDims:
         """Gradient reduction of dense parameters: dp x ep x cp."""
         return self._dense_group_mesh("dense_grad")
 
+    def _fsdp_mesh(self, group: str) -> DeviceMesh:
+        """The dense view's ``group`` as FSDP2 wraps it: the flat group, or under HSDP the 2-D
+        ``(dp_replicate, dp_shard x the group's other dims)`` mesh."""
+        if self.dp_replicate == 1:
+            return self._dense_group_mesh(group)
+        if self._hsdp_root is None:
+            raise RuntimeError("HSDP meshes need the mesh of ParallelDims.build_mesh (dp_replicate > 1)")
+        spans = ("dp_shard", *(d for d in DENSE_GROUPS[group] if d != "dp"))
+        shard = spans[0] if len(spans) == 1 else "_".join(spans)
+        if len(spans) > 1:
+            flatten_mesh(self._hsdp_root[spans], shard)
+        return slice_flattened(self._hsdp_root, ("dp_replicate", shard))
+
+    @cached_property
+    def dense_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 wraps dense parameters with: :attr:`dense_grad_mesh`, 2-D under HSDP."""
+        return self._fsdp_mesh("dense_grad")
+
+    @cached_property
+    def token_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 wraps the router and shared expert with under tp: :attr:`token_mesh`, 2-D under HSDP."""
+        return self._fsdp_mesh("token")
+
     @cached_property
     def sequence_mesh(self) -> DeviceMesh:
         """Ranks that split the tokens of one micro-batch: cp x tp (tp ranks hold sequence shards)."""
@@ -343,8 +400,13 @@ class ParallelDims:
 
         spans = expert_group_spans(self.tp, self.etp, self.fold_ep)  # pp, not among them, is a dim of both views
         shape = [math.prod(self.mesh_size(d) for d in spans.get(name, (name,))) for name in EXPERT_MESH_DIMS]
+        names = EXPERT_MESH_DIMS
+        if self.dp_replicate > 1:
+            # dp is edp's slowest dim, so its replica groups split edp the same way.
+            shape[1:2] = [self.dp_replicate, shape[1] // self.dp_replicate]
+            names = EXPERT_HSDP_MESH_DIMS
         ranks = self._ranks_in_order(expert_view_order(self.tp, self.etp, self.fold_ep)).reshape(shape)
-        return DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIMS)
+        return DeviceMesh(self.mesh.device_type, ranks, mesh_dim_names=names)
 
     @property
     def expert_mesh(self) -> DeviceMesh:
@@ -356,10 +418,19 @@ class ParallelDims:
         """Expert tensor parallel: the tp ranks when ``etp == tp``, else one rank."""
         return self.expert_root_mesh["etp"]
 
-    @property
+    @cached_property
     def edp_mesh(self) -> DeviceMesh:
         """Expert data parallel: dp x cp, and tp too when experts are not tensor-parallel (etp=1)."""
+        if self.dp_replicate > 1:
+            return flatten_mesh(self.expert_root_mesh[("edp_replicate", "edp_shard")], "edp")
         return self.expert_root_mesh["edp"]
+
+    @property
+    def edp_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 wraps expert parameters with: :attr:`edp_mesh`, 2-D ``(edp_replicate, edp_shard)`` under HSDP."""
+        if self.dp_replicate > 1:
+            return self.expert_root_mesh[("edp_replicate", "edp_shard")]
+        return self.edp_mesh
 
     @cached_property
     def ep_node_mesh(self) -> DeviceMesh:

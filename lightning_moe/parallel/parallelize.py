@@ -14,8 +14,8 @@ from lightning_moe.parallel.expert_parallel import apply_expert_parallel, check_
 from lightning_moe.parallel.pipeline import check_pipeline_split, split_module
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel, check_head_counts
 
-DataParallelKind = Literal["fsdp", "ddp", "none"]
-DATA_PARALLEL_KINDS: tuple[str, ...] = ("fsdp", "ddp", "none")
+DataParallelKind = Literal["fsdp", "hsdp", "ddp", "none"]
+DATA_PARALLEL_KINDS: tuple[str, ...] = ("fsdp", "hsdp", "ddp", "none")
 
 _PARALLELIZED_ATTR = "_lightning_moe_parallelized"
 
