@@ -21,8 +21,9 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
   :class:`~lightning_moe.callbacks.CommAccountingCallback` records them, for checks against runs.
 - **Time** (:mod:`.step_time`) per step: compute, the communication the code does not overlap, the
   pipeline bubble and the optimizer update; :func:`estimate` gathers one layout's figures.
-- **Search** (:mod:`.search`): :func:`plan` estimates every valid layout and ranks those that fit;
-  :func:`resolve_auto_layout` serves ``MoE5DStrategy(layout="auto")``.
+- **Search** (:mod:`.search`): :func:`plan` estimates every valid layout, parallel folding included
+  (``Layout.fold_ep``: the expert ep group spans tp and/or cp ranks too), and ranks those that fit;
+  :func:`resolve_auto_layout` serves ``MoE5DStrategy(layout="auto")`` (unfolded layouts only).
 
 Example::
 

@@ -81,6 +81,16 @@ def _batches_per_step(layout: Layout) -> int:
     return layout.pipeline_steps if layout.pp > 1 else layout.microbatches
 
 
+def fsdp_reduces(layout: Layout) -> int:
+    """FSDP2 gradient reductions per optimizer step: after every micro-batch's backward (pp = 1), once
+    (``gather_once_per_step``: gradient sync only in the step's last backward), or in the last
+    backward of each pipeline step (pp > 1, ``lightning_moe._compat.pipeline_stage_class``'s
+    ``backward_maybe_with_nosync``)."""
+    if layout.pp > 1:
+        return layout.pipeline_steps
+    return 1 if layout.gather_once_per_step else layout.microbatches
+
+
 def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> list[CommRecord]:
     """Every collective of one optimizer step, bytes per rank averaged over all ranks.
 
@@ -117,9 +127,13 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
         # attention input all-gather + wo reduce-scatter, and their backward
         add("attention AG/RS", "tp", "tp", 4 * u * m * layers_per_rank, 4 * m * layers_per_rank, functional=True)
         add("dense FFN AG/RS", "tp", "tp", 4 * u * m * dense_per_rank, 4 * m * dense_per_rank, functional=True)
-        # norm weights: Replicate DTensors whose Partial gradient is all-reduced (2 norms per layer, final norm)
-        norm = all_reduce_bytes(h * w, tp)
-        add("norm weight grad all-reduce", "tp", "tp", norm * m * (2 * layers_per_rank + last), m * (2 * layers_per_rank + last), functional=True)
+        # norm weights: Replicate DTensors whose Partial gradient is all-reduced (2 norms per layer, final
+        # norm) when FSDP2 reads it for its reduction (FSDPParam._get_grad_inner_tensor): once per
+        # reduction, on the gradient accumulated in the reduce dtype (fp32) over the backwards before it
+        reduces = fsdp_reduces(layout)
+        norm = all_reduce_bytes(h * (w if reduces == m else FSDP_REDUCE_BYTES), tp)
+        norms = 2 * layers_per_rank + last
+        add("norm weight grad all-reduce", "tp", "tp", norm * reduces * norms, reduces * norms, functional=True)
         # output: input all-gather (+ backward reduce-scatter), logits all-gather to Replicate
         logits = peer_chunks_bytes(b * seq_local * (model.vocab_size // tp) * a, tp)
         add("output AG/RS + logits AG", "tp", "tp", (2 * u + logits) * m * last, 3 * m * last, functional=True)
@@ -177,10 +191,7 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
             continue
         shard = unit.padded_shard_numel * (n - 1)
         gathers = 1 if once else (1 if unit.root else 2) * m
-        # pp = 1: gradients reduce-scatter after every micro-batch's backward (after the step's last
-        # with gather_once_per_step); pp > 1: only in the last backward of a pipeline step
-        # (lightning_moe._compat.pipeline_stage_class's backward_maybe_with_nosync)
-        scatters = (1 if once else m) if layout.pp == 1 else layout.pipeline_steps
+        scatters = fsdp_reduces(layout)
         frac = unit.ranks_fraction * unit.count
         nbytes = (gathers * FSDP_GATHER_BYTES[precision] + scatters * FSDP_REDUCE_BYTES) * shard
         add(f"FSDP {unit.name}", "dp", unit.group, nbytes * frac, (gathers + scatters) * frac, overlapped=True)
