@@ -237,3 +237,15 @@ def test_a_shared_rank_set_is_charged_to_gradient_reduction_unless_functional() 
     assert layout.accounted_shared_dim(("dp", "ep"), functional=False) == "dp"
     assert layout.accounted_shared_dim(("dp", "ep"), functional=True) == "ep"
     assert layout.accounted_shared_dim(("dp",), functional=True) == "dp"
+
+
+def test_folding_keeps_the_ep_group_on_a_node() -> None:
+    """The ep groups experiments/bench/ep_folding.py compares: tp2·ep4 on 2 nodes of 4 ranks puts half of each
+    unfolded ep group on the other node; folded over tp, the group is one node's 4 ranks."""
+    unfolded = ParallelDims(tp=2, ep=4, dp=1, ranks_per_node=4)
+    unfolded.validate(8)
+    folded = ParallelDims(tp=2, ep=4, dp=2, fold_ep="tp", ranks_per_node=4)
+    folded.validate(8)
+    assert unfolded._ep_group_ranks()[0].tolist() == [0, 2, 4, 6] and unfolded.ep_rank_nodes == [0, 0, 1, 1]
+    assert folded._ep_group_ranks()[0].tolist() == [0, 1, 2, 3] and folded.ep_rank_nodes == [0, 0, 0, 0]
+    assert (folded.mesh_ep, folded.etp, folded.world_size) == (2, 1, 8)
