@@ -281,6 +281,22 @@ def test_a_parallel_preset_that_does_not_fill_the_world_size_is_refused_in_the_l
     assert layout_from_parallel({"ep": 2, "dp": "auto"}, 8, 8).dp == 4
 
 
+def test_a_folded_parallel_preset_is_planned_and_dry_run_as_it_trains(capsys):
+    """``parallel=cp2_tp2_ep4_folded`` runs on 4 ranks (ep's mesh dim 1), etp 1; the requested
+    layout's label, strategy arguments and dry-run shards carry the folding."""
+    lay = layout_from_parallel({"tp": 2, "ep": 4, "fold_ep": "tp", "dp": "auto"}, 8, 8)  # mesh ep 2: dp 2
+    assert (lay.dp, lay.mesh_ep, lay.etp, lay.fold_ep, lay.microbatches) == (2, 2, 1, ("tp",), 1)
+    with pytest.raises(ValueError, match=r"ep=3 is not divisible by the folded tp = 2"):
+        layout_from_parallel({"tp": 2, "ep": 3, "fold_ep": "tp"}, 4, 8)
+    cfg = compose_plan("model=tiny", "cluster=cpu_local", "world_size=4", "parallel=cp2_tp2_ep4_folded", "dry_run=true")
+    out = run_plan(cfg, None, {"model": "tiny", "cluster": "cpu_local"})
+    requested = out["requested"]
+    assert requested["label"].startswith("tp2·cp2·ep4(fold cp,tp) ")
+    assert requested["strategy"]["fold_ep"] == "cp,tp" and requested["strategy"]["etp"] == 1
+    assert out["dry_run"]["layout"] == requested["label"] and all(r["matches"] for r in out["dry_run"]["ranks"])
+    capsys.readouterr()
+
+
 # -- dry run: parameter bytes per rank ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "sizes",
