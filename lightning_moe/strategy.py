@@ -190,7 +190,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         # Runs once devices and nodes are known, before any process starts: fail fast on bad sizes.
         if self.layout == "auto":
             chosen = auto_layout(self.num_nodes * self.num_processes, self.layout_options)
-            self.parallel_dims = ParallelDims(**{d: chosen[d] for d in LAYOUT_KEYS}, ranks_per_node=self.parallel_dims.ranks_per_node)
+            self.parallel_dims = ParallelDims(**{d: chosen[d] for d in LAYOUT_KEYS}, fold_ep=chosen.get("fold_ep"),
+                                              ranks_per_node=self.parallel_dims.ranks_per_node)
             self.pp_schedule = chosen.get("pp_schedule", "1F1B")
             self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
             self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
