@@ -486,6 +486,26 @@ def test_auto_layout_takes_the_planners_best_for_the_world_size():
     assert {d: getattr(dims, d) for d in LAYOUT_KEYS} == {
         d: v for d, v in best.layout.strategy_kwargs().items() if d in LAYOUT_KEYS
     }
+    assert dims.fold_ep == best.layout.fold_ep
+
+
+def test_auto_layout_hands_a_folded_choice_to_the_strategy():
+    """Nodes of 2 ranks joined by a slow link: the best layout keeps the all-to-all inside a node by
+    folding ep over tp, and the strategy builds it with that folding (4 processes, mesh ep 1)."""
+    import lightning.pytorch as pl
+
+    from lightning_moe import MoE5DStrategy
+    from lightning_moe.planner import resolve_auto_layout
+
+    slow_nodes = {**OmegaConf.to_container(compose_plan("cluster=cpu_local").cluster), "gpus_per_node": 2, "inter_node_bandwidth": 1e6}
+    model = {**TINY, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 8, "moe": {**TINY["moe"], "num_experts": 8, "ffn_hidden_size": 2048}}
+    options = {"model": model, "cluster": slow_nodes, "seq_len": 64, "global_batch_size": 8, "micro_batch_size": 2}
+    best, _ = resolve_auto_layout(4, **options)
+    assert best.layout.fold_ep == ("tp",) and best.ep_internode_bytes == 0, best.layout.label()
+    strategy = MoE5DStrategy(layout="auto", layout_options=options)
+    pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_checkpointing=False)
+    dims = strategy.parallel_dims
+    assert (dims.tp, dims.ep, dims.fold_ep, dims.mesh_ep, dims.etp) == (best.layout.tp, best.layout.ep, ("tp",), 1, 1)
 
 
 def test_auto_layout_without_a_micro_batch_ranks_the_data_modules_default():

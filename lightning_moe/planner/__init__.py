@@ -23,7 +23,7 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
   pipeline bubble and the optimizer update; :func:`estimate` gathers one layout's figures.
 - **Search** (:mod:`.search`): :func:`plan` estimates every valid layout, parallel folding included
   (``Layout.fold_ep``: the expert ep group spans tp and/or cp ranks too), and ranks those that fit;
-  :func:`resolve_auto_layout` serves ``MoE5DStrategy(layout="auto")`` (unfolded layouts only).
+  :func:`resolve_auto_layout` serves ``MoE5DStrategy(layout="auto")``.
 
 Example::
 

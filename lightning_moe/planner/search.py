@@ -212,6 +212,7 @@ def resolve_auto_layout(
 ) -> tuple[Estimate, Estimate | None]:
     """``MoE5DStrategy(layout="auto", layout_options={...})``: the best layout and the runner-up.
 
+    Folded layouts compete too: the strategy takes ``fold_ep`` from ``strategy_kwargs()``.
     ``layout_options`` are this function's keyword arguments: ``model`` (MoEGPT arguments or a
     :class:`ModelShape`), ``cluster`` (a cluster preset's keys or a :class:`Cluster`), ``seq_len``,
     ``global_batch_size``, ``micro_batch_size`` (the data module's; None stands for what the data
@@ -240,9 +241,6 @@ def resolve_auto_layout(
     result = plan(
         world_size, shape, machine, seq_len=int(seq_len), global_batch_size=int(global_batch_size),  # type: ignore[arg-type]
         precision=_precision_of(precision), micro_batch_sizes=[int(micro_batch_size)],
-        # MoE5DStrategy.before_launch builds ParallelDims from LAYOUT_KEYS alone: a folded choice
-        # would lose its fold_ep there, so "auto" ranks unfolded layouts until it reads fold_ep too
-        folding=False,
     )  # fmt: skip
     if not result.ranked:
         smallest = result.rejected[0]
