@@ -44,6 +44,7 @@ from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.fsdp_accumulation import GatherOncePerStep
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.host_memory import return_large_blocks_to_the_system
 from lightning_moe.parallel.init import materialize
 from lightning_moe.parallel.lightning_pipeline import LightningPipeline
 from lightning_moe.parallel.parallelize import is_parallelized, parallelize
@@ -195,6 +196,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             self.pp_schedule = chosen.get("pp_schedule", "1F1B")
             self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
             self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
+            self.gather_once_per_step = chosen.get("gather_once_per_step", False)  # the planner estimated with it
             self._pipeline = self._make_pipeline()
         if self.parallel_dims.ranks_per_node is None:
             self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node
@@ -230,6 +232,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             # deterministic kernels (CPU kernels already are); cuBLAS needs a fixed workspace.
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
+        if self.root_device.type == "cpu":
+            return_large_blocks_to_the_system()  # tensors' memory, once freed, leaves the process
         self.setup_distributed()
         self.parallel_dims.validate(self.world_size)
         self.use_device_mesh(self.parallel_dims.build_mesh(self.root_device.type))
