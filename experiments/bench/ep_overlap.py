@@ -1,4 +1,4 @@
-"""How much of the ep all-to-all time ``MoELayer(dispatch_chunks=2)`` hides, under the link simulator.
+"""How much of the ep all-to-all time ``MoELayer(dispatch_chunks=2)`` and a shared expert hide, under the link simulator.
 
 On one host a gloo all-to-all costs almost nothing, so the overlap cannot show in step time. Here
 2 gloo processes (ep=2, one thread each) run an MoE layer's forward+backward under
@@ -11,10 +11,12 @@ simulated ep comm time of a step equals the expert compute time of a step:
    the per-expert counts included), as the comm accounting counts it;
 3. ``bandwidth = ep bytes / expert time`` (the ranks' mean), latency 0.
 
-For each of ``dispatch_chunks=1`` (no overlap) and ``2`` (chunk i+1's all-to-all in flight behind
-chunk i's experts; the combines likewise), the step time is measured with infinite bandwidth (no
-simulator) and under the simulated link, round-robin, median of ``rounds``; the step time of a
-round is the slowest rank's. Then
+For each case — ``dispatch_chunks=1`` without a shared expert (no overlap), ``dispatch_chunks=2``
+(chunk i+1's all-to-all in flight behind chunk i's experts; the combines likewise) and a shared
+expert of the routed experts' FFN size (computed while the dispatch is in flight; in backward its
+gradient while the dispatch's gradient travels) — the step time is measured with infinite
+bandwidth (no simulator) and under the simulated link, round-robin, median of ``rounds``; the step
+time of a round is the slowest rank's. The link is set once, from the no-overlap layer. Then
 
     fraction hidden = 1 - (step time - step time with infinite bandwidth) / simulated ep comm time
 
@@ -42,7 +44,13 @@ import torch.multiprocessing as mp
 
 TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 2048, 256, 512, 8, 2
 EP = 2
-CHUNKS = (1, 2)
+# What runs while the token all-to-alls are in flight: nothing; the next chunk's experts; the shared
+# expert (MoELayer computes it between issuing the dispatch and waiting for it).
+CASES = {
+    "no overlap": {"dispatch_chunks": 1},
+    "dispatch_chunks=2": {"dispatch_chunks": 2},
+    "shared expert": {"dispatch_chunks": 1, "shared_expert_hidden_size": FFN},
+}
 
 
 def _step(layer: torch.nn.Module, x: torch.Tensor) -> None:
@@ -93,54 +101,55 @@ def _worker(rank: int, world: int, store_file: str, rounds: int, out: dict) -> N
     dims = ParallelDims(ep=EP)
     mesh = dims.build_mesh("cpu")
     layers = {}
-    for chunks in CHUNKS:
+    for label, options in CASES.items():
         torch.manual_seed(0)
-        layer = MoELayer(HIDDEN, FFN, EXPERTS, top_k=TOP_K, dispatch_chunks=chunks)
+        layer = MoELayer(HIDDEN, FFN, EXPERTS, top_k=TOP_K, **options)
         parallelize(layer, mesh, data_parallel="none", sequence_parallel=False)
-        layers[chunks] = layer
+        layers[label] = layer
+    base = layers["no overlap"]
     x = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank), requires_grad=True)
 
     # The setting: ep comm time of a step = expert compute time of a step.
-    expert_seconds = _mean(_expert_seconds(layers[1]))
+    expert_seconds = _mean(_expert_seconds(base))
     counter = LinkSimulator(ep=1e18)  # records the bytes, delays nothing measurable
     with counter.simulate(dims):
-        _step(layers[1], x)
+        _step(base, x)
     ep_bytes = _mean(counter.stats["ep"]["bytes"])
     bandwidth = ep_bytes / expert_seconds
     sim = LinkSimulator(ep=bandwidth)
 
-    times: dict[tuple[int, str], list[float]] = {(c, m): [] for c in CHUNKS for m in ("inf", "sim")}
-    comm_seconds: dict[int, list[float]] = {c: [] for c in CHUNKS}
-    exposed_seconds: dict[int, list[float]] = {c: [] for c in CHUNKS}
+    times: dict[tuple[str, str], list[float]] = {(c, m): [] for c in CASES for m in ("inf", "sim")}
+    comm_seconds: dict[str, list[float]] = {c: [] for c in CASES}
+    exposed_seconds: dict[str, list[float]] = {c: [] for c in CASES}
     for round_ in range(rounds + 1):  # round 0 warms up
-        for chunks in CHUNKS:
-            inf = _timed_step(layers[chunks], x)
+        for case in CASES:
+            inf = _timed_step(layers[case], x)
             with sim.simulate(dims):
-                simulated = _timed_step(layers[chunks], x)
+                simulated = _timed_step(layers[case], x)
                 seconds = _mean(sim.stats["ep"]["seconds"])
                 exposed = _mean(sim.stats["ep"]["exposed"])
             if round_:
-                times[(chunks, "inf")].append(inf)
-                times[(chunks, "sim")].append(simulated)
-                comm_seconds[chunks].append(seconds)
-                exposed_seconds[chunks].append(exposed)
+                times[(case, "inf")].append(inf)
+                times[(case, "sim")].append(simulated)
+                comm_seconds[case].append(seconds)
+                exposed_seconds[case].append(exposed)
     if rank == 0:
         out["setting"] = {"expert_seconds": expert_seconds, "ep_bytes": ep_bytes, "bandwidth": bandwidth}
         out["rows"] = [
             {
-                "dispatch_chunks": chunks,
-                "step s (inf bw)": statistics.median(times[(chunks, "inf")]),
-                "step s (simulated)": statistics.median(times[(chunks, "sim")]),
-                "ep comm s (simulated)": statistics.median(comm_seconds[chunks]),
-                "ep wait s (slept)": statistics.median(exposed_seconds[chunks]),
+                "overlap": case,
+                "step s (inf bw)": statistics.median(times[(case, "inf")]),
+                "step s (simulated)": statistics.median(times[(case, "sim")]),
+                "ep comm s (simulated)": statistics.median(comm_seconds[case]),
+                "ep wait s (slept)": statistics.median(exposed_seconds[case]),
             }
-            for chunks in CHUNKS
+            for case in CASES
         ]
     dist.destroy_process_group()
 
 
 def run_ep_overlap_bench(rounds: int = 3) -> tuple[dict, list[dict]]:
-    """``(setting, rows)``: the chosen bandwidth and, per ``dispatch_chunks``, median step times and
+    """``(setting, rows)``: the chosen bandwidth and, per case of :data:`CASES`, median step times and
     the fraction of the simulated ep comm time hidden."""
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
         out = manager.dict()
@@ -158,7 +167,7 @@ def main() -> None:
 
     setting, rows = run_ep_overlap_bench()
     print(
-        f"EP comm hidden by dispatch_chunks under the link simulator (ep={EP}, {TOKENS} tokens/rank, hidden {HIDDEN},"
+        f"EP comm hidden by dispatch_chunks and the shared expert under the link simulator (ep={EP}, {TOKENS} tokens/rank, hidden {HIDDEN},"
         f" ffn {FFN}, {EXPERTS} experts, top-{TOP_K}, fp32, fwd+bwd, 1 thread/rank, median of 3)"
     )
     print(
