@@ -15,9 +15,9 @@ import lightning_moe
 from lightning_moe import _compat
 
 PACKAGE = Path(lightning_moe.__file__).resolve().parent
-# Underscore names that are public by contract (namedtuple's API).
-# Underscore names that are public by contract: namedtuple's API, Hydra's `_target_` key.
-PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_target_"}
+# Underscore names that are public by contract: namedtuple's API, Hydra's `_target_` key, and
+# `os._exit` (documented in the os module: exit without cleanup handlers).
+PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_fields", "_make", "_target_", "_exit"}
 
 
 def _private(name: str) -> bool:
