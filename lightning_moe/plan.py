@@ -35,6 +35,8 @@ from lightning_moe.layout import (
     NON_DP_DIMS,
     default_etp,
     fold_problem,
+    hsdp_problem,
+    hsdp_sizes,
     normalize_fold_ep,
     unfolded_ep,
     world_size_problem,
@@ -101,13 +103,29 @@ def layout_from_parallel(
     per_rank = global_batch_size // (sizes["dp"] * mesh_ep)
     microbatches = max(1, per_rank // micro_batch_size)
     pp_microbatches = int(parallel.get("pp_microbatches") or sizes["pp"]) if sizes["pp"] > 1 else 0
+    dp_replicate = _dp_replicate(parallel, int(sizes["dp"]))
     return Layout(
         tp=tp, cp=int(sizes["cp"]), ep=int(sizes["ep"]), dp=int(sizes["dp"]), pp=int(sizes["pp"]), etp=int(etp),
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         pp_schedule=str(parallel.get("pp_schedule") or "1F1B"), pp_stages_per_rank=int(parallel.get("pp_stages_per_rank") or 1),
         pp_microbatches=pp_microbatches, gather_once_per_step=bool(parallel.get("gather_once_per_step") or False),
-        fold_ep=fold,
+        fold_ep=fold, dp_replicate=dp_replicate,
     )  # fmt: skip
+
+
+def _dp_replicate(parallel: Mapping[str, Any], dp: int) -> int:
+    """The HSDP replica groups of a ``parallel`` preset (``data_parallel: hsdp`` with ``dp_replicate``
+    or ``dp_shard``), 1 for FSDP; ``ValueError`` in the strategy's words for sizes it refuses."""
+    replicate, shard = parallel.get("dp_replicate"), parallel.get("dp_shard")
+    kind = parallel.get("data_parallel") or "fsdp"
+    if kind != "hsdp":
+        if (replicate or 1) != 1 or (shard is not None and shard != dp):
+            raise ValueError(f"parallel preset: dp_replicate/dp_shard split dp for HSDP, but data_parallel={kind!r}: set data_parallel=hsdp")
+        return 1
+    problem = hsdp_problem(dp, replicate, shard)
+    if problem:
+        raise ValueError(f"parallel preset: {problem}")
+    return hsdp_sizes(dp, replicate, shard)[0]
 
 
 # -- table ---------------------------------------------------------------------------------------------
@@ -189,7 +207,7 @@ def plot_plan(result: Plan, path: Path, checkpointing: str = "none") -> Path:
 
 
 def _sizes(layout: Layout) -> tuple[Any, ...]:
-    return (*layout.parallel_sizes().values(), layout.etp, layout.fold_ep)
+    return (*layout.parallel_sizes().values(), layout.etp, layout.fold_ep, layout.dp_replicate)
 
 
 def format_same_sizes(requested: Estimate, result: Plan) -> str:
@@ -285,12 +303,12 @@ def dry_run(
             raise ValueError(f"dry_run rank {rank} is outside world_size={world}")
         dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
         try:
-            dims = ParallelDims(**layout.parallel_sizes(), etp=layout.etp, fold_ep=layout.fold_ep)
+            dims = ParallelDims(**layout.parallel_sizes(), etp=layout.etp, fold_ep=layout.fold_ep, dp_replicate=layout.dp_replicate)
             dims.validate(world)
             mesh = dims.build_mesh("cpu")
             with torch.device("meta"):
                 module = hydra.utils.instantiate(cfg)
-            parallelize(module, mesh, data_parallel="fsdp", etp=layout.etp, fold_ep=layout.fold_ep,
+            parallelize(module, mesh, data_parallel="hsdp" if layout.hsdp else "fsdp", etp=layout.etp, fold_ep=layout.fold_ep,
                         pp_stages_per_rank=layout.pp_stages_per_rank)
             shapes = {}
             numel = nbytes = 0

@@ -189,6 +189,72 @@ def test_the_search_offers_folded_layouts_the_layout_rules_accept():
     assert not any(lay.fold_ep for lay in enumerate_layouts(4, shape, TINY_SEQ, TINY_GLOBAL_BATCH, folding=False))
 
 
+def test_hsdp_shards_within_replica_groups_and_all_reduces_across_them():
+    """dp8 as 2 replica groups of 4 on nodes of 4 ranks: parameter shards twice FSDP's over all 8,
+    the all-gathers and reduce-scatters inside a node, and only the gradient shards' all-reduce
+    (2 (r-1)/r of a fp32 shard per reduction) crossing nodes."""
+    from lightning_moe.planner import fsdp_units
+
+    shape = ModelShape.from_config(TINY)
+    hsdp, fsdp = Layout(dp=8, dp_replicate=2), Layout(dp=8)
+    assert (hsdp.label(), hsdp.dp_shard) == ("hsdp2x4 mb1", 4)
+    assert hsdp.strategy_kwargs() == {"tp": 1, "cp": 1, "ep": 1, "dp": 8, "pp": 1, "etp": 1, "data_parallel": "hsdp", "dp_replicate": 2}
+    assert group_ranks(hsdp, "dense:shard", rank=6) == [4, 5, 6, 7] and group_ranks(hsdp, "dp:replicate", rank=6) == [2, 6]
+    wq = "layers.0.attention.wq.weight"
+    assert rank_parameters(shape, hsdp, rank=6)[wq] == (8, 32) and rank_parameters(shape, fsdp, rank=6)[wq] == (4, 32)
+    nodes = Cluster.from_config({**OmegaConf.to_container(compose_plan("cluster=h100_sxm").cluster), "gpus_per_node": 4})
+    est = estimate(shape, hsdp, nodes, TINY_SEQ, 8, precision="32-true")
+    replica = [r for r in est.records if r.group == "dp:replicate"]
+    shards = sum(u.padded_shard_numel * u.count for u in fsdp_units(shape, hsdp))
+    assert sum(r.bytes for r in replica) == pytest.approx(shards * 4)  # 2 (2-1)/2 of fp32 shards, one reduction
+    # inside a replica group: what FSDP over 4 ranks sends
+    four = estimate(shape, Layout(dp=4), nodes, TINY_SEQ, 8, precision="32-true")
+    assert sum(r.bytes for r in est.records if r.group == "dense:shard") == sum(r.bytes for r in four.records if r.group == "dense")
+    assert est.comm["dp"]["inter"] == pytest.approx(sum(r.bytes for r in replica)) and est.comm["dp"]["intra"] > 0
+    flat = estimate(shape, fsdp, nodes, TINY_SEQ, 8, precision="32-true")
+    assert est.comm["dp"]["inter"] < flat.comm["dp"]["inter"] / 4
+    assert est.memory.parameters == four.memory.parameters > flat.memory.parameters  # shards of 4 ranks, not 8
+
+
+def test_the_search_offers_hsdp_where_dp_spans_nodes():
+    """One replica group per node the dp group spans; none on one node (cpu_local), none with
+    gather_once_per_step (the strategy refuses it under HSDP)."""
+    shape = ModelShape.from_config(TINY)
+    two_nodes = list(enumerate_layouts(4, shape, TINY_SEQ, TINY_GLOBAL_BATCH, gpus_per_node=2))
+    hsdp = [lay for lay in two_nodes if lay.hsdp]
+    assert {lay.label() for lay in hsdp} >= {"hsdp2x2 mb1", "tp2·hsdp2x1 mb1", "ep2·hsdp2x1 mb1"}
+    assert all(lay.dp_replicate == 2 and not lay.gather_once_per_step for lay in hsdp)
+    assert len({lay.label() for lay in two_nodes}) == len(two_nodes)
+    assert not any(lay.hsdp for lay in enumerate_layouts(4, shape, TINY_SEQ, TINY_GLOBAL_BATCH, gpus_per_node=64))
+    with pytest.raises(ValueError, match=r"dp_replicate\*dp_shard = 3\*None != dp = 4"):
+        Layout(dp=4, dp_replicate=3)
+
+
+@pytest.mark.parametrize("sizes", [dict(dp=4, dp_replicate=2), dict(ep=2, dp=4, dp_replicate=2), dict(tp=2, etp=1, dp=4, dp_replicate=2)])
+def test_hsdp_parallel_dims_groups_hold_the_planned_ranks(sizes):
+    """ParallelDims' 2-D FSDP meshes on 8 fake ranks: the planner's shard and replicate parts hold
+    the same ranks in the same order as the meshes' shard and replicate dims."""
+    import torch.distributed as dist
+
+    from lightning_moe._compat import fake_store
+    from lightning_moe.parallel.dims import ParallelDims
+
+    lay = sizes_layout(sizes, world_size=8)
+    meshes = {"dense": "dense_fsdp_mesh", "token": "token_fsdp_mesh", "edp": "edp_fsdp_mesh"}
+    for rank in (0, 5):
+        dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=8)
+        try:
+            dims = ParallelDims(**lay.parallel_sizes(), etp=lay.etp, dp_replicate=lay.dp_replicate)
+            dims.build_mesh("cpu")
+            for group, name in meshes.items():
+                mesh = getattr(dims, name)
+                coord = mesh.get_coordinate()
+                assert mesh.mesh[coord[0]].tolist() == group_ranks(lay, f"{group}:shard", rank), (group, rank)
+                assert mesh.mesh[:, coord[1]].tolist() == group_ranks(lay, "dp:replicate", rank), (group, rank)
+        finally:
+            dist.destroy_process_group()
+
+
 def test_expert_bytes_scale_with_the_share_of_slots_leaving_the_rank():
     shape = ModelShape.from_config(TINY)
     ep_bytes = {ep: sum(r.bytes for r in comm_records(shape, Layout(ep=ep, microbatches=1), 32) if r.dim == "ep" and r.routing_dependent) for ep in (2, 4)}
@@ -279,6 +345,12 @@ def test_a_parallel_preset_that_does_not_fill_the_world_size_is_refused_in_the_l
     with pytest.raises(ValueError, match=r"world_size 6 != tp\*cp\*ep\*dp\*pp = 2\*1\*1\*2\*1 = 4"):
         layout_from_parallel({"tp": 2, "dp": 2}, 6, 8)
     assert layout_from_parallel({"ep": 2, "dp": "auto"}, 8, 8).dp == 4
+    hsdp = layout_from_parallel({"ep": 2, "dp": 4, "data_parallel": "hsdp", "dp_shard": 2}, 8, 8)
+    assert (hsdp.dp_replicate, hsdp.dp_shard) == (2, 2)
+    with pytest.raises(ValueError, match=r"dp_replicate/dp_shard split dp for HSDP, but data_parallel='fsdp'"):
+        layout_from_parallel({"dp": 4, "dp_replicate": 2}, 4, 8)
+    with pytest.raises(ValueError, match=r"data_parallel='hsdp' needs dp_replicate or dp_shard"):
+        layout_from_parallel({"dp": 4, "data_parallel": "hsdp"}, 4, 8)
 
 
 def test_a_folded_parallel_preset_is_planned_and_dry_run_as_it_trains(capsys):
@@ -306,7 +378,9 @@ def test_a_folded_parallel_preset_is_planned_and_dry_run_as_it_trains(capsys):
      # parallel folding: ep over tp (one expert per rank, sharded over edp = dp 4), over cp with
      # expert TP kept, over both, and under a pipeline
      dict(tp=2, ep=8, dp=4, fold_ep="tp"), dict(cp=2, tp=2, ep=4, dp=2, fold_ep="cp"),
-     dict(cp=2, tp=2, ep=8, fold_ep="cp,tp"), dict(tp=2, ep=2, pp=2, dp=2, fold_ep="tp")],
+     dict(cp=2, tp=2, ep=8, fold_ep="cp,tp"), dict(tp=2, ep=2, pp=2, dp=2, fold_ep="tp"),
+     # HSDP: shards within replica groups (experts over edp_shard: 2 of 4, then 1 of 2 with ep 4)
+     dict(tp=2, dp=4, dp_replicate=2), dict(ep=2, dp=4, dp_replicate=2), dict(ep=4, dp=2, dp_replicate=2, pp=2)],
 )
 def test_dry_run_shards_equal_the_cost_model(sizes):
     cfg = {**TINY, "num_layers": 4, "num_kv_heads": 4, "moe_layer_freq": 2, "max_steps": 10, "max_seq_len": 64,
@@ -394,7 +468,8 @@ def _held_parameters(sizes: dict, cfg: dict) -> dict:
 
     dims = pool_layout(**sizes)
     torch.manual_seed(0)
-    module = parallelize(MoEGPT(**cfg), dims.mesh, data_parallel="fsdp", etp=sizes.get("etp"), fold_ep=sizes.get("fold_ep"))
+    kind = "hsdp" if sizes.get("dp_replicate", 1) > 1 else "fsdp"
+    module = parallelize(MoEGPT(**cfg), dims.mesh, data_parallel=kind, etp=sizes.get("etp"), fold_ep=sizes.get("fold_ep"))
     shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
     nbytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in module.parameters())
     return {"rank": dist.get_rank(), "shapes": shapes, "bytes": nbytes}
@@ -405,7 +480,9 @@ def _held_parameters(sizes: dict, cfg: dict) -> dict:
     "sizes",
     [dict(tp=2, ep=2), dict(ep=2, dp=2), dict(pp=2, ep=2), dict(tp=2, etp=1, cp=2),
      # folded over tp: one expert per rank; then two, sharded over edp = dp 2
-     dict(tp=2, ep=4, fold_ep=("tp",)), dict(tp=2, ep=2, fold_ep=("tp",))],
+     dict(tp=2, ep=4, fold_ep=("tp",)), dict(tp=2, ep=2, fold_ep=("tp",)),
+     # HSDP: dp4 as 2 replica groups of 2 (every parameter half, whole across replicas)
+     dict(dp=4, dp_replicate=2)],
 )  # fmt: skip
 def test_real_gloo_ranks_hold_the_planned_bytes(sizes):
     cfg = {**TINY, "max_steps": 10, "max_seq_len": 64}
@@ -438,7 +515,8 @@ def _measured_comm(run_dir: Path, parallel: str) -> dict[str, float]:
 # TP), cp (ring and MoE statistics), ep, dp (FSDP2 on the dense, expert and token meshes, per
 # micro-batch and per pipeline step) and pp; cp2_tp2_ep4_folded and pp2_tp2_ep2_folded add parallel
 # folding (the ep group over cp x tp, and over tp under a pipeline, where tp's norm-gradient
-# all-reduce follows FSDP2's reductions per pipeline step). The 2-process presets each take another
+# all-reduce follows FSDP2's reductions per pipeline step); dp2x2_hsdp and dp2_ep2_hsdp add HSDP (shard
+# groups of 2 ranks, and of 1 for the experts, with the replica all-reduce). The 2-process presets each take another
 # 20-50 s on 2 shared cores: LMOE_PLANNER_ALL_LAYOUTS=1 runs them too (they passed on 2026-12-01).
 _ALL_LAYOUTS = os.environ.get("LMOE_PLANNER_ALL_LAYOUTS") == "1"
 _EXTRA = pytest.mark.skipif(not _ALL_LAYOUTS, reason="set LMOE_PLANNER_ALL_LAYOUTS=1 for every CPU preset")
@@ -447,7 +525,7 @@ _EXTRA = pytest.mark.skipif(not _ALL_LAYOUTS, reason="set LMOE_PLANNER_ALL_LAYOU
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "parallel",
-    ["cp2_tp2", "pp2_ep2", "cp2_tp2_ep4_folded", "pp2_tp2_ep2_folded",
+    ["cp2_tp2", "pp2_ep2", "cp2_tp2_ep4_folded", "pp2_tp2_ep2_folded", "dp2x2_hsdp", "dp2_ep2_hsdp",
      *(pytest.param(p, marks=_EXTRA) for p in ("dp2", "tp2", "cp2", "ep2", "pp2", "tp2_ep2_folded"))],
 )  # fmt: skip
 def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, parallel):

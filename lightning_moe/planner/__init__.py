@@ -11,8 +11,9 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
   term (causal: half the score/value products), dense and expert SwiGLU GEMMs, the router and the
   output layer; training = forward + 2 x forward (backward), plus the recomputed forward of the
   chosen activation-checkpointing mode.
-- **Memory** (:mod:`.memory`) per rank: parameters, fp32 gradients and Adam states, FSDP's all-gather
-  buffers, and activations under each activation-checkpointing mode (``none``, ``selective``, ``full``).
+- **Memory** (:mod:`.memory`) per rank: parameters, fp32 gradients and Adam states, FSDP2's unsharded
+  parameter and gradient buffers, and activations under each activation-checkpointing mode (``none``,
+  ``selective``, ``full``). HSDP (``Layout.dp_replicate``) shards within a replica group only.
 - **Communication** (:mod:`.communication`, :mod:`.groups`) bytes per optimizer step and rank for
   every dimension, from the same collectives the code issues, each split into intra-node and
   inter-node bytes by where the group's ranks sit (rank order tp-cp-ep-dp-pp). Dim names, group
@@ -22,7 +23,9 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
 - **Time** (:mod:`.step_time`) per step: compute, the communication the code does not overlap, the
   pipeline bubble and the optimizer update; :func:`estimate` gathers one layout's figures.
 - **Search** (:mod:`.search`): :func:`plan` estimates every valid layout, parallel folding included
-  (``Layout.fold_ep``: the expert ep group spans tp and/or cp ranks too), and ranks those that fit;
+  (``Layout.fold_ep``: the expert ep group spans tp and/or cp ranks too) and HSDP where dp spans
+  nodes (a replica group per node: gathers and reduce-scatters inside it, the gradient shards'
+  all-reduce across), and ranks those that fit;
   :func:`resolve_auto_layout` serves ``MoE5DStrategy(layout="auto")``.
 
 Example::

@@ -20,6 +20,10 @@ def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
     """
     if rec.recorded_as is not None:
         return rec.recorded_as
+    if ":" in rec.group:
+        # an HSDP part (FSDP2's shard or replica mesh dim, "dp_shard_ep_cp", "dp_replicate",
+        # "edp_shard"): the accounting charges it to dp, as on any rank set it shares (gradient groups first)
+        return "dp"
     spans = group_spans(layout, rec.group)
     busy = {d for d in MESH_DIMS if layout.size(d) > 1}
     if busy and busy <= set(spans):  # the default group

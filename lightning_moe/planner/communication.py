@@ -21,7 +21,7 @@ from lightning_moe.planner.dtypes import (
     FSDP_REDUCE_BYTES,
     INT64_BYTES,
 )
-from lightning_moe.planner.groups import group_size, peer_split, ring_split
+from lightning_moe.planner.groups import fsdp_shard_group, group_size, peer_split, ring_split
 from lightning_moe.planner.layout import Layout
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import fsdp_units
@@ -183,18 +183,23 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
             per_layer = 2 * gathered + idx + 2 * weights + 2 * rs
             add("all-gather dispatcher", "ep", "ep", per_layer * m * moe_per_rank, 7 * m * moe_per_rank, recorded_as="ep")
     # ---- data parallel: FSDP2 all-gathers (forward, and again in backward for non-root units) and
-    # reduce-scatters, once per micro-batch; once per optimizer step with gather_once_per_step ----
+    # reduce-scatters, once per micro-batch; once per optimizer step with gather_once_per_step.
+    # HSDP: both within the shard group, then each reduced gradient shard (fp32, padded as FSDP2
+    # pads it) all-reduced across the replica groups (foreach_reduce's all_reduce_group) ----
     once = layout.gather_once_per_step and layout.pp == 1
     for unit in fsdp_units(model, layout):
-        n = group_size(layout, unit.group)
-        if n == 1:
-            continue
-        shard = unit.padded_shard_numel * (n - 1)
+        group = fsdp_shard_group(layout, unit.group)
+        n = group_size(layout, group)
         gathers = 1 if once else (1 if unit.root else 2) * m
         scatters = fsdp_reduces(layout)
         frac = unit.ranks_fraction * unit.count
-        nbytes = (gathers * FSDP_GATHER_BYTES[precision] + scatters * FSDP_REDUCE_BYTES) * shard
-        add(f"FSDP {unit.name}", "dp", unit.group, nbytes * frac, (gathers + scatters) * frac, overlapped=True)
+        if n > 1:
+            shard = unit.padded_shard_numel * (n - 1)
+            nbytes = (gathers * FSDP_GATHER_BYTES[precision] + scatters * FSDP_REDUCE_BYTES) * shard
+            add(f"FSDP {unit.name}", "dp", group, nbytes * frac, (gathers + scatters) * frac, overlapped=True)
+        if layout.hsdp:
+            reduced = all_reduce_bytes(int(unit.padded_shard_numel) * FSDP_REDUCE_BYTES, layout.dp_replicate)
+            add(f"HSDP {unit.name} replica all-reduce", "dp", "dp:replicate", reduced * scatters * frac, scatters * frac, overlapped=True)
     n_token = group_size(layout, "token")
     if moe_per_rank and n_token > 1:
         if model.load_balancing == "global_aux_loss":

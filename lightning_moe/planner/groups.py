@@ -2,6 +2,9 @@
 
 Ranks are laid out in the mesh order (pp, dp, ep, cp, tp), row-major: tp neighbours share a node first.
 The groups are those of :mod:`lightning_moe.layout`, the spans ``ParallelDims`` builds its meshes from.
+Under HSDP a data-parallel group splits in two parts, named ``"<group>:shard"`` (FSDP2's shard group:
+the ranks of ``<group>`` in this rank's replica group) and ``"dp:replicate"`` (the ranks of this
+rank's dp group at the same place in the other replica groups), as ``ParallelDims``' 2-D FSDP meshes.
 """
 
 from __future__ import annotations
@@ -26,28 +29,59 @@ GROUP_SPANS: dict[str, tuple[str, ...]] = {
 }
 
 
+HSDP_PARTS: tuple[str, ...] = ("shard", "replicate")
+
+
+def fsdp_shard_group(layout: Layout, group: str) -> str:
+    """The group FSDP2 shards ``group``'s parameters over: ``group`` itself, under HSDP its shard part."""
+    return f"{group}:shard" if layout.hsdp else group
+
+
 def group_spans(layout: Layout, group: str) -> tuple[str, ...]:
     """Mesh dims ``group`` spans: a key of :data:`GROUP_SPANS`, or ``"edp"``, the experts' data-parallel
     mesh, which takes tp in when experts are not tensor-parallel (etp = 1). ``"ep"`` is the expert
-    view's all-to-all group: the mesh's ep dim and, folded, the attention dims it spans too."""
+    view's all-to-all group: the mesh's ep dim and, folded, the attention dims it spans too. An HSDP
+    part (``"dense:shard"``) spans its group's dims, dp only in part."""
+    group, _, part = group.partition(":")
+    if part and (part not in HSDP_PARTS or "dp" not in group_spans(layout, group)):
+        raise ValueError(f"group {group}:{part}: HSDP splits a data-parallel group into {HSDP_PARTS}")
     if group in ("edp", "ep"):
         return expert_group_spans(layout.tp, layout.etp, layout.fold_ep)[group]
     return GROUP_SPANS[group]
 
 
 def group_ranks(layout: Layout, group: str, rank: int = 0) -> list[int]:
-    """Global ranks of ``rank``'s group ``group`` (a key of :data:`GROUP_SPANS` or ``"edp"``)."""
-    return spanned_ranks(layout.mesh_sizes(), group_spans(layout, group), rank)
+    """Global ranks of ``rank``'s group ``group`` (a key of :data:`GROUP_SPANS`, ``"edp"``, or an
+    HSDP part): a shard part keeps the ranks of ``rank``'s replica group (dp coordinate // dp_shard),
+    a replicate part those at its place in every replica group (dp coordinate % dp_shard)."""
+    ranks = spanned_ranks(layout.mesh_sizes(), group_spans(layout, group), rank)
+    part = group.partition(":")[2]
+    if not part:
+        return ranks
+    shard = layout.dp_shard
+
+    def key(r: int) -> int:
+        dp = layout.coordinates(r)["dp"]
+        return dp // shard if part == "shard" else dp % shard
+
+    mine = key(rank)
+    return [r for r in ranks if key(r) == mine]
 
 
 def group_size(layout: Layout, group: str) -> int:
-    return math.prod(layout.size(d) for d in group_spans(layout, group))
+    """Ranks of ``group``; an HSDP shard part holds ``1 / dp_replicate`` of its group, a replicate part ``dp_replicate``."""
+    size = math.prod(layout.size(d) for d in group_spans(layout, group))
+    part = group.partition(":")[2]
+    if part == "shard":
+        return size // layout.dp_replicate
+    return layout.dp_replicate if part == "replicate" else size
 
 
 def _mesh_only(layout: Layout) -> Layout:
     """The layout's mesh (sizes and etp): the splits below depend on nothing else, so they are cached
     on it, shared by every micro-batch and schedule variant of a mesh."""
-    return Layout(layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.etp, fold_ep=layout.fold_ep)
+    return Layout(layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.etp, fold_ep=layout.fold_ep,
+                  dp_replicate=layout.dp_replicate)
 
 
 def peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, float]:
@@ -86,9 +120,18 @@ def _ring_split(layout: Layout, group: str, gpus_per_node: int, wrap: bool = Tru
 
 
 def group_index(layout: Layout, group: str, coords: Mapping[str, int]) -> int:
-    """A rank's index in ``group`` from its mesh coordinates (lightning_moe.parallel.dims: flattened row-major)."""
+    """A rank's index in ``group`` from its mesh coordinates (lightning_moe.parallel.dims: flattened
+    row-major; an HSDP shard part counts dp by its place in the replica group, ``dp % dp_shard``)."""
+    part = group.partition(":")[2]
     index = 0
     for d in group_spans(layout, group):
-        index = index * layout.size(d) + coords[d]
+        size, c = layout.size(d), coords[d]
+        if d == "dp" and part == "shard":
+            size, c = layout.dp_shard, c % layout.dp_shard
+        elif part == "replicate":
+            if d != "dp":
+                continue
+            size, c = layout.dp_replicate, c // layout.dp_shard
+        index = index * size + c
     return index
 

@@ -11,6 +11,7 @@ from lightning_moe.layout import (
     MESH_DIMS,
     PARALLEL_DIMS,
     expert_group_spans,
+    hsdp_problem,
     normalize_fold_ep,
     rank_coordinates,
     unfolded_ep,
@@ -28,7 +29,10 @@ class Layout:
     ``fold_ep``: parallel folding, the attention dims (``"tp"``, ``"cp"``) the expert ep group spans
     too (:func:`lightning_moe.layout.normalize_fold_ep`). ``ep`` is the expert-parallel size either
     way, as ``ParallelDims`` takes it; the mesh's ep dim holds its unfolded part (:attr:`mesh_ep`).
-    ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
+    ``dp_replicate``: HSDP when > 1 (``data_parallel="hsdp"``): dp splits into that many replica
+    groups of :attr:`dp_shard` ranks (replicas vary slower); FSDP2 shards parameters within a replica
+    group only, over ``dp_shard`` x the group's other dims, and all-reduces gradient shards across
+    the replica groups. ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
     """
 
     tp: int = 1
@@ -44,10 +48,24 @@ class Layout:
     pp_microbatches: int = 0
     gather_once_per_step: bool = False
     fold_ep: tuple[str, ...] = ()
+    dp_replicate: int = 1
 
     def __post_init__(self) -> None:
         # "cp,tp", ["tp", "cp"] and ("cp", "tp") are one layout: one hash, one label
         object.__setattr__(self, "fold_ep", normalize_fold_ep(self.fold_ep))
+        problem = hsdp_problem(self.dp, self.dp_replicate) if self.dp_replicate != 1 else None
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def hsdp(self) -> bool:
+        """Whether data parallelism is HSDP (FSDP2 on 2-D ``(replicate, shard)`` meshes)."""
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard(self) -> int:
+        """The dp ranks of one HSDP replica group (dp itself without HSDP)."""
+        return self.dp // self.dp_replicate
 
     @property
     def mesh_ep(self) -> int:
@@ -85,9 +103,10 @@ class Layout:
         tensor-parallel, the micro-batch size and, under pp > 1, the schedule (``v2``: stages per
         rank) and the micro-batches of one pipeline step (they set the bubble), so that two layouts
         with different estimates never share a label. A folded ep names the dims it folds over,
-        ``tp8·ep8(fold tp)`` (8 ranks), apart from ``tp8·ep8`` (64); folding tp implies etp1."""
+        ``tp8·ep8(fold tp)`` (8 ranks), apart from ``tp8·ep8`` (64); folding tp implies etp1. HSDP
+        writes dp as replica groups x shard ranks: ``hsdp2x4`` is dp8 in 2 replica groups of 4."""
         sizes = self.parallel_sizes()
-        parts = [f"{d}{n}" + (self._fold_note() if d == "ep" else "") for d, n in sizes.items() if n > 1] or ["single"]
+        parts = [self._size_note(d, n) for d, n in sizes.items() if n > 1] or ["single"]
         if self.tp > 1 and self.etp == 1 and "tp" not in self.fold_ep:
             parts.append("etp1")
         text = "·".join(parts) + f" mb{self.micro_batch_size}"
@@ -98,14 +117,21 @@ class Layout:
             text += " gather_once_per_step"
         return text
 
-    def _fold_note(self) -> str:
-        return f"(fold {','.join(self.fold_ep)})" if self.fold_ep else ""
+    def _size_note(self, dim: str, size: int) -> str:
+        """One dim of the label: ``ep8(fold tp)``, ``hsdp2x4`` (dp8 as 2 replica groups of 4), ``tp2``."""
+        if dim == "ep" and self.fold_ep:
+            return f"ep{size}(fold {','.join(self.fold_ep)})"
+        if dim == "dp" and self.hsdp:
+            return f"hsdp{self.dp_replicate}x{self.dp_shard}"
+        return f"{dim}{size}"
 
     def strategy_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = self.parallel_sizes()
         kwargs["etp"] = self.etp
         if self.fold_ep:
             kwargs["fold_ep"] = ",".join(self.fold_ep)
+        if self.hsdp:
+            kwargs.update(data_parallel="hsdp", dp_replicate=self.dp_replicate)
         if self.pp > 1:
             kwargs.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pipeline_microbatches, pp_stages_per_rank=self.pp_stages_per_rank)
         if self.gather_once_per_step:

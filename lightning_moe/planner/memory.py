@@ -1,5 +1,16 @@
-"""Memory per rank: parameter shards, fp32 gradients and Adam states, FSDP2's all-gather buffers,
+"""Memory per rank: parameter shards, fp32 gradients and Adam states, FSDP2's unsharded buffers,
 activations under each activation-checkpointing mode and the logits, on the busiest pipeline rank.
+
+Each term is bytes of tensors the code holds at the peak, in backward (measured on CPU by
+``experiments/bench/peak_memory.py``: the peak resident set less the import floor within 4% of the
+total on one process, ep4 and ep2·dp2):
+
+- parameters, gradients (fp32 shards: FSDP2 reduces into the sharded gradient) and Adam's two fp32
+  moments, which the first optimizer step creates and every later step keeps;
+- FSDP2's buffers (:func:`fsdp_buffer_bytes`): the gathered parameters of the unit in backward
+  and of the prefetched one, that unit's unsharded gradients and the reduce-scatter input they are
+  copied into, and under pp = 1 the root unit, gathered through backward;
+- activations of the micro-batches in flight and the logits (compute dtype, fp32 copy, gradient).
 
 Shards are FSDP2's padded allocation (:func:`~lightning_moe.planner.parameters.local_shape`): experts
 fewer per ep rank than their edp group split evenly on a non-expert dim
@@ -12,8 +23,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_moe.layout import experts_split_over_tp
-from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES
-from lightning_moe.planner.groups import group_size
+from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES, FSDP_REDUCE_BYTES
 from lightning_moe.planner.layout import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import kind_counts, kind_of, local_shape, representative_specs
@@ -67,12 +77,36 @@ class Memory:
     parameters: float
     gradients: float
     optimizer: float
-    fsdp_buffers: float
+    fsdp_buffers: float  # unsharded parameters and gradients of the units in flight (fsdp_buffer_bytes)
     activations: dict[str, float]  # per checkpointing mode
     logits: float
 
     def total(self, mode: str) -> float:
         return self.parameters + self.gradients + self.optimizer + self.fsdp_buffers + self.activations[mode] + self.logits
+
+
+def fsdp_buffer_bytes(unit_sizes: dict[str, float], gathered: float, layout: Layout, precision: str) -> float:
+    """FSDP2's unsharded buffers at the peak of backward, from ``unit_sizes`` (elements of each unit's
+    unsharded parameters on this rank; ``"first"``/``"last"``: the embedding / norm and output) and
+    ``gathered`` (all units' elements, each counted as often as the rank holds it).
+
+    - ``gather_once_per_step`` (pp = 1): every unit stays gathered with its unsharded gradients,
+      accumulated in fp32 (``gathered x (param dtype + fp32)``), plus the reduce-scatter input of the
+      largest unit when the step's last backward reduces it.
+    - Otherwise, the backward of the largest non-root unit: its gathered parameters and the next
+      unit's, prefetched (2 units in the param dtype); the unit's unsharded gradients (param dtype)
+      and the flat reduce-scatter input ``foreach_reduce`` copies them into (fp32, the reduce dtype)
+      before it frees them: 4 units' worth in all. Under pp = 1 the root unit (embedding, final norm,
+      output) is not resharded after forward: its parameters stay gathered through backward and its
+      gradients wait, unsharded, for the root's reduction at the end of backward.
+    """
+    g = FSDP_GATHER_BYTES[precision]
+    if layout.gather_once_per_step and layout.pp == 1:
+        return gathered * (g + FP32_BYTES) + max(unit_sizes.values(), default=0) * FSDP_REDUCE_BYTES
+    roots = ("first", "last") if layout.pp == 1 else ()
+    largest = max((size for unit, size in unit_sizes.items() if unit not in roots), default=0)
+    root = sum(unit_sizes.get(unit, 0) for unit in roots)
+    return largest * (2 * g + g + FSDP_REDUCE_BYTES) + root * 2 * g
 
 
 def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> tuple[Memory, int]:
@@ -89,16 +123,12 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
             if not n:
                 continue
             params += n * math.prod(local_shape(spec, layout, rank, padded=True))
-            if group_size(layout, spec.group) > 1:
-                unsharded = math.prod(local_shape(spec, layout, rank, fsdp=False))
-                unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + unsharded
-                gathered += n * unsharded
-        if layout.gather_once_per_step and layout.pp == 1:
-            # Every unit stays gathered for the optimizer step, with its unsharded fp32 gradients.
-            buffers = gathered * (FSDP_GATHER_BYTES[precision] + FP32_BYTES)
-        else:
-            # FSDP2 unshards one unit and prefetches the next: two of the largest units, in the all-gather dtype.
-            buffers = 2 * max(unit_sizes.values(), default=0) * FSDP_GATHER_BYTES[precision]
+            # every unit, over one rank too: fully_shard wraps it all the same and FSDP2's unshard
+            # then copies the shard into a buffer of its own (FSDPParamGroup.unshard, world_size == 1)
+            unsharded = math.prod(local_shape(spec, layout, rank, fsdp=False))
+            unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + unsharded
+            gathered += n * unsharded
+        buffers = fsdp_buffer_bytes(unit_sizes, gathered, layout, precision)
         layers = rank_layers(model, layout, pp_rank)
         # micro-batches in flight on this rank: GPipe all of them, 1F1B up to pp - pp_rank,
         # interleaved the 1F1B figure times (1 + (p-1)/(p v)) (Korthikanti et al. 2022, §4.2.3)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from lightning_moe.planner.dtypes import FP32_BYTES
-from lightning_moe.planner.groups import group_index, group_size
+from lightning_moe.planner.groups import fsdp_shard_group, group_index, group_size
 from lightning_moe.planner.layout import Layout, holds_first_stage, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
 
@@ -117,6 +117,7 @@ def _parameter_specs(model: ModelShape, tp_on: bool, etp_is_tp: bool) -> tuple[P
 def local_shape(spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True, padded: bool = False) -> tuple[int, ...]:
     """The shape of ``spec`` on ``rank``: ep and tp splits (DTensor chunks), then FSDP2's chunk: of dim 0,
     or for experts fewer per rank than their edp group, of :func:`expert_fsdp_dim` (an even split).
+    Under HSDP FSDP2 shards over the group's shard part (:func:`~lightning_moe.planner.groups.fsdp_shard_group`).
 
     ``padded``: FSDP2's allocation (every rank holds ``ceil(dim0 / n)`` rows) instead of the chunk.
     """
@@ -128,12 +129,13 @@ def local_shape(spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True
     if spec.tp_dim is not None:
         shape[spec.tp_dim] = chunk_size(shape[spec.tp_dim], layout.tp, coords["tp"])
     if fsdp:
-        n = group_size(layout, spec.group)
+        group = fsdp_shard_group(layout, spec.group)  # HSDP: shards within the replica group only
+        n = group_size(layout, group)
         dim = expert_fsdp_dim(shape, spec.tp_dim, n) if spec.expert and n > 1 else 0
         if dim:
             shape[dim] //= n  # FSDP2 shards a dim > 0 only evenly: no padding
         elif n > 1:
-            shape[0] = _ceil_div(shape[0], n) if padded else chunk_size(shape[0], n, group_index(layout, spec.group, coords))
+            shape[0] = _ceil_div(shape[0], n) if padded else chunk_size(shape[0], n, group_index(layout, group, coords))
     return tuple(shape)
 
 

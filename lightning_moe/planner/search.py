@@ -37,6 +37,8 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
         seq_len=seq_len, global_batch_size=global_batch_size,
         micro_batch_size=layout.micro_batch_size, pp_microbatches=mp, fold_ep=layout.fold_ep,
     )  # fmt: skip
+    if layout.hsdp and layout.gather_once_per_step:
+        problems.append("gather_once_per_step=True needs data_parallel='fsdp' (HSDP reduces every micro-batch)")
     if not model.num_moe_layers and ep > 1:
         problems.append("ep > 1 without MoE layers")
     split = sequence_split_problem(seq_len // cp, tp)
@@ -59,6 +61,20 @@ def fold_options(tp: int, cp: int) -> list[tuple[str, ...]]:
     return [(), *((d,) for d in dims), *([tuple(dims)] if len(dims) == 2 else [])]
 
 
+def hsdp_options(dp: int, stride: int, gpus_per_node: int | None) -> list[int]:
+    """``dp_replicate`` values tried for a dp group whose ranks lie ``stride`` apart: 1 (FSDP over the
+    whole group) and, when the group spans several nodes of ``gpus_per_node`` ranks, one replica
+    group per node (HSDP: parameters sharded inside a node, only the gradient all-reduce crosses
+    nodes). One HSDP choice per mesh keeps the search as fast as before on one node.
+
+    Example: ``hsdp_options(32, 8, 8) == [1, 32]`` (tp8: one dp rank per node); ``hsdp_options(4, 2, 8) == [1]``.
+    """
+    if gpus_per_node is None or dp == 1:
+        return [1]
+    nodes = len({d * stride // gpus_per_node for d in range(dp)})
+    return [1, nodes] if 1 < nodes and dp % nodes == 0 else [1]
+
+
 def enumerate_layouts(
     world_size: int,
     model: ModelShape,
@@ -69,13 +85,15 @@ def enumerate_layouts(
     micro_batch_sizes: Iterable[int] | None = None,
     schedules: Iterable[str] = ("1F1B", "Interleaved1F1B"),
     folding: bool = True,
+    gpus_per_node: int | None = None,
 ) -> Iterator[Layout]:
     """Every layout the code accepts for ``world_size`` ranks (tp at most ``max_tp``, a node).
 
     The mesh's ep dim (``mesh_ep``) and dp share the samples; with ``folding`` each mesh is also
     tried with ep folded over its tp and/or cp ranks (:func:`fold_options`): ``ep = mesh_ep x`` the
-    folded product, validated by the layout rules like any other. Under pp > 1 one pipeline step
-    runs all micro-batches of the optimizer step.
+    folded product, validated by the layout rules like any other. With ``gpus_per_node``, a dp
+    group spanning nodes is also tried as HSDP, a replica group per node (:func:`hsdp_options`).
+    Under pp > 1 one pipeline step runs all micro-batches of the optimizer step.
     """
     for tp in _divisors(world_size):
         if max_tp is not None and tp > max_tp:
@@ -93,21 +111,25 @@ def enumerate_layouts(
                         if fold and model.num_moe_layers and model.num_experts % ep:
                             continue  # the layout rules would refuse every variant below
                         for etp in [1] if "tp" in fold else sorted({1, tp}):
-                            yield from _schedules(model, seq_len, global_batch_size, (tp, cp, ep, dp, pp, etp, fold), per_rank, sizes, schedules)
+                            for replicas in hsdp_options(dp, tp * cp * mesh_ep, gpus_per_node):
+                                mesh = (tp, cp, ep, dp, pp, etp, fold, replicas)
+                                yield from _schedules(model, seq_len, global_batch_size, mesh, per_rank, sizes, schedules)
 
 
 def _schedules(
     model: ModelShape, seq_len: int, global_batch_size: int, mesh: tuple[Any, ...], per_rank: int, sizes: list[int], schedules: Iterable[str]
 ) -> Iterator[Layout]:
-    """The valid micro-batch and pipeline variants of one mesh ``(tp, cp, ep, dp, pp, etp, fold_ep)``."""
-    tp, cp, ep, dp, pp, etp, fold = mesh
+    """The valid micro-batch and pipeline variants of one mesh ``(tp, cp, ep, dp, pp, etp, fold_ep, dp_replicate)``."""
+    tp, cp, ep, dp, pp, etp, fold, replicas = mesh
     for mb in sizes:
         m = per_rank // mb
         options = [("1F1B", 1)] if pp == 1 else [(sch, 2 if sch == "Interleaved1F1B" else 1) for sch in schedules]
         for schedule, v in options:
-            # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory)
-            for once in (False, True) if pp == 1 and m > 1 else (False,):
-                layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once, fold_ep=fold)
+            # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory); the
+            # strategy refuses it under HSDP
+            for once in (False, True) if pp == 1 and m > 1 and replicas == 1 else (False,):
+                layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once, fold_ep=fold,
+                                dp_replicate=replicas)
                 if not layout_problems(model, layout, seq_len, global_batch_size):
                     yield layout
 
@@ -151,6 +173,7 @@ def plan(
     """Estimate every valid layout and rank those that fit by step time.
 
     ``folding``: also try ep folded over tp and/or cp (parallel folding, :func:`enumerate_layouts`).
+    A dp group spanning several of the cluster's nodes is also tried as HSDP (one replica group per node).
 
     Raises ``ValueError`` (before any work) for bad arguments, when no layout is valid for
     ``world_size``, and when ``memory_budget`` cannot hold the parameters, gradients and optimizer
@@ -177,7 +200,8 @@ def plan(
             f" {state_bytes / 2**30:.2f} GiB): raise memory_budget or world_size, or pick a smaller model"
         )
     max_tp = cluster.gpus_per_node if max_tp is None else max_tp
-    layouts = list(enumerate_layouts(world_size, model, seq_len, global_batch_size, max_tp=max_tp, micro_batch_sizes=micro_batch_sizes, folding=folding))
+    layouts = list(enumerate_layouts(world_size, model, seq_len, global_batch_size, max_tp=max_tp, micro_batch_sizes=micro_batch_sizes,
+                                     folding=folding, gpus_per_node=cluster.gpus_per_node))
     if not layouts:
         raise ValueError(
             f"no layout of world_size={world_size} is valid for {model.name} with seq_len={seq_len} and"

@@ -52,6 +52,8 @@ class Estimate:
             **self.layout.parallel_sizes(),
             "etp": self.layout.etp,
             "fold_ep": list(self.layout.fold_ep),
+            "data_parallel": "hsdp" if self.layout.hsdp else "fsdp",
+            "dp_replicate": self.layout.dp_replicate,
             "micro_batch_size": self.layout.micro_batch_size,
             "microbatches": self.layout.microbatches,
             "pp_schedule": self.layout.pp_schedule if self.layout.pp > 1 else None,
