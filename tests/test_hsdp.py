@@ -2,7 +2,7 @@
 ranks and all-reduces across them, for dense, token and expert parameters alike.
 
 The training curves (one-process losses at rel 1e-5) come from the CLI runs: the ``dp2x2_hsdp``
-preset in tests/test_strategy_invariance.py's default-data runs, ``dp2_ep2_hsdp`` and
+and ``dp2_ep2_hsdp`` presets in tests/test_strategy_invariance.py's default-data runs and
 ``tp2_dp2_hsdp`` in its layout variants. Here: where the shards lie, which dim their traffic counts
 for, and the errors.
 """

@@ -32,8 +32,7 @@ LAYOUTS = [
     ("tp2_no_sp", ["parallel=tp2", "parallel.sequence_parallel=false"], {"tp": 2, "etp": 2}),
     ("tp2_etp1_ep2_no_sp", ["parallel=tp2_etp1_ep2", "parallel.sequence_parallel=false"], {"tp": 2, "ep": 2, "etp": 1}),
     ("cp4_head_chunks2", ["parallel=cp4", "parallel.cp_head_chunks=2"], {"cp": 4}),
-    # HSDP: 2 replica groups; the experts' edp splits alike (1-rank shard groups), and tp shares the root.
-    ("dp2_ep2_hsdp", ["parallel=dp2_ep2", "parallel.data_parallel=hsdp", "parallel.dp_replicate=2"], {"dp": 2, "ep": 2}),
+    # HSDP with tp: the 2-D meshes share tp's root (dp2x2_hsdp and dp2_ep2_hsdp are presets, run below).
     ("tp2_dp2_hsdp", ["parallel=tp2", "parallel.dp=2", "parallel.data_parallel=hsdp", "parallel.dp_shard=1"],
      {"tp": 2, "dp": 2, "etp": 2}),
     # Pipeline: each Lightning batch runs pp_microbatches (default pp) loader micro-batches.
