@@ -183,7 +183,7 @@ def estimate(
     reason = "" if fits else (
         f"needs {total / 2**30:.1f} GiB per rank with checkpointing={checkpointing} "
         f"(parameters+gradients+optimizer {(mem.parameters + mem.gradients + mem.optimizer) / 2**30:.1f} GiB, "
-        f"activations {mem.activations[checkpointing] / 2**30:.1f} GiB, FSDP all-gather buffers"
+        f"activations {mem.activations[checkpointing] / 2**30:.1f} GiB, FSDP buffers"
         f" {mem.fsdp_buffers / 2**30:.1f} GiB, logits {mem.logits / 2**30:.1f} GiB), budget {budget / 2**30:.1f} GiB"
     )
     comm = comm_bytes_by_dim(records, layout, cluster)
