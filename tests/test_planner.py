@@ -369,6 +369,18 @@ def test_a_folded_parallel_preset_is_planned_and_dry_run_as_it_trains(capsys):
     capsys.readouterr()
 
 
+def test_an_hsdp_parallel_preset_is_planned_and_dry_run_as_it_trains(capsys):
+    """``parallel=dp2_ep2_hsdp``: the requested layout's label, strategy arguments and dry-run shards
+    (every rank of 4) carry the replica groups."""
+    cfg = compose_plan("model=tiny", "cluster=cpu_local", "world_size=4", "parallel=dp2_ep2_hsdp", "dry_run=true", "dry_run_ranks=[0,1,2,3]")
+    out = run_plan(cfg, None, {"model": "tiny", "cluster": "cpu_local"})
+    requested = out["requested"]
+    assert requested["label"].startswith("ep2·hsdp2x1 ") and requested["dp_replicate"] == 2
+    assert requested["strategy"]["data_parallel"] == "hsdp" and requested["strategy"]["dp_replicate"] == 2
+    assert out["dry_run"]["layout"] == requested["label"] and all(r["matches"] for r in out["dry_run"]["ranks"])
+    assert "Ranked #" not in capsys.readouterr().out  # one node: the ranking tries no HSDP
+
+
 # -- dry run: parameter bytes per rank ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "sizes",
