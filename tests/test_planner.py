@@ -34,6 +34,7 @@ from lightning_moe.planner import (
     enumerate_layouts,
     estimate,
     group_ranks,
+    memory_per_rank,
     parameter_bytes_per_rank,
     peer_split,
     plan,
@@ -253,6 +254,23 @@ def test_hsdp_parallel_dims_groups_hold_the_planned_ranks(sizes):
                 assert mesh.mesh[:, coord[1]].tolist() == group_ranks(lay, "dp:replicate", rank), (group, rank)
         finally:
             dist.destroy_process_group()
+
+
+def test_fsdp_buffers_hold_four_of_the_largest_unit_and_the_root():
+    """One process (every FSDP unit over one rank: FSDP2 still copies each into a buffer when it
+    unshards): the experts unit, the largest (4 experts x 3 x 32 x 32), as gathered parameters,
+    the prefetched next unit, unsharded gradients and the fp32 reduce-scatter input (4 x 4 bytes);
+    the root (embedding, output 256 x 32 each, final norm 32), parameters and gradients gathered
+    through backward (2 x 4 bytes). Under bf16 the gathered parameters and gradients take 2 bytes."""
+    shape = ModelShape.from_config(TINY)
+    experts, root = 4 * 3 * 32 * 32, 2 * 256 * 32 + 32
+    memory, _ = memory_per_rank(shape, Layout(), TINY_SEQ)
+    assert memory.fsdp_buffers == experts * 16 + root * 8
+    bf16, _ = memory_per_rank(shape, Layout(), TINY_SEQ, "bf16-mixed")
+    assert bf16.fsdp_buffers == experts * (3 * 2 + 4) + root * 4
+    # ep2: each rank's unit holds 2 experts; the root shards over dp x ep but is gathered whole
+    ep2, _ = memory_per_rank(shape, Layout(ep=2), TINY_SEQ)
+    assert ep2.fsdp_buffers == experts // 2 * 16 + root * 8
 
 
 def test_expert_bytes_scale_with_the_share_of_slots_leaving_the_rank():

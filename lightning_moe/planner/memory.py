@@ -2,8 +2,8 @@
 activations under each activation-checkpointing mode and the logits, on the busiest pipeline rank.
 
 Each term is bytes of tensors the code holds at the peak, in backward (measured on CPU by
-``experiments/bench/peak_memory.py``: the peak resident set less the import floor within 4% of the
-total on one process, ep4 and ep2·dp2):
+``experiments/bench/peak_memory.py``: the peak resident set less the import floor within 5% of the
+total on one process, ep4, ep2·dp2 and ep2·dp2 as HSDP):
 
 - parameters, gradients (fp32 shards: FSDP2 reduces into the sharded gradient) and Adam's two fp32
   moments, which the first optimizer step creates and every later step keeps;
