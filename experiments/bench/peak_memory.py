@@ -1,8 +1,8 @@
 """Peak host memory per rank on CPU, measured, next to the planner's estimate.
 
 Training runs of a ~207M-parameter MoEGPT (hidden 512, 8 layers of 16 experts of FFN 1024, AdamW,
-fp32, 3 optimizer steps of 8 samples of 64 tokens) on four layouts: one process, ep4, ep2·dp2
-and ep2·dp2 as HSDP with 2 replica groups (4 processes each). Each rank records, through :class:`PeakMemory`:
+fp32, 3 optimizer steps of 8 samples of 64 tokens) on five layouts: one process, ep4, ep2·dp2,
+ep2·dp2 as HSDP with 2 replica groups and pp2·ep2 (4 processes each). Each rank records, through :class:`PeakMemory`:
 
 - the import floor: its resident set (``VmRSS``) when training is set up, before the model is
   built (Python, torch, Lightning, the data; what no tensor of the model accounts for);
@@ -47,6 +47,7 @@ MODEL = [
 LAYOUTS: dict[str, tuple[str, int]] = {
     "single": ("single", 1), "ep4": ("ep4", 4), "ep2·dp2": ("dp2_ep2", 4),
     "ep2·hsdp2x1": ("dp2_ep2_hsdp", 4),  # HSDP: experts whole on each rank of their 1-rank shard group
+    "pp2·ep2": ("pp2_ep2", 4),  # 2 micro-batches per pipeline step: unsharded gradients accumulate
 }  # fmt: skip
 
 

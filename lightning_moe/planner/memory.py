@@ -9,7 +9,9 @@ total on one process, ep4, ep2·dp2 and ep2·dp2 as HSDP):
   moments, which the first optimizer step creates and every later step keeps;
 - FSDP2's buffers (:func:`fsdp_buffer_bytes`): the gathered parameters of the unit in backward
   and of the prefetched one, that unit's unsharded gradients and the reduce-scatter input they are
-  copied into, and under pp = 1 the root unit, gathered through backward;
+  copied into, and the root units, gathered through backward (pp = 1: embedding, norm and output;
+  pp > 1: every top-level unit of the stage, with every unit's gradients accumulated unsharded
+  until the pipeline step's last backward);
 - activations of the micro-batches in flight and the logits (compute dtype, fp32 copy, gradient).
 
 Shards are FSDP2's padded allocation (:func:`~lightning_moe.planner.parameters.local_shape`): experts
@@ -85,28 +87,42 @@ class Memory:
         return self.parameters + self.gradients + self.optimizer + self.fsdp_buffers + self.activations[mode] + self.logits
 
 
-def fsdp_buffer_bytes(unit_sizes: dict[str, float], gathered: float, layout: Layout, precision: str) -> float:
+def fsdp_buffer_bytes(unit_sizes: dict[str, float], unit_counts: dict[str, int], gathered: float, layout: Layout, precision: str) -> float:
     """FSDP2's unsharded buffers at the peak of backward, from ``unit_sizes`` (elements of each unit's
-    unsharded parameters on this rank; ``"first"``/``"last"``: the embedding / norm and output) and
-    ``gathered`` (all units' elements, each counted as often as the rank holds it).
+    unsharded parameters on this rank: ``"first"`` the embedding, ``"last"`` the final norm and
+    output, ``"layer<i>"`` a block's own parameters, ``"layer<i>.experts"``/``".router"`` units nested
+    in it), ``unit_counts`` (how many units like it the rank holds) and ``gathered`` (all units'
+    elements, each counted as often as the rank holds it).
 
     - ``gather_once_per_step`` (pp = 1): every unit stays gathered with its unsharded gradients,
       accumulated in fp32 (``gathered x (param dtype + fp32)``), plus the reduce-scatter input of the
       largest unit when the step's last backward reduces it.
-    - Otherwise, the backward of the largest non-root unit: its gathered parameters and the next
-      unit's, prefetched (2 units in the param dtype); the unit's unsharded gradients (param dtype)
-      and the flat reduce-scatter input ``foreach_reduce`` copies them into (fp32, the reduce dtype)
-      before it frees them: 4 units' worth in all. Under pp = 1 the root unit (embedding, final norm,
-      output) is not resharded after forward: its parameters stay gathered through backward and its
-      gradients wait, unsharded, for the root's reduction at the end of backward.
+    - Otherwise, the backward of the largest nested (non-root) unit: its gathered parameters and the
+      next unit's, prefetched (2 units in the param dtype); then a unit's unsharded gradients (param
+      dtype) and the flat reduce-scatter input ``foreach_reduce`` copies them into (fp32, the reduce
+      dtype) before it frees them. FSDP2 does not reshard a root unit after forward
+      (``FSDPState._lazy_init``): under pp = 1 the root (embedding, final norm, output) stays gathered
+      through backward and its gradients wait, unsharded, for its reduction at the end of backward;
+      under pp > 1 every top-level unit (embedding, each block, norm, output) is a root of its own,
+      so the stage's blocks stay gathered from their forward to their backward; and with several
+      micro-batches per pipeline step every unit's unsharded gradients wait, accumulated in the
+      reduce dtype, for the step's last backward (``backward_maybe_with_nosync``).
     """
     g = FSDP_GATHER_BYTES[precision]
     if layout.gather_once_per_step and layout.pp == 1:
         return gathered * (g + FP32_BYTES) + max(unit_sizes.values(), default=0) * FSDP_REDUCE_BYTES
-    roots = ("first", "last") if layout.pp == 1 else ()
-    largest = max((size for unit, size in unit_sizes.items() if unit not in roots), default=0)
-    root = sum(unit_sizes.get(unit, 0) for unit in roots)
-    return largest * (2 * g + g + FSDP_REDUCE_BYTES) + root * 2 * g
+    roots = [u for u in unit_sizes if u in ("first", "last") or (layout.pp > 1 and "." not in u)]
+    held = sum(unit_counts[u] * unit_sizes[u] for u in roots) * g
+    if layout.pp == 1:
+        held += sum(unit_sizes[u] for u in roots) * g  # the root's unsharded gradients
+    nested = max((size for unit, size in unit_sizes.items() if unit not in roots), default=0)
+    reduced = nested if layout.pp == 1 else max(unit_sizes.values(), default=0)
+    if layout.pp > 1 and layout.pipeline_microbatches > 1:
+        # Gradient sync only in the pipeline step's last backward: the earlier ones leave every unit's
+        # unsharded gradients accumulated in the reduce dtype until it (FSDP2's no-sync accumulation),
+        # beside the sharded gradients of the previous pipeline step.
+        return held + nested * 2 * g + gathered * FSDP_REDUCE_BYTES + reduced * FSDP_REDUCE_BYTES
+    return held + nested * 2 * g + reduced * (g + FSDP_REDUCE_BYTES)
 
 
 def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> tuple[Memory, int]:
@@ -118,17 +134,19 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
         counts = kind_counts(model, layout, pp_rank)
         params = gathered = 0.0
         unit_sizes: dict[str, float] = {}
+        unit_counts: dict[str, int] = {}
         for spec in reps:
             n = counts[kind_of(model, spec)]
             if not n:
                 continue
+            unit_counts[spec.unit] = n
             params += n * math.prod(local_shape(spec, layout, rank, padded=True))
             # every unit, over one rank too: fully_shard wraps it all the same and FSDP2's unshard
             # then copies the shard into a buffer of its own (FSDPParamGroup.unshard, world_size == 1)
             unsharded = math.prod(local_shape(spec, layout, rank, fsdp=False))
             unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + unsharded
             gathered += n * unsharded
-        buffers = fsdp_buffer_bytes(unit_sizes, gathered, layout, precision)
+        buffers = fsdp_buffer_bytes(unit_sizes, unit_counts, gathered, layout, precision)
         layers = rank_layers(model, layout, pp_rank)
         # micro-batches in flight on this rank: GPipe all of them, 1F1B up to pp - pp_rank,
         # interleaved the 1F1B figure times (1 + (p-1)/(p v)) (Korthikanti et al. 2022, §4.2.3)
