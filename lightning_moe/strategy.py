@@ -193,6 +193,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             chosen = auto_layout(self.num_nodes * self.num_processes, self.layout_options)
             self.parallel_dims = ParallelDims(**{d: chosen[d] for d in LAYOUT_KEYS}, fold_ep=chosen.get("fold_ep"),
                                               ranks_per_node=self.parallel_dims.ranks_per_node)
+            self.data_parallel = chosen.get("data_parallel", self.data_parallel)
+            self.dp_replicate, self.dp_shard = chosen.get("dp_replicate"), None
             self.pp_schedule = chosen.get("pp_schedule", "1F1B")
             self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
             self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)

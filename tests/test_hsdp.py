@@ -84,3 +84,16 @@ def test_replica_groups_that_do_not_split_dp_fail_at_launch():
     with pytest.raises(MisconfigurationException, match=r"dp_replicate\*dp_shard = 3\*None != dp = 4"):
         L.Trainer(accelerator="cpu", devices=4, logger=False,
                   strategy=MoE5DStrategy(data_parallel="hsdp", dp_replicate=3)).strategy.before_launch()
+
+
+def test_an_auto_layout_that_chose_hsdp_runs_hsdp(monkeypatch):
+    """layout="auto" takes the planner's data_parallel and dp_replicate with its sizes."""
+    import lightning as L
+
+    import lightning_moe.strategy
+
+    chosen = {"tp": 1, "cp": 1, "ep": 1, "dp": 4, "pp": 1, "etp": 1, "data_parallel": "hsdp", "dp_replicate": 2}
+    monkeypatch.setattr(lightning_moe.strategy, "auto_layout", lambda world_size, options: dict(chosen))
+    strategy = MoE5DStrategy(layout="auto")
+    L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_checkpointing=False)
+    assert (strategy.data_parallel, strategy.parallel_dims.dp, strategy.parallel_dims.dp_replicate) == ("hsdp", 4, 2)
