@@ -25,6 +25,7 @@ from lightning_moe.layout import (
     default_etp,
     expert_group_spans,
     expert_view_order,
+    fold_size,
     normalize_fold_ep,
     size_problems,
     unfolded_ep,
@@ -107,7 +108,7 @@ class ParallelDims:
         return unfolded_ep(self.ep, self.fold_ep, self.tp, self.cp)
 
     def mesh_size(self, dim: str) -> int:
-        """The size of one dim of the full ``(pp, dp, ep, cp, tp)`` mesh."""
+        """The size of one dim of the full ``(pp, dp, ep, cp, tp)`` mesh, or of HSDP's ``dp_replicate``/``dp_shard``."""
         return self.mesh_ep if dim == "ep" else getattr(self, dim)
 
     @property
@@ -248,8 +249,7 @@ class ParallelDims:
             self.validate(dist.get_world_size())
         if self.dp_replicate > 1:
             # One root for the full mesh and the HSDP meshes: FSDP2 needs it with tensor parallelism.
-            shape = tuple(self.dp_replicate if d == "dp_replicate" else self.dp_shard if d == "dp_shard"
-                          else self.mesh_size(d) for d in HSDP_MESH_DIMS)
+            shape = tuple(self.mesh_size(d) for d in HSDP_MESH_DIMS)
             root = init_device_mesh(device_type, shape, mesh_dim_names=HSDP_MESH_DIMS)
             flatten_mesh(root[("dp_replicate", "dp_shard")], "dp")
             mesh = slice_flattened(root, MESH_DIM_NAMES)
@@ -305,7 +305,7 @@ class ParallelDims:
             return known
         # The node layout belongs to the ranks, not to etp: keep the one the mesh was built with.
         ranks_per_node = next(iter(attached.values())).ranks_per_node if attached else None
-        ep = sizes["ep"] * math.prod(sizes[d] for d in fold)
+        ep = sizes["ep"] * fold_size(fold, sizes["tp"], sizes["cp"])
         dims = cls(**{n: sizes[n] for n in MESH_DIM_NAMES if n != "ep"}, ep=ep, etp=etp, ranks_per_node=ranks_per_node,
                    fold_ep=fold)
         dims.attach(mesh)
