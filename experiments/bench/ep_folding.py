@@ -19,11 +19,10 @@ step, per rank, come from each run's CSV log.
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from experiments.bench.cli import run_training
 
 RUN = [
     "logger=csv", "trainer.max_steps=2", "trainer.log_every_n_steps=1", "~callbacks.progress_bar",
@@ -41,11 +40,7 @@ LAYOUTS = {
 
 def _last_step_bytes(run_dir: Path, overrides: list[str]) -> tuple[float, float]:
     """``(ep bytes, inter-node ep bytes)`` per rank in the run's last optimizer step."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "lightning_moe.train", *RUN, *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    run_training([*RUN, *overrides], run_dir)
     rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("comm/ep_bytes")]
     last = rows[-1]
     return float(last["comm/ep_bytes"]), float(last.get("comm/ep_internode_bytes") or 0.0)

@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-ROOT = Path(__file__).resolve().parents[2]
+from experiments.bench.cli import run_training
 OUT_ENV = "LMOE_PEAK_MEMORY_DIR"  # where each rank writes its figures
 
 RUN = [
@@ -84,11 +82,7 @@ def measure(parallel: str, overrides: Sequence[str], run_dir: Path, timeout: flo
     """Run ``python -m lightning_moe.train parallel=<parallel> <overrides>`` with :class:`PeakMemory`;
     every rank's ``{"rank", "floor", "peak"}`` in bytes, by rank."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **{OUT_ENV: str(run_dir)})
-    cmd = [sys.executable, "-m", "lightning_moe.train", *RUN, f"parallel={parallel}", *overrides, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    run_training([*RUN, f"parallel={parallel}", *overrides], run_dir, env={OUT_ENV: str(run_dir)}, timeout=timeout)
     ranks = sorted(run_dir.glob("rank*.json"))
     return sorted((json.loads(p.read_text()) for p in ranks), key=lambda r: r["rank"])
 

@@ -14,16 +14,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from experiments.bench.cli import ROOT, run_training
 from lightning_moe.planner import Cluster, Layout, ModelShape, estimate
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"vocab_size": 256, "hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 256,
          "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256}}  # fmt: skip
 SEQ, GLOBAL_BATCH, MICRO_BATCH, STEPS = 256, 16, 4, 6
@@ -67,12 +65,10 @@ def measure(name: str, overrides: list[str], out: Path) -> float:
     """Seconds per optimizer step of one layout (tokens/s over the steps after the first)."""
     run_dir = out / name.replace(" ", "_")
     model = [f"model.{k}={v}" for k, v in MODEL.items() if k != "moe"] + [f"model.moe.{k}={v}" for k, v in MODEL["moe"].items()]
-    cmd = [sys.executable, "-m", "lightning_moe.train", "logger=none", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=null",
-           "trainer.limit_val_batches=0", f"data.seq_len={SEQ}", f"data.global_batch_size={GLOBAL_BATCH}",
-           f"data.micro_batch_size={MICRO_BATCH}", "data.max_corpus_bytes=400000", "~callbacks.progress_bar",
-           "~callbacks.expert_load_plots", *model, *overrides, f"hydra.run.dir={run_dir}"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline")
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True, timeout=1200)
+    run_training(["logger=none", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=null",
+                  "trainer.limit_val_batches=0", f"data.seq_len={SEQ}", f"data.global_batch_size={GLOBAL_BATCH}",
+                  f"data.micro_batch_size={MICRO_BATCH}", "data.max_corpus_bytes=400000", "~callbacks.progress_bar",
+                  "~callbacks.expert_load_plots", *model, *overrides], run_dir, env={"WANDB_MODE": "offline"}, timeout=1200)  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     return GLOBAL_BATCH * SEQ / summary["tokens_per_second"]
 
