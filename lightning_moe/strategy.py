@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from functools import partial
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +39,7 @@ from lightning_moe.checkpoint.state import (
 from lightning_moe.cp import context_parallel_attention
 from lightning_moe.layout import LAYOUT_KEYS
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
+from lightning_moe.moe.microbatch_overlap import MicroBatchOverlap
 from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, check_unreduced_replicas, resolve_hsdp
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
@@ -95,6 +97,10 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         gather_once_per_step: under FSDP and gradient accumulation (pp = 1), all-gather each unit
             once per optimizer step and reduce-scatter once, holding its unsharded parameters and
             gradients for the step (:mod:`lightning_moe.parallel.fsdp_accumulation`).
+        overlap_ep_comm: under gradient accumulation (pp = 1), run each micro-batch's backward interleaved
+            with the next one's forward, so that each one's expert all-to-alls are in flight while the
+            other computes (:mod:`lightning_moe.moe.microbatch_overlap`); needs ep > 1 and
+            ``data_parallel="fsdp"`` with ``gather_once_per_step=True``. The numbers are those without it.
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
         context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides
             ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``.
@@ -134,6 +140,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         dp_replicate: int | None = None,
         dp_shard: int | None = None,
         gather_once_per_step: bool = False,
+        overlap_ep_comm: bool = False,
         sequence_parallel: bool = True,
         context_parallel_keys: Sequence[str] = (),
         cp_head_chunks: int = 1,
@@ -154,7 +161,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, dp=dp, pp=pp,
                                  save_distributed_checkpoint=save_distributed_checkpoint,
                                  activation_checkpointing=activation_checkpointing, compile=compile,
-                                 gather_once_per_step=gather_once_per_step, dp_replicate=dp_replicate, dp_shard=dp_shard)
+                                 gather_once_per_step=gather_once_per_step, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                                 overlap_ep_comm=overlap_ep_comm, ep=None if layout == "auto" else ep)
         self.layout, self.layout_options = layout, layout_options
         try:
             self.parallel_dims = ParallelDims(
@@ -174,6 +182,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.dp_replicate, self.dp_shard = dp_replicate, dp_shard
         self.gather_once_per_step = gather_once_per_step
         self._gather_once: GatherOncePerStep | None = None
+        self.overlap_ep_comm = overlap_ep_comm
+        self._ep_overlap = MicroBatchOverlap() if overlap_ep_comm else None
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
         self.cp_head_chunks = cp_head_chunks
@@ -254,6 +264,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         check_context_parallel_support(self.model, self.parallel_dims)
+        if self._ep_overlap is not None and not self.lightning_module.automatic_optimization:
+            raise MisconfigurationException(
+                "overlap_ep_comm=True runs each micro-batch's backward inside the next training_step, which needs"
+                " automatic optimization: set overlap_ep_comm=False for a module with automatic_optimization=False"
+            )
         pipelined = self.parallel_dims.pp > 1
         if pipelined and trainer.state.fn == TrainerFn.FITTING:
             self._pipeline.setup(trainer, self.lightning_module, getattr(self.precision_plugin, "scaler", None) is not None)
@@ -297,15 +312,24 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.parallel_dims.pp == 1:
-            output = super().backward(closure_loss, optimizer, *args, **kwargs)
-            if self._gather_once is not None:
-                self._gather_once.end_micro_batch()
-            return output
+            if self._ep_overlap is None:
+                return self._micro_batch_backward(closure_loss, optimizer, *args, **kwargs)
+            last = optimizer_steps_after_this_batch(self.lightning_module.trainer)
+            if last and self._gather_once is not None:
+                self._gather_once.begin_micro_batch(steps_optimizer=True)  # its forward ran as a non-last one's
+            self._ep_overlap.backward(partial(self._micro_batch_backward, closure_loss, optimizer, *args, **kwargs), last)
+            return closure_loss
         # The schedule already ran backward inside training_step: only the hooks run here.
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._pipeline.backward()
         return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _micro_batch_backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._gather_once is not None:
+            self._gather_once.end_micro_batch()
+        return output
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -329,6 +353,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     def teardown(self) -> None:
         if self.lightning_module is not None:
             self._pipeline.teardown(self.lightning_module.trainer)
+        if self._ep_overlap is not None:
+            self._ep_overlap.discard()
         super().teardown()
 
     # -- steps -------------------------------------------------------------------------------------
@@ -361,7 +387,12 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             return loss
         set_aux_loss_scale(self.parallel_dims.cp / self.lightning_module.trainer.accumulate_grad_batches)
         if self._gather_once is not None:
-            self._gather_once.begin_micro_batch(optimizer_steps_after_this_batch(self.lightning_module.trainer))
+            last = optimizer_steps_after_this_batch(self.lightning_module.trainer)
+            self._gather_once.begin_micro_batch(last and self._ep_overlap is None)
+        step = partial(self._module_training_step, *args, **kwargs)
+        return step() if self._ep_overlap is None else self._ep_overlap.forward(step)
+
+    def _module_training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_context():
             return super().training_step(*args, **kwargs)
 

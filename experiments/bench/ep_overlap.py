@@ -1,30 +1,39 @@
-"""How much of the ep all-to-all time ``MoELayer(dispatch_chunks=2)`` and a shared expert hide, under the link simulator.
+"""How much of the ep all-to-all time each overlap option hides, under the link simulator.
 
-On one host a gloo all-to-all costs almost nothing, so the overlap cannot show in step time. Here
-2 gloo processes (ep=2, one thread each) run an MoE layer's forward+backward under
-:class:`lightning_moe.link_simulator.LinkSimulator` with an ep bandwidth chosen so that the
-simulated ep comm time of a step equals the expert compute time of a step:
+On one host a gloo all-to-all costs almost nothing, so overlap cannot show in step time. Here 2
+gloo processes (ep=2, one thread each) run training steps of a 2-layer MoEGPT (attention and an
+MoE layer per block) under :class:`lightning_moe.link_simulator.LinkSimulator`, each step being
+forward and backward of ``MICRO_BATCHES`` micro-batches (gradient accumulation, pp = 1), with an
+ep bandwidth chosen so that the simulated ep comm time of a step equals the expert compute time of
+a step:
 
 1. ``expert time``: the experts' grouped GEMMs, forward and backward, timed alone on the rows a
-   rank's experts receive in a step (tokens x top_k, split evenly over the local experts);
+   rank's experts receive in a step (tokens x top_k per layer, split evenly over the local experts);
 2. ``ep bytes``: what one rank sends on ep in a step (dispatch and combine, forward and backward,
    the per-expert counts included), as the comm accounting counts it;
 3. ``bandwidth = ep bytes / expert time`` (the ranks' mean), latency 0.
 
-For each case — ``dispatch_chunks=1`` without a shared expert (no overlap), ``dispatch_chunks=2``
-(chunk i+1's all-to-all in flight behind chunk i's experts; the combines likewise) and a shared
-expert of the routed experts' FFN size (computed while the dispatch is in flight; in backward its
-gradient while the dispatch's gradient travels) — the step time is measured with infinite
-bandwidth (no simulator) and under the simulated link, round-robin, median of ``rounds``; the step
-time of a round is the slowest rank's. The link is set once, from the no-overlap layer. Then
+The cases (:data:`CASES`):
+
+- ``no overlap``: every all-to-all waited for right after it is issued;
+- ``dispatch_chunks=2``: within a layer, chunk i+1's all-to-all in flight behind chunk i's experts;
+- ``shared expert``: a shared expert of the routed experts' FFN size, computed while the dispatch is
+  in flight (in backward, its gradient while the dispatch's gradient travels);
+- ``micro-batch overlap``: ``MoE5DStrategy(overlap_ep_comm=True)``'s schedule
+  (:mod:`lightning_moe.moe.microbatch_overlap`): micro-batch i's backward interleaved with micro-batch
+  i+1's forward, each one's all-to-alls in flight while the other computes.
+
+Each runs with infinite bandwidth (no simulator) and under the simulated link, round-robin, median
+of ``rounds``; the step time of a round is the slowest rank's. The link is set once, from the
+no-overlap model. Then
 
     fraction hidden = 1 - (step time - step time with infinite bandwidth) / simulated ep comm time
 
 where the simulated ep comm time is the sum of ``latency + bytes / bandwidth`` over the step's ep
-calls (``LinkSimulator.stats``). 0: every simulated second adds to the step; 1: all hidden.
-Step times carry the machine's compute noise (a shared 2-core host moves them by tens of ms), so
-the table also gives ``hidden (by waits)``: ``1 - ep wait / ep comm``, where ep wait is the time
-the ranks slept waiting for simulated completions (``stats["exposed"]``, mean over ranks), a
+calls (``LinkSimulator.stats``). 0: every simulated second adds to the step; 1: all hidden. Step
+times carry the machine's compute noise (a shared 2-core host moves them by tens of ms), so the
+table also gives ``hidden (by waits)``: ``1 - ep wait / ep comm``, where ep wait is the time the
+ranks slept waiting for simulated completions (``stats["exposed"]``, mean over ranks), a
 cross-check that compute noise does not enter.
 A model, not a measurement of real links: see docs/link-simulator.md.
 
@@ -37,24 +46,22 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-TOKENS, HIDDEN, FFN, EXPERTS, TOP_K = 2048, 256, 512, 8, 2
+MICRO_BATCHES, SAMPLES, SEQ = 4, 4, 128  # per rank and step: 4 x 4 x 128 = 2048 tokens
+HIDDEN, FFN, EXPERTS, TOP_K, LAYERS, HEADS = 256, 512, 8, 2, 2, 4
 EP = 2
-# What runs while the token all-to-alls are in flight: nothing; the next chunk's experts; the shared
-# expert (MoELayer computes it between issuing the dispatch and waiting for it).
-CASES = {
-    "no overlap": {"dispatch_chunks": 1},
-    "dispatch_chunks=2": {"dispatch_chunks": 2},
-    "shared expert": {"dispatch_chunks": 1, "shared_expert_hidden_size": FFN},
+# MoE options of each case, and whether micro-batches overlap.
+CASES: dict[str, tuple[dict, bool]] = {
+    "no overlap": ({}, False),
+    "dispatch_chunks=2": ({"dispatch_chunks": 2}, False),
+    "shared expert": ({"shared_expert_hidden_size": FFN}, False),
+    "micro-batch overlap": ({}, True),
 }
-
-
-def _step(layer: torch.nn.Module, x: torch.Tensor) -> None:
-    layer(x).sum().backward()
 
 
 def _slowest(seconds: float) -> float:
@@ -69,23 +76,42 @@ def _mean(value: float) -> float:
     return float(t) / dist.get_world_size()
 
 
-def _timed_step(layer: torch.nn.Module, x: torch.Tensor) -> float:
+def _training_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], overlap: bool) -> None:
+    """Forward and backward of every micro-batch, gradients accumulated (as Lightning's loop runs them)."""
+    from lightning_moe.moe.microbatch_overlap import MicroBatchOverlap
+
+    schedule = MicroBatchOverlap() if overlap else None
+    for i, ids in enumerate(micro_batches):
+        step: Callable[[], torch.Tensor] = lambda ids=ids: model.loss({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+        if schedule is None:
+            step().backward()
+        else:
+            loss = schedule.forward(step)
+            schedule.backward(loss.backward, last=i == len(micro_batches) - 1)
+    model.zero_grad(set_to_none=True)
+
+
+def _timed_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], overlap: bool) -> float:
     dist.barrier()
     start = time.perf_counter()
-    _step(layer, x)
+    _training_step(model, micro_batches, overlap)
     return _slowest(time.perf_counter() - start)
 
 
-def _expert_seconds(layer: torch.nn.Module, reps: int = 5) -> float:
-    """Forward+backward of this rank's experts on the rows they get in a step (even split)."""
+def _expert_seconds(model: torch.nn.Module, reps: int = 5) -> float:
+    """Forward+backward of this rank's experts, every MoE layer, on the rows they get in a step (even split)."""
+    from lightning_moe.moe import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     local_experts = EXPERTS // EP
-    rows = TOKENS * TOP_K  # every rank routes TOKENS * TOP_K slots; balanced, a rank's experts get as many
+    rows = MICRO_BATCHES * SAMPLES * SEQ * TOP_K  # a rank routes this many slots per layer; balanced, its experts get as many
     counts = torch.full((local_experts,), rows // local_experts, dtype=torch.int64)
     x = torch.randn(rows, HIDDEN, requires_grad=True, generator=torch.Generator().manual_seed(1))
     times = []
     for _ in range(reps + 1):
         start = time.perf_counter()
-        layer.experts(x, counts).sum().backward()
+        for layer in layers:
+            layer.experts(x, counts).sum().backward()
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
 
@@ -96,24 +122,26 @@ def _worker(rank: int, world: int, store_file: str, rounds: int, out: dict) -> N
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     from lightning_moe import ParallelDims, parallelize
     from lightning_moe.link_simulator import LinkSimulator
-    from lightning_moe.moe import MoELayer
+    from lightning_moe.models import MoEGPT
 
     dims = ParallelDims(ep=EP)
     mesh = dims.build_mesh("cpu")
-    layers = {}
-    for label, options in CASES.items():
+    models = {}
+    for label, (moe_options, _) in CASES.items():
         torch.manual_seed(0)
-        layer = MoELayer(HIDDEN, FFN, EXPERTS, top_k=TOP_K, **options)
-        parallelize(layer, mesh, data_parallel="none", sequence_parallel=False)
-        layers[label] = layer
-    base = layers["no overlap"]
-    x = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+        moe = {"num_experts": EXPERTS, "top_k": TOP_K, "ffn_hidden_size": FFN, **moe_options}
+        model = MoEGPT(hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS, moe=moe, max_seq_len=SEQ)
+        parallelize(model, mesh, data_parallel="none", sequence_parallel=False)
+        models[label] = model
+    generator = torch.Generator().manual_seed(rank)
+    micro_batches = [torch.randint(0, 256, (SAMPLES, SEQ + 1), generator=generator) for _ in range(MICRO_BATCHES)]
+    base = models["no overlap"]
 
     # The setting: ep comm time of a step = expert compute time of a step.
     expert_seconds = _mean(_expert_seconds(base))
     counter = LinkSimulator(ep=1e18)  # records the bytes, delays nothing measurable
     with counter.simulate(dims):
-        _step(base, x)
+        _training_step(base, micro_batches, overlap=False)
     ep_bytes = _mean(counter.stats["ep"]["bytes"])
     bandwidth = ep_bytes / expert_seconds
     sim = LinkSimulator(ep=bandwidth)
@@ -122,10 +150,10 @@ def _worker(rank: int, world: int, store_file: str, rounds: int, out: dict) -> N
     comm_seconds: dict[str, list[float]] = {c: [] for c in CASES}
     exposed_seconds: dict[str, list[float]] = {c: [] for c in CASES}
     for round_ in range(rounds + 1):  # round 0 warms up
-        for case in CASES:
-            inf = _timed_step(layers[case], x)
+        for case, (_, overlap) in CASES.items():
+            inf = _timed_step(models[case], micro_batches, overlap)
             with sim.simulate(dims):
-                simulated = _timed_step(layers[case], x)
+                simulated = _timed_step(models[case], micro_batches, overlap)
                 seconds = _mean(sim.stats["ep"]["seconds"])
                 exposed = _mean(sim.stats["ep"]["exposed"])
             if round_:
@@ -167,8 +195,8 @@ def main() -> None:
 
     setting, rows = run_ep_overlap_bench()
     print(
-        f"EP comm hidden by dispatch_chunks and the shared expert under the link simulator (ep={EP}, {TOKENS} tokens/rank, hidden {HIDDEN},"
-        f" ffn {FFN}, {EXPERTS} experts, top-{TOP_K}, fp32, fwd+bwd, 1 thread/rank, median of 3)"
+        f"EP comm hidden under the link simulator (ep={EP}, MoEGPT {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts of ffn {FFN},"
+        f" top-{TOP_K}, {MICRO_BATCHES} micro-batches of {SAMPLES}x{SEQ} tokens per rank and step, fp32, 1 thread/rank, median of 3)"
     )
     print(
         f"simulated ep link: {setting['bandwidth'] / 1e6:.1f} MB/s, latency 0 = {setting['ep_bytes'] / 1e6:.2f} MB per rank"

@@ -3,7 +3,8 @@
 :func:`exchange_start` issues ``all_to_all_single`` with uneven splits along dim 0 without
 waiting; :func:`exchange_wait` waits and returns the received rows. Between the two the caller
 computes (expert GEMMs of another chunk, the shared expert): that is the overlap of
-``MoELayer(dispatch_chunks=n)``. :func:`exchange` does both at once. The backward runs the
+``MoELayer(dispatch_chunks=n)``. Right after issuing one, forward or backward, control passes to the
+other micro-batch under :mod:`lightning_moe.moe.microbatch_overlap`. :func:`exchange` does both at once. The backward runs the
 reverse all-to-all, issued when the received rows' gradient arrives and waited for when the input's
 gradient is needed.
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe import comm
+from lightning_moe.moe.microbatch_overlap import hand_off
 
 __all__ = ["WIRES", "INTERNODE", "Exchange", "check_wire", "exchange", "exchange_splits", "exchange_start", "exchange_wait"]
 
@@ -112,6 +114,7 @@ class _Start(torch.autograd.Function):
         payload = _encode(x, handle.wire)
         handle.work, handle.received = _issue(payload, handle.output_splits, handle.input_splits, handle)
         handle.send = payload  # the send buffer must outlive the asynchronous call
+        hand_off()
         return x.new_empty(0)
 
     @staticmethod
@@ -142,6 +145,7 @@ class _Wait(torch.autograd.Function):
         payload = (grad.to(torch.bfloat16) if handle.wire is not None else grad).contiguous()
         handle.grad_work, handle.grad_received = _issue(payload, handle.input_splits, handle.output_splits, handle)
         handle.grad_send = payload
+        hand_off()
         return grad.new_empty(0), None
 
 

@@ -27,6 +27,8 @@ def check_strategy_arguments(
     gather_once_per_step: Any = False,
     dp_replicate: Any = None,
     dp_shard: Any = None,
+    overlap_ep_comm: Any = False,
+    ep: int | None = 1,
 ) -> None:
     """Raise ``MisconfigurationException`` for a value ``MoE5DStrategy`` cannot take (sizes: ``ParallelDims``)."""
     if layout not in ("manual", "auto"):
@@ -63,6 +65,44 @@ def check_strategy_arguments(
             f"gather_once_per_step=True needs data_parallel='fsdp' and pp=1 (got data_parallel={data_parallel!r},"
             f" pp={pp}): only FSDP gathers parameters, and pipeline schedules already reduce gradients once per"
             " pipeline step; set gather_once_per_step=False"
+        )
+    _check_overlap_ep_comm(overlap_ep_comm, ep=ep, pp=pp, data_parallel=data_parallel,
+                           gather_once_per_step=gather_once_per_step, activation_checkpointing=activation_checkpointing)
+
+
+def _check_overlap_ep_comm(
+    overlap: Any, *, ep: int | None, pp: int, data_parallel: str, gather_once_per_step: bool, activation_checkpointing: str
+) -> None:
+    """Where micro-batch overlap (:mod:`lightning_moe.moe.microbatch_overlap`) cannot run, say why
+    (``ep=None``: chosen later, by ``layout="auto"``)."""
+    if not isinstance(overlap, bool):
+        raise MisconfigurationException(f"overlap_ep_comm={overlap!r} must be True or False")
+    if not overlap:
+        return
+    if ep == 1:
+        raise MisconfigurationException("overlap_ep_comm=True hides expert-parallel all-to-alls, but ep=1 has none: set ep > 1")
+    if pp > 1:
+        raise MisconfigurationException(
+            f"overlap_ep_comm=True with pp={pp}: the pipeline schedules do not interleave one micro-batch's forward"
+            " with another's backward yet; use pp=1 (with gradient accumulation) or overlap_ep_comm=False"
+        )
+    if activation_checkpointing != "none":
+        raise MisconfigurationException(
+            f"overlap_ep_comm=True with activation_checkpointing={activation_checkpointing!r}: the recomputation in"
+            " backward swaps the random-number state, which the interleaved forward shares; use"
+            " activation_checkpointing='none' or overlap_ep_comm=False"
+        )
+    if data_parallel == "ddp":
+        raise MisconfigurationException(
+            "overlap_ep_comm=True with data_parallel='ddp': torch's replicate swaps each module's parameters in and out"
+            " around its forward, while the interleaved backward still uses them; use data_parallel='fsdp' with"
+            " gather_once_per_step=True"
+        )
+    if data_parallel in ("fsdp", "hsdp") and not gather_once_per_step:
+        fix = "gather_once_per_step=True" if data_parallel == "fsdp" else "data_parallel='fsdp' and gather_once_per_step=True"
+        raise MisconfigurationException(
+            f"overlap_ep_comm=True with data_parallel={data_parallel!r} needs {fix}: FSDP2 would reshard a block"
+            " after the next micro-batch's forward while the previous one's backward still needs it"
         )
 
 
