@@ -15,7 +15,9 @@ RECOMPUTE_FORWARDS = {"none": 0.0, "selective": 0.08, "full": 1.0}
 
 
 def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers: Iterable[int], last: bool) -> dict[str, float]:
-    """Forward FLOPs one rank runs for one micro-batch, by op kind (``dense``, ``expert``, ``attention``).
+    """Forward FLOPs one rank runs for one micro-batch, by op kind (``dense``, ``shared_expert``,
+    ``expert``, ``attention``); the shared expert is a dense GEMM chain, apart because it is what
+    hides the dispatch all-to-all (:func:`lightning_moe.planner.step_time.hidden_ep_seconds`).
 
     GEMMs are ``2 x m x n x k``; the causal attention core computes half of ``QK^T`` and ``PV``
     (``2 x 2 x s^2 x q_dim / 2`` per sample); expert tokens are balanced over ep ranks.
@@ -23,7 +25,7 @@ def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers
     tp, cp = layout.tp, layout.cp
     h = model.hidden_size
     tokens = layout.micro_batch_size * seq_len / cp  # tokens on this cp rank (all tp ranks compute them)
-    out = {"dense": 0.0, "expert": 0.0, "attention": 0.0}
+    out = {"dense": 0.0, "shared_expert": 0.0, "expert": 0.0, "attention": 0.0}
     for i in layers:
         out["dense"] += 2 * tokens * (h * model.q_dim + 2 * h * model.kv_dim + model.q_dim * h) / tp
         # causal attention per sample: 2 (QK^T, PV) x 2 FLOP x s^2/2 x q_dim; cp ranks split it evenly (zigzag)
@@ -31,7 +33,7 @@ def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers
         if model.is_moe(i):
             out["dense"] += 2 * tokens * h * model.num_experts / tp  # router on this rank's sequence shard
             if model.shared_expert_hidden_size:
-                out["dense"] += 2 * tokens * 3 * h * model.shared_expert_hidden_size / tp
+                out["shared_expert"] += 2 * tokens * 3 * h * model.shared_expert_hidden_size / tp
             out["expert"] += 2 * tokens * model.top_k * 3 * h * model.moe_ffn_hidden_size / tp
         else:
             out["dense"] += 2 * tokens * 3 * h * model.ffn_hidden_size / tp

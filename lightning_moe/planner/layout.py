@@ -32,7 +32,11 @@ class Layout:
     ``dp_replicate``: HSDP when > 1 (``data_parallel="hsdp"``): dp splits into that many replica
     groups of :attr:`dp_shard` ranks (replicas vary slower); FSDP2 shards parameters within a replica
     group only, over ``dp_shard`` x the group's other dims, and all-reduces gradient shards across
-    the replica groups. ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
+    the replica groups. ``overlap_ep_comm``: each micro-batch's backward runs interleaved with the
+    next one's forward, each one's expert all-to-alls in flight while the other computes
+    (:mod:`lightning_moe.moe.microbatch_overlap`; the strategy takes it with ep > 1, pp = 1 and
+    ``gather_once_per_step``, :func:`lightning_moe.planner.search.layout_problems`).
+    ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
     """
 
     tp: int = 1
@@ -49,6 +53,7 @@ class Layout:
     gather_once_per_step: bool = False
     fold_ep: tuple[str, ...] = ()
     dp_replicate: int = 1
+    overlap_ep_comm: bool = False
 
     def __post_init__(self) -> None:
         # "cp,tp", ["tp", "cp"] and ("cp", "tp") are one layout: one hash, one label
@@ -104,7 +109,8 @@ class Layout:
         rank) and the micro-batches of one pipeline step (they set the bubble), so that two layouts
         with different estimates never share a label. A folded ep names the dims it folds over,
         ``tp8·ep8(fold tp)`` (8 ranks), apart from ``tp8·ep8`` (64); folding tp implies etp1. HSDP
-        writes dp as replica groups x shard ranks: ``hsdp2x4`` is dp8 in 2 replica groups of 4."""
+        writes dp as replica groups x shard ranks: ``hsdp2x4`` is dp8 in 2 replica groups of 4.
+        ``gather_once_per_step`` and ``overlap_ep_comm`` are named when set."""
         sizes = self.parallel_sizes()
         parts = [self._size_note(d, n) for d, n in sizes.items() if n > 1] or ["single"]
         if self.tp > 1 and self.etp == 1 and "tp" not in self.fold_ep:
@@ -115,6 +121,8 @@ class Layout:
             text += f" pp_microbatches={self.pipeline_microbatches}"
         if self.gather_once_per_step:
             text += " gather_once_per_step"
+        if self.overlap_ep_comm:
+            text += " overlap_ep_comm"
         return text
 
     def _size_note(self, dim: str, size: int) -> str:
@@ -136,6 +144,8 @@ class Layout:
             kwargs.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pipeline_microbatches, pp_stages_per_rank=self.pp_stages_per_rank)
         if self.gather_once_per_step:
             kwargs["gather_once_per_step"] = True
+        if self.overlap_ep_comm:
+            kwargs["overlap_ep_comm"] = True
         return kwargs
 
     def coordinates(self, rank: int) -> dict[str, int]:

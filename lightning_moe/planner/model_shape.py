@@ -32,6 +32,7 @@ class ModelShape:
     load_balancing: str = "aux_loss"
     expert_bias: bool = False
     capacity_factor: float | None = None
+    dispatch_chunks: int = 1
     name: str = "model"
 
     @classmethod
@@ -63,6 +64,7 @@ class ModelShape:
             load_balancing=str(moe.get("load_balancing", "aux_loss")),
             expert_bias=bool(moe.get("expert_bias", False)),
             capacity_factor=None if cf is None else float(cf),
+            dispatch_chunks=int(moe.get("dispatch_chunks", 1)),
             name=name or str(cfg.get("name", "model")),
         )
         shape.check()
@@ -77,6 +79,8 @@ class ModelShape:
                 f"model.hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}:"
                 " hidden_size must be divisible by num_heads and num_heads by num_kv_heads"
             )
+        if self.dispatch_chunks < 1:
+            raise ValueError(f"model.moe.dispatch_chunks={self.dispatch_chunks} must be >= 1 (1: no chunking)")
         if self.num_moe_layers and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"model.moe.top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
 

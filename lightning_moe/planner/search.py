@@ -23,10 +23,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batch_size: int) -> list[str]:
+def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batch_size: int, checkpointing: str = "none") -> list[str]:
     """Why the code would refuse ``layout`` (empty: valid): the layout rules
     (:func:`lightning_moe.layout.size_problems`) for this model and batch, then what only a shape
-    tells (sequence parallel shards, experts without MoE layers) and the pipeline's own checks."""
+    tells (sequence parallel shards, experts without MoE layers), the pipeline's own checks and
+    the strategy's for ``overlap_ep_comm`` (under activation checkpointing ``checkpointing``)."""
     tp, cp, ep, dp, pp = layout.parallel_sizes().values()
     mp = layout.pipeline_microbatches
     problems = size_problems(
@@ -41,6 +42,8 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
         problems.append("gather_once_per_step=True needs data_parallel='fsdp' (HSDP reduces every micro-batch)")
     if not model.num_moe_layers and ep > 1:
         problems.append("ep > 1 without MoE layers")
+    if layout.overlap_ep_comm:
+        problems.extend(overlap_ep_comm_problems(model, layout, checkpointing))
     split = sequence_split_problem(seq_len // cp, tp)
     if split:
         problems.append(split)
@@ -51,6 +54,24 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
         problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches per pipeline step, got {mp}")
     if layout.pp_schedule == "Interleaved1F1B" and pp > 1 and (layout.pp_stages_per_rank < 2 or mp % pp):
         problems.append("Interleaved1F1B needs pp_stages_per_rank >= 2 and micro-batches divisible by pp")
+    return problems
+
+
+def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: str) -> list[str]:
+    """Why ``MoE5DStrategy`` would refuse ``overlap_ep_comm=True`` for ``layout``
+    (``lightning_moe.parallel.arguments``' checks), or why it would have nothing to overlap: the
+    handover happens at the token all-to-alls, which only the all-to-all dispatchers issue."""
+    problems = []
+    if layout.ep == 1:
+        problems.append("overlap_ep_comm=True needs ep > 1")
+    if layout.pp > 1:
+        problems.append("overlap_ep_comm=True needs pp=1")
+    if layout.hsdp or not layout.gather_once_per_step:
+        problems.append("overlap_ep_comm=True needs data_parallel='fsdp' with gather_once_per_step=True")
+    if checkpointing != "none":
+        problems.append(f"overlap_ep_comm=True needs activation_checkpointing='none', got {checkpointing!r}")
+    if model.dispatcher == "allgather":
+        problems.append("overlap_ep_comm=True hands over at token all-to-alls, which dispatcher='allgather' does not issue")
     return problems
 
 
@@ -86,6 +107,7 @@ def enumerate_layouts(
     schedules: Iterable[str] = ("1F1B", "Interleaved1F1B"),
     folding: bool = True,
     gpus_per_node: int | None = None,
+    checkpointing: str = "none",
 ) -> Iterator[Layout]:
     """Every layout the code accepts for ``world_size`` ranks (tp at most ``max_tp``, a node).
 
@@ -93,7 +115,9 @@ def enumerate_layouts(
     tried with ep folded over its tp and/or cp ranks (:func:`fold_options`): ``ep = mesh_ep x`` the
     folded product, validated by the layout rules like any other. With ``gpus_per_node``, a dp
     group spanning nodes is also tried as HSDP, a replica group per node (:func:`hsdp_options`).
-    Under pp > 1 one pipeline step runs all micro-batches of the optimizer step.
+    Under pp > 1 one pipeline step runs all micro-batches of the optimizer step. Where the strategy
+    takes it (pp = 1 with accumulation, ep > 1, ``gather_once_per_step``, no activation
+    checkpointing under ``checkpointing``), each layout is also tried with ``overlap_ep_comm``.
     """
     for tp in _divisors(world_size):
         if max_tp is not None and tp > max_tp:
@@ -113,11 +137,13 @@ def enumerate_layouts(
                         for etp in [1] if "tp" in fold else sorted({1, tp}):
                             for replicas in hsdp_options(dp, tp * cp * mesh_ep, gpus_per_node):
                                 mesh = (tp, cp, ep, dp, pp, etp, fold, replicas)
-                                yield from _schedules(model, seq_len, global_batch_size, mesh, per_rank, sizes, schedules)
+                                yield from _schedules(model, seq_len, global_batch_size, mesh, per_rank, sizes, schedules,
+                                                      checkpointing)
 
 
 def _schedules(
-    model: ModelShape, seq_len: int, global_batch_size: int, mesh: tuple[Any, ...], per_rank: int, sizes: list[int], schedules: Iterable[str]
+    model: ModelShape, seq_len: int, global_batch_size: int, mesh: tuple[Any, ...], per_rank: int, sizes: list[int],
+    schedules: Iterable[str], checkpointing: str,
 ) -> Iterator[Layout]:
     """The valid micro-batch and pipeline variants of one mesh ``(tp, cp, ep, dp, pp, etp, fold_ep, dp_replicate)``."""
     tp, cp, ep, dp, pp, etp, fold, replicas = mesh
@@ -128,10 +154,12 @@ def _schedules(
             # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory); the
             # strategy refuses it under HSDP
             for once in (False, True) if pp == 1 and m > 1 and replicas == 1 else (False,):
-                layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once, fold_ep=fold,
-                                dp_replicate=replicas)
-                if not layout_problems(model, layout, seq_len, global_batch_size):
-                    yield layout
+                # gathering once per step lets micro-batches overlap their ep all-to-alls (one pairs with the next)
+                for overlap in (False, True) if once and ep > 1 else (False,):
+                    layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once, fold_ep=fold,
+                                    dp_replicate=replicas, overlap_ep_comm=overlap)
+                    if not layout_problems(model, layout, seq_len, global_batch_size, checkpointing):
+                        yield layout
 
 
 @dataclass
@@ -201,7 +229,7 @@ def plan(
         )
     max_tp = cluster.gpus_per_node if max_tp is None else max_tp
     layouts = list(enumerate_layouts(world_size, model, seq_len, global_batch_size, max_tp=max_tp, micro_batch_sizes=micro_batch_sizes,
-                                     folding=folding, gpus_per_node=cluster.gpus_per_node))
+                                     folding=folding, gpus_per_node=cluster.gpus_per_node, checkpointing=checkpointing))
     if not layouts:
         raise ValueError(
             f"no layout of world_size={world_size} is valid for {model.name} with seq_len={seq_len} and"

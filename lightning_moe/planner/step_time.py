@@ -2,9 +2,11 @@
 
 Compute / (peak x efficiency of the op kind) plus communication / bandwidth of the tier it crosses,
 minus the overlap the code implements (FSDP2 prefetches its all-gathers and reduce-scatters on their
-own stream; ring attention sends the next K/V block while the current one computes; expert dispatch,
-tensor-parallel collectives and pipeline P2P are exposed), times the pipeline bubble
-``(p - 1) / (m + p - 1)`` (interleaved: ``(p-1)/v``), plus the optimizer's memory-bound update.
+own stream; ring attention sends the next K/V block while the current one computes; the expert
+token all-to-alls hide as far as the model's and layout's overlap options allow,
+:func:`hidden_ep_seconds`; tensor-parallel collectives and pipeline P2P are exposed), times the
+pipeline bubble ``(p - 1) / (m + p - 1)`` (interleaved: ``(p-1)/v``), plus the optimizer's
+memory-bound update.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ OPTIMIZER_HBM_BYTES_PER_PARAM = (FP32_BYTES + FP32_BYTES + ADAM_STATE_BYTES) + (
 
 @dataclass
 class Estimate:
-    """The cost model's figures for one layout (per optimizer step; bytes per rank)."""
+    """The cost model's figures for one layout (per optimizer step; bytes per rank).
+
+    ``exposed_comm_time``: communication the step waits for. ``overlapped_comm_time``: communication
+    that runs while the rank computes: FSDP's and ring attention's collectives (what of them exceeds
+    the compute counts in ``exposed_comm_time`` too) and the expert all-to-all time the overlap
+    options hide, ``hidden_ep_comm_time`` by mechanism (:func:`hidden_ep_seconds`).
+    """
 
     layout: Layout
     step_time: float
@@ -46,6 +54,7 @@ class Estimate:
     comm: dict[str, dict[str, float]]  # dim -> {"intra": bytes, "inter": bytes}
     ep_internode_bytes: float
     records: list[CommRecord] = field(default_factory=list, repr=False)
+    hidden_ep_comm_time: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -59,11 +68,14 @@ class Estimate:
             "pp_schedule": self.layout.pp_schedule if self.layout.pp > 1 else None,
             "pp_stages_per_rank": self.layout.pp_stages_per_rank,
             "pp_microbatches": self.layout.pipeline_microbatches if self.layout.pp > 1 else None,
+            "gather_once_per_step": self.layout.gather_once_per_step,
+            "overlap_ep_comm": self.layout.overlap_ep_comm,
             "label": self.layout.label(),
             "step_time_s": self.step_time,
             "compute_time_s": self.compute_time,
             "exposed_comm_time_s": self.exposed_comm_time,
             "overlapped_comm_time_s": self.overlapped_comm_time,
+            "hidden_ep_comm_time_s": dict(self.hidden_ep_comm_time),
             "bubble_fraction": self.bubble_fraction,
             "optimizer_time_s": self.optimizer_time,
             "mfu": self.mfu,
@@ -88,26 +100,80 @@ class Estimate:
         return out
 
 
-def microbatch_compute_seconds(model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int, checkpointing: str) -> float:
-    """Seconds the busiest pipeline rank computes one micro-batch: forward, backward (2x) and the
-    recomputed forward of ``checkpointing``, each op kind at its efficiency of the peak; slowed down
-    when more ranks run than compute at once (``cluster.concurrent_ranks``)."""
-    peak = cluster.peak_flops
-    worst = 0.0
+# The cluster's efficiency for each op kind of :func:`flops_per_microbatch`: the shared expert is a
+# plain GEMM chain like the dense layers, the routed experts a grouped GEMM.
+KIND_EFFICIENCY = {"dense": "gemm_efficiency", "shared_expert": "gemm_efficiency", "expert": "grouped_gemm_efficiency",
+                   "attention": "attention_efficiency"}  # fmt: skip
+
+
+def forward_seconds_by_kind(model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int) -> dict[str, float]:
+    """Seconds one micro-batch's forward computes on the busiest pipeline rank, by op kind (each at
+    its efficiency of the peak); slowed down when more ranks run than compute at once
+    (``cluster.concurrent_ranks``)."""
+    worst: dict[str, float] = {}
     for pp_rank in edge_pp_ranks(layout):
         layers = rank_layers(model, layout, pp_rank)
         f = flops_per_microbatch(model, layout, seq_len, layers, holds_last_stage(layout, pp_rank))
-        passes = 3.0 + RECOMPUTE_FORWARDS[checkpointing]  # forward + backward (2x) + recompute
-        t = passes * (
-            f["dense"] / (peak * cluster.gemm_efficiency)
-            + f["expert"] / (peak * cluster.grouped_gemm_efficiency)
-            + f["attention"] / (peak * cluster.attention_efficiency)
-        )
-        worst = max(worst, t)
+        seconds = {kind: f[kind] / (cluster.peak_flops * getattr(cluster, KIND_EFFICIENCY[kind])) for kind in f}
+        if sum(seconds.values()) > sum(worst.values()):
+            worst = seconds
     slowdown = 1.0
     if cluster.concurrent_ranks:
         slowdown = max(1.0, layout.world_size / cluster.concurrent_ranks)
-    return worst * slowdown
+    return {kind: t * slowdown for kind, t in worst.items()}
+
+
+def intra_layer_overlap(model: ModelShape, layout: Layout) -> bool:
+    """Whether the MoE layer can overlap its own token all-to-alls (``dispatch_chunks``, the shared
+    expert): its dispatcher must issue and wait apart, which the all-to-all dispatcher does and the
+    expert-tensor-parallel wrapper around it (etp group > 1) does not."""
+    return model.dispatcher == "alltoall" and layout.size("etp") == 1
+
+
+def hidden_ep_seconds(
+    model: ModelShape, layout: Layout, forward: dict[str, float], token_exchange: float
+) -> dict[str, float]:
+    """Seconds of the step's token all-to-alls (``token_exchange``: dispatch and combine in forward,
+    their gradients in backward, one quarter each) hidden behind compute, by mechanism.
+
+    Per micro-batch and pass (forward; backward computes twice the forward's FLOPs), with ``T`` the
+    pass's all-to-all seconds (half of them the dispatch's), ``n = model.dispatch_chunks``, ``E``,
+    ``S`` and ``C`` the pass's expert GEMM, shared expert and total compute seconds:
+
+    - ``dispatch_chunks``: chunk i+1's dispatch and chunk i's combine fly while chunk i's (or i+1's)
+      experts compute; the first dispatch and the last combine have nothing behind them:
+      ``min((n - 1) / n x T, E)``.
+    - ``shared_expert``: computed while the first chunk's dispatch flies (in backward, its gradient
+      while the dispatch's gradient does): ``min(T / 2 / n, S)``.
+    - ``overlap_ep_comm`` (m micro-batches): micro-batch i's backward runs with i+1's forward, each
+      one's all-to-alls in flight while the other computes; the step's first forward and last
+      backward have no partner. Per pair, what the two mechanisms above left of each pass hides
+      behind the other pass's compute they left free (a compute second hides one comm second):
+      ``(m - 1) x [min(T_b - h_b, C_f - h_f) + min(T_f - h_f, C_b - h_b)]``, ``h`` what the layer
+      hid itself.
+
+    The first two need a dispatcher that overlaps (:func:`intra_layer_overlap`).
+    """
+    m = layout.microbatches
+    passes = {"forward": 1.0, "backward": 2.0}  # compute of each pass in forwards
+    comm = token_exchange / m / 2  # T of one pass of one micro-batch
+    n = model.dispatch_chunks
+    hidden = {"dispatch_chunks": 0.0, "shared_expert": 0.0, "overlap_ep_comm": 0.0}
+    by_layer = dict.fromkeys(passes, 0.0)
+    if intra_layer_overlap(model, layout):
+        for name, factor in passes.items():
+            chunks = min((n - 1) / n * comm, factor * forward["expert"])
+            shared = min(comm / 2 / n, factor * forward["shared_expert"])
+            hidden["dispatch_chunks"] += chunks * m
+            hidden["shared_expert"] += shared * m
+            by_layer[name] = chunks + shared
+    if layout.overlap_ep_comm and m > 1:
+        compute = sum(forward.values())
+        free = {name: factor * compute - by_layer[name] for name, factor in passes.items()}
+        left = {name: comm - by_layer[name] for name in passes}
+        pair = min(left["backward"], free["forward"]) + min(left["forward"], free["backward"])
+        hidden["overlap_ep_comm"] = (m - 1) * pair
+    return hidden
 
 
 def record_seconds(rec: CommRecord, layout: Layout, cluster: Cluster) -> float:
@@ -157,17 +223,24 @@ def estimate(
         est.step_time, est.memory.total("none"), est.comm["ep"]
     """
     records = comm_records(model, layout, seq_len, precision)
-    exposed = overlapped = 0.0
+    exposed = overlapped = token_exchange = 0.0
     for rec in records:
+        seconds = record_seconds(rec, layout, cluster)
+        if rec.dim == "ep":  # each dispatch chunk exchanges its counts and tokens in calls of its own
+            seconds += (model.dispatch_chunks - 1) * rec.calls * cluster.collective_latency
         if rec.overlapped:
-            overlapped += record_seconds(rec, layout, cluster)
+            overlapped += seconds
         else:
-            exposed += record_seconds(rec, layout, cluster)
-    compute = microbatch_compute_seconds(model, layout, cluster, seq_len, checkpointing) * layout.microbatches
+            exposed += seconds
+        if rec.dim == "ep" and rec.routing_dependent:  # the token all-to-alls (not the counts before them)
+            token_exchange += seconds
+    forward = forward_seconds_by_kind(model, layout, cluster, seq_len)
+    compute = (3.0 + RECOMPUTE_FORWARDS[checkpointing]) * sum(forward.values()) * layout.microbatches
+    hidden_ep = hidden_ep_seconds(model, layout, forward, token_exchange)
     # FSDP and ring traffic hide behind compute (where the backend runs them asynchronously);
     # what does not fit is exposed
     hidden_capacity = compute if cluster.fsdp_overlap else 0.0
-    exposed_total = exposed + max(0.0, overlapped - hidden_capacity)
+    exposed_total = exposed - sum(hidden_ep.values()) + max(0.0, overlapped - hidden_capacity)
     bubble = pipeline_bubble(layout)
     busy = compute + exposed_total
     step_core = busy / (1.0 - bubble) if bubble < 1 else float("inf")
@@ -193,7 +266,7 @@ def estimate(
         step_time=step,
         compute_time=compute,
         exposed_comm_time=exposed_total,
-        overlapped_comm_time=overlapped,
+        overlapped_comm_time=overlapped + sum(hidden_ep.values()),
         bubble_fraction=bubble,
         optimizer_time=optimizer_time,
         mfu=mfu,
@@ -206,5 +279,6 @@ def estimate(
         comm=comm,
         ep_internode_bytes=ep_inter,
         records=records,
+        hidden_ep_comm_time=hidden_ep,
     )
 
