@@ -67,6 +67,9 @@ __all__ = [
     "optimizers_to_device",
     "pipeline_p2p_batcher",
     "pipeline_stage_class",
+    "interleave_overlapped_forward_backward",
+    "reduce_fsdp_gradients",
+    "skip_backward_actions",
     "replicate_module",
     "require_pipeline_stage_internals",
     "route_gradient_clipping",
@@ -344,6 +347,97 @@ def run_schedule_forward_only(schedule: Any, *args: Any, **kwargs: Any) -> Any:
     return schedule.eval(*args, **kwargs)
 
 
+def interleave_overlapped_forward_backward(schedule: Any, interleave: Callable[[Callable[[], None], Callable[[], None]], None]) -> None:
+    """Run each ``OVERLAP_F_B`` action of a ``ScheduleDualPipeV`` (one micro-batch's forward on one
+    stage and another's backward on the other) as ``interleave(backward, forward)`` instead of one
+    after the other, through the schedule's ``register_custom_function``.
+
+    torch gives the custom function the action and a context, not its own executor of the two
+    sub-actions, so this repeats what the private ``_PipelineScheduleRuntime._step_microbatches``
+    does for ``FORWARD`` and ``FULL_BACKWARD`` (wait for the received activation or gradient unless
+    the neighbouring stage is on this rank, run the stage, compute or fetch the loss, count backwards
+    for the last one's gradient reduction, hand the result to the neighbouring local stage), with its
+    private ``_assert_unsharded``, ``fwd_recv_ops``/``bwd_recv_ops``, ``_maybe_compute_loss``,
+    ``_maybe_get_loss``, ``backward_counter`` and ``_n_microbatches``. Forward outputs are not kept
+    (``return_outputs=False``, what training steps pass). Checked on: torch 2.13-2.13."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B, _wait_batch_p2p
+
+    def run(action: Any, ctx: Any) -> None:
+        runtime = ctx.schedule_ref
+        local = {stage.stage_index: stage for stage in runtime._stages}
+        forward_action, backward_action = action.sub_actions
+
+        def forward() -> None:
+            stage, mb = local[forward_action.stage_index], forward_action.microbatch_index
+            runtime._assert_unsharded(stage)
+            if not stage.is_first and stage.stage_index - 1 not in local:
+                _wait_batch_p2p(runtime.fwd_recv_ops.pop((stage.stage_index, mb)))
+            output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], save_forward_output=False)
+            runtime._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+            if stage.stage_index + 1 in local:
+                local[stage.stage_index + 1].set_local_fwd_input(output, mb)
+
+        def backward() -> None:
+            stage, mb = local[backward_action.stage_index], backward_action.microbatch_index
+            runtime._assert_unsharded(stage)
+            if not stage.is_last and stage.stage_index + 1 not in local:
+                _wait_batch_p2p(runtime.bwd_recv_ops.pop((stage.stage_index, mb)))
+            loss = runtime._maybe_get_loss(stage, mb)
+            runtime.backward_counter[stage.stage_index] += 1
+            last_backward = runtime.backward_counter[stage.stage_index] == runtime._n_microbatches
+            stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last_backward)
+            if stage.stage_index - 1 in local:
+                local[stage.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+        interleave(backward, forward)
+
+    schedule.register_custom_function(OVERLAP_F_B, run)
+
+
+def skip_backward_actions(schedule: Any) -> None:
+    """Let a ``ScheduleZBVZeroBubble`` run forward only (``eval()``): its backward actions do nothing.
+
+    torch's runtime schedules skip a stage's backward without a loss, except where two consecutive
+    stages share a rank (the V's turn), where the runtime still hands the skipped backward's gradient
+    to the other stage and fails. A custom function per backward kind replaces those actions; it
+    drops the (empty) receive of the gradient the action would have waited for, which the private
+    ``bwd_recv_ops`` would otherwise keep into the next step. Checked on: torch 2.13-2.13."""
+    from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD
+
+    def skip(action: Any, ctx: Any) -> None:
+        ctx.schedule_ref.bwd_recv_ops.pop((action.stage_index, action.microbatch_index), None)
+
+    for kind in (FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+        schedule.register_custom_function(kind, skip)
+
+
+def reduce_fsdp_gradients(units: list[nn.Module]) -> None:
+    """Reduce-scatter now the gradients that the FSDP2 ``units`` accumulated unsharded (with
+    ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``), then reshard them,
+    as a backward with gradient sync would have.
+
+    For pipeline schedules that compute weight gradients apart from the autograd backward (the split
+    backward of ZB-V and DualPipeV), which FSDP2's post-backward hooks never see. torch's pipeline
+    stages do the same for a stage module that is itself an FSDP unit
+    (``_PipelineStageBase.perform_reduce_grad``); ours wrap its children. Private: each unit's state's
+    ``_fsdp_param_groups`` and ``post_backward()``, and the root state's
+    ``_root_post_backward_final_callback()``. Checked on: torch 2.13-2.13."""
+    from torch.distributed.fsdp import fully_shard
+
+    if not units:
+        return
+    for unit in units:
+        unit.set_is_last_backward(True)
+        unit.set_requires_gradient_sync(True, recurse=False)
+        unit.set_reshard_after_backward(True, recurse=False)
+    states = [fully_shard.state(unit) for unit in units]  # type: ignore[attr-defined]
+    for state in states:
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+    root = next((state for state in states if state._is_root), states[0])
+    root._root_post_backward_final_callback()
+
+
 def require_pipeline_stage_internals() -> None:
     """Refuse pipeline parallelism on a torch older than :data:`PIPELINE_MIN_TORCH`: the stage class
     of :func:`pipeline_stage_class` overrides private shape-inference methods, written for torch
@@ -377,10 +471,15 @@ def pipeline_stage_class(inference_guard: Callable[[nn.Module], AbstractContextM
     from torch.distributed.pipelining import PipelineStage
 
     class GradientSyncOncePerStep(PipelineStage):
+        # Schedules that split backward into input and weight gradients (ZB-V, DualPipeV) reduce after
+        # the step instead (reduce_fsdp_gradients): FSDP2's hook fires with the input gradients, before
+        # the weight gradients exist.
+        reduce_after_step = False
+
         def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False) -> Any:
             for unit in self.submod.modules():
                 if isinstance(unit, FSDPModule):
-                    unit.set_requires_gradient_sync(last_backward, recurse=False)
+                    unit.set_requires_gradient_sync(last_backward and not self.reduce_after_step, recurse=False)
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
 
     if _torch_version() < (2, 13):

@@ -87,7 +87,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             The world size counts only ep's unfolded part (``tp*cp*(ep/(tp*cp))*dp*pp`` folding both).
         ranks_per_node: ranks sharing a node (default: Lightning's devices per node, ``Trainer(devices=...)``);
             set it smaller to simulate nodes (see ``ParallelDims``).
-        pp_schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"`` (needs ``pp_stages_per_rank >= 2``).
+        pp_schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` (needs ``pp_stages_per_rank >= 2``), or the V
+            schedules ``"DualPipeV"`` and ``"ZBVZeroBubble"`` (``pp_stages_per_rank=2``, rank r runs stages r
+            and 2 pp - 1 - r; with ``overlap_ep_comm`` DualPipeV interleaves its paired forward and backward).
         pp_microbatches: micro-batches per pipeline step (default ``pp``); 1F1B needs ``>= pp``.
         pp_stages_per_rank: virtual stages per rank (interleaved schedule).
         data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"hsdp"`` (FSDP2 sharding within replica groups,
@@ -133,7 +135,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         pp: int = 1,
         etp: int | None = None,
         fold_ep: str | Sequence[str] | None = None,
-        pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B"] = "1F1B",
+        pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble"] = "1F1B",
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int = 1,
         data_parallel: Literal["fsdp", "hsdp", "ddp", "none"] = "fsdp",
@@ -162,7 +164,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                                  save_distributed_checkpoint=save_distributed_checkpoint,
                                  activation_checkpointing=activation_checkpointing, compile=compile,
                                  gather_once_per_step=gather_once_per_step, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                                 overlap_ep_comm=overlap_ep_comm, ep=None if layout == "auto" else ep)
+                                 overlap_ep_comm=overlap_ep_comm, ep=None if layout == "auto" else ep, pp_schedule=pp_schedule)
         self.layout, self.layout_options = layout, layout_options
         try:
             self.parallel_dims = ParallelDims(
@@ -174,6 +176,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.pp_schedule = pp_schedule
         self.pp_microbatches = pp if pp_microbatches is None else pp_microbatches
         self.pp_stages_per_rank = pp_stages_per_rank
+        self.overlap_ep_comm = overlap_ep_comm
         self._pipeline = self._make_pipeline()
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
@@ -182,8 +185,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.dp_replicate, self.dp_shard = dp_replicate, dp_shard
         self.gather_once_per_step = gather_once_per_step
         self._gather_once: GatherOncePerStep | None = None
-        self.overlap_ep_comm = overlap_ep_comm
-        self._ep_overlap = MicroBatchOverlap() if overlap_ep_comm else None
+        self._ep_overlap = MicroBatchOverlap() if overlap_ep_comm and pp == 1 else None
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
         self.cp_head_chunks = cp_head_chunks
@@ -192,7 +194,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     def _make_pipeline(self) -> LightningPipeline:
         """The pipeline schedule's Lightning glue (used under pp > 1; its checks run on every layout)."""
         try:
-            return LightningPipeline(self.parallel_dims, self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank)
+            return LightningPipeline(self.parallel_dims, self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank,
+                                     self.overlap_ep_comm)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
 
@@ -281,6 +284,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                 etp=self.parallel_dims.etp,
                 fold_ep=self.parallel_dims.fold_ep,
                 pp_stages_per_rank=self.pp_stages_per_rank,
+                pp_schedule=self.pp_schedule,
             )
         apply_training_plans(self.model, precision=self._precision_flag(), activation_checkpointing=self.activation_checkpointing,
                              recompute_attention=self.parallel_dims.cp == 1, compile=self.compile)

@@ -129,7 +129,7 @@ def test_interleaved_micro_batches_give_the_same_bits_under_fsdp():
     "kwargs,message",
     [
         ({"ep": 1}, r"ep=1 has none: set ep > 1"),
-        ({"ep": 2, "pp": 2, "gather_once_per_step": False}, r"pp=2: the pipeline schedules do not interleave"),
+        ({"ep": 2, "pp": 2}, r"pp=2 needs pp_schedule=.DualPipeV."),
         ({"ep": 2, "gather_once_per_step": True, "activation_checkpointing": "full"}, r"activation_checkpointing='full'"),
         ({"ep": 2}, r"data_parallel='fsdp' needs gather_once_per_step=True"),
         ({"ep": 2, "dp": 2, "data_parallel": "hsdp", "dp_replicate": 2}, r"needs data_parallel='fsdp' and gather_once_per_step=True"),

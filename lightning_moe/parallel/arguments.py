@@ -29,6 +29,7 @@ def check_strategy_arguments(
     dp_shard: Any = None,
     overlap_ep_comm: Any = False,
     ep: int | None = 1,
+    pp_schedule: str = "1F1B",
 ) -> None:
     """Raise ``MisconfigurationException`` for a value ``MoE5DStrategy`` cannot take (sizes: ``ParallelDims``)."""
     if layout not in ("manual", "auto"):
@@ -66,12 +67,12 @@ def check_strategy_arguments(
             f" pp={pp}): only FSDP gathers parameters, and pipeline schedules already reduce gradients once per"
             " pipeline step; set gather_once_per_step=False"
         )
-    _check_overlap_ep_comm(overlap_ep_comm, ep=ep, pp=pp, data_parallel=data_parallel,
+    _check_overlap_ep_comm(overlap_ep_comm, ep=ep, pp=pp, pp_schedule=pp_schedule, data_parallel=data_parallel,
                            gather_once_per_step=gather_once_per_step, activation_checkpointing=activation_checkpointing)
 
 
 def _check_overlap_ep_comm(
-    overlap: Any, *, ep: int | None, pp: int, data_parallel: str, gather_once_per_step: bool, activation_checkpointing: str
+    overlap: Any, *, ep: int | None, pp: int, pp_schedule: str, data_parallel: str, gather_once_per_step: bool, activation_checkpointing: str
 ) -> None:
     """Where micro-batch overlap (:mod:`lightning_moe.moe.microbatch_overlap`) cannot run, say why
     (``ep=None``: chosen later, by ``layout="auto"``)."""
@@ -81,10 +82,10 @@ def _check_overlap_ep_comm(
         return
     if ep == 1:
         raise MisconfigurationException("overlap_ep_comm=True hides expert-parallel all-to-alls, but ep=1 has none: set ep > 1")
-    if pp > 1:
+    if pp > 1 and pp_schedule != "DualPipeV":
         raise MisconfigurationException(
-            f"overlap_ep_comm=True with pp={pp}: the pipeline schedules do not interleave one micro-batch's forward"
-            " with another's backward yet; use pp=1 (with gradient accumulation) or overlap_ep_comm=False"
+            f"overlap_ep_comm=True with pp={pp} needs pp_schedule='DualPipeV' (its paired forward and backward of two"
+            f" micro-batches interleave); pp_schedule={pp_schedule!r} runs one micro-batch at a time"
         )
     if activation_checkpointing != "none":
         raise MisconfigurationException(
@@ -98,7 +99,8 @@ def _check_overlap_ep_comm(
             " around its forward, while the interleaved backward still uses them; use data_parallel='fsdp' with"
             " gather_once_per_step=True"
         )
-    if data_parallel in ("fsdp", "hsdp") and not gather_once_per_step:
+    # Under DualPipeV the paired forward and backward run on the rank's two stages, never on one FSDP unit.
+    if pp == 1 and data_parallel in ("fsdp", "hsdp") and not gather_once_per_step:
         fix = "gather_once_per_step=True" if data_parallel == "fsdp" else "data_parallel='fsdp' and gather_once_per_step=True"
         raise MisconfigurationException(
             f"overlap_ep_comm=True with data_parallel={data_parallel!r} needs {fix}: FSDP2 would reshard a block"

@@ -51,9 +51,12 @@ class LightningPipeline:
         pipeline.backward()                           # in Lightning's backward: gradients back in place
     """
 
-    def __init__(self, dims: ParallelDims, schedule: str, microbatches: int, stages_per_rank: int) -> None:
+    def __init__(
+        self, dims: ParallelDims, schedule: str, microbatches: int, stages_per_rank: int, overlap_ep_comm: bool = False
+    ) -> None:
         check_pipeline_config(dims.pp, schedule, microbatches, stages_per_rank)
         self.dims = dims
+        self.overlap_ep_comm = overlap_ep_comm
         self.schedule = schedule
         self.microbatches = microbatches
         self.stages_per_rank = stages_per_rank
@@ -126,6 +129,7 @@ class LightningPipeline:
             schedule=self.schedule,
             microbatches=self.microbatches,
             loss_fn=loss,
+            overlap_ep_comm=self.overlap_ep_comm,
         )
 
     def teardown(self, trainer: Any) -> None:

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_moe.parallel.data_parallel import apply_data_parallel
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel, check_expert_layout
-from lightning_moe.parallel.pipeline import check_pipeline_split, split_module
+from lightning_moe.parallel.pipeline import V_SCHEDULES, check_pipeline_split, split_module
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel, check_head_counts
 
 DataParallelKind = Literal["fsdp", "hsdp", "ddp", "none"]
@@ -61,12 +61,14 @@ def parallelize(
     etp: int | None = None,
     fold_ep: str | Sequence[str] | None = None,
     pp_stages_per_rank: int = 1,
+    pp_schedule: str = "1F1B",
 ) -> nn.Module:
     """Parallelize ``module`` in place over the full ``(pp, dp, ep, cp, tp)`` mesh and return it.
 
     Order: under pp > 1 the pipeline split first (:func:`lightning_moe.parallel.pipeline.split_module`:
     the module keeps only this rank's ``pp_stages_per_rank`` stages, whose modules
-    ``pipeline_stage_modules(module)`` returns), then expert parallel for every ``MoELayer``, the
+    ``pipeline_stage_modules(module)`` returns; ``pp_schedule`` places them, in a V for
+    ``"DualPipeV"``/``"ZBVZeroBubble"``), then expert parallel for every ``MoELayer``, the
     module's tensor-parallel plan (``tensor_parallel_plan()``, over the layers left), then data
     parallel last (FSDP2 ``fully_shard``, DDP-style ``replicate``, or ``"none"``: parameters stay
     replicated and gradients unreduced).
@@ -83,7 +85,7 @@ def parallelize(
     check_layout(module, dims, pp_stages_per_rank)
     if dims.pp > 1:
         # Split first: only this rank's layers get sharded for ep, tp and dp.
-        split_module(module, dims.pp_mesh.get_local_rank(), dims.pp, pp_stages_per_rank)
+        split_module(module, dims.pp_mesh.get_local_rank(), dims.pp, pp_stages_per_rank, pp_schedule in V_SCHEDULES)
     apply_expert_parallel(module, dims)
     if dims.tp > 1:
         apply_tensor_parallel(module, dims, sequence_parallel)

@@ -14,7 +14,8 @@ A module says how it splits in one of three ways (first match wins):
    (a ``ModuleList`` stage iterates over its own blocks, named ``blocks.2``, ``blocks.3``, ...).
 
 Rank ``r`` of the pp group runs the stages ``r, r + pp, r + 2 pp, ...`` (``stages_per_rank`` of them,
-"virtual" stages for the interleaved schedule). :func:`split_module` removes from ``module``
+"virtual" stages for the interleaved schedule); under the V schedules (:data:`V_SCHEDULES`) the two
+stages ``r`` and ``2 pp - 1 - r``. :func:`split_module` removes from ``module``
 everything no local stage uses, so the optimizer, FSDP and distributed checkpoints only see this
 rank's parameters, under their names in the whole model (``layers.3.attention.wq.weight``).
 """
@@ -32,13 +33,17 @@ from torch import nn
 from lightning_moe._compat import module_child_table, shallow_copy_module
 from lightning_moe.parallel.blocks import block_container, blocks_attr, remove_block, subset
 
-PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B")
+PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble")
+# Schedules of two stages per rank placed in a V: rank r runs stages r and 2 pp - 1 - r, so the first
+# and the last stage share rank 0 (DeepSeek's DualPipeV; zero-bubble ZB-V splits backward in two).
+V_SCHEDULES: tuple[str, ...] = ("DualPipeV", "ZBVZeroBubble")
 DEFAULT_FIRST_STAGE_MODULES: tuple[str, ...] = ("tok_embeddings",)
 DEFAULT_LAST_STAGE_MODULES: tuple[str, ...] = ("norm", "output")
 _STAGES_ATTR = "_lightning_moe_pipeline_stages"
 
 __all__ = [
     "PIPELINE_SCHEDULES",
+    "V_SCHEDULES",
     "GroupedBatchLoader",
     "check_pipeline_config",
     "check_pipeline_split",
@@ -47,6 +52,7 @@ __all__ = [
     "pipeline_stage_modules",
     "split_module",
     "stage_ids",
+    "stage_rank",
     "unpack_target_loss",
 ]
 
@@ -61,6 +67,18 @@ def check_pipeline_config(pp: int, schedule: str, microbatches: int, stages_per_
     if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
         raise ValueError(f"pp_stages_per_rank={stages_per_rank!r} must be an integer >= 1")
     if pp == 1:
+        return
+    if schedule in V_SCHEDULES:
+        if stages_per_rank != 2:
+            raise ValueError(
+                f"pp_schedule={schedule} runs two stages per rank (placed in a V), got pp_stages_per_rank={stages_per_rank}:"
+                " set pp_stages_per_rank=2"
+            )
+        if microbatches < 2 * pp:
+            raise ValueError(
+                f"pp_schedule={schedule} needs pp_microbatches >= the number of stages 2*pp = {2 * pp}, got"
+                f" {microbatches}: raise pp_microbatches to at least {2 * pp}"
+            )
         return
     if schedule == "Interleaved1F1B":
         if stages_per_rank < 2:
@@ -87,25 +105,36 @@ def check_pipeline_config(pp: int, schedule: str, microbatches: int, stages_per_
         )
 
 
-def stage_ids(pp_rank: int, pp: int, stages_per_rank: int = 1) -> list[int]:
-    """The stages rank ``pp_rank`` runs: ``pp_rank + k * pp`` (loop placement of virtual stages)."""
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int = 1, v_shape: bool = False) -> list[int]:
+    """The stages rank ``pp_rank`` runs: ``pp_rank + k * pp`` (loop placement of virtual stages), or
+    with ``v_shape`` (two stages per rank) ``pp_rank`` and ``2 * pp - 1 - pp_rank``."""
+    if v_shape:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
+def stage_rank(stage: int, pp: int, v_shape: bool = False) -> int:
+    """The pp rank that runs ``stage`` (the inverse of :func:`stage_ids`)."""
+    return min(stage, 2 * pp - 1 - stage) if v_shape else stage % pp
+
+
 # -- splitting -------------------------------------------------------------------------------------
-def split_module(module: nn.Module, pp_rank: int, pp: int, stages_per_rank: int = 1) -> list[tuple[int, nn.Module]]:
+def split_module(
+    module: nn.Module, pp_rank: int, pp: int, stages_per_rank: int = 1, v_shape: bool = False
+) -> list[tuple[int, nn.Module]]:
     """Build this rank's stage modules and remove every part of ``module`` they do not use (in place).
 
     Returns ``[(stage_index, stage_module), ...]`` in increasing stage order; the stage modules share
     their parameters with ``module``. With one stage per rank and the default convention, the stage
     module is ``module`` itself. The result is also kept on the module (:func:`pipeline_stage_modules`).
+    ``v_shape``: the V placement of two stages per rank (:data:`V_SCHEDULES`).
 
     Example::
 
         stages = split_module(model, pp_rank=1, pp=2)   # model keeps layers 2, 3, norm and output
     """
     num_stages = pp * stages_per_rank
-    ids = stage_ids(pp_rank, pp, stages_per_rank)
+    ids = stage_ids(pp_rank, pp, stages_per_rank, v_shape)
     hook = getattr(module, "pipeline_split", None)
     if callable(hook):
         stages = [(i, hook(i, num_stages)) for i in ids]

@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe._compat import pipeline_stage_class, run_schedule_forward_only
+from lightning_moe._compat import (
+    interleave_overlapped_forward_backward,
+    pipeline_stage_class,
+    reduce_fsdp_gradients,
+    run_schedule_forward_only,
+    skip_backward_actions,
+)
+from lightning_moe.moe.microbatch_overlap import run_interleaved
+from lightning_moe.parallel.pipeline import V_SCHEDULES, stage_rank
 
 __all__ = ["PipelineRunner", "is_inferring_shapes", "scale_gradient"]
 
@@ -28,7 +36,8 @@ class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
-        return x.view_as(x)
+        # A copy, not a view: the split backward of the zero-bubble schedules detaches the loss in place.
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -124,8 +133,10 @@ class PipelineRunner:
         stages: ``[(stage_index, module), ...]`` of this rank (:func:`lightning_moe.parallel.pipeline.split_module`).
         num_stages: stages of the whole pipeline (``pp * stages_per_rank``).
         group: the pp process group; device: where the stages run.
-        schedule: ``"GPipe"``, ``"1F1B"`` or ``"Interleaved1F1B"``; microbatches: per step.
+        schedule: one of :data:`~lightning_moe.parallel.pipeline.PIPELINE_SCHEDULES`; microbatches: per step.
         loss_fn: ``loss_fn(output, target) -> scalar`` of one micro-batch on the last stage.
+        overlap_ep_comm: DualPipeV runs each of its overlapped forward/backward pairs interleaved at the
+            expert all-to-alls (:mod:`lightning_moe.moe.microbatch_overlap`), not one after the other.
 
     :meth:`step` runs forward and backward of ``microbatches`` micro-batches; the gradient of each
     micro-batch loss is multiplied by ``grad_scale`` (torch's own 1/n scaling is off: it would also
@@ -149,6 +160,7 @@ class PipelineRunner:
         schedule: str,
         microbatches: int,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        overlap_ep_comm: bool = False,
     ) -> None:
         self.modules = [module for _, module in stages]
         self.stage_indices = [index for index, _ in stages]
@@ -158,10 +170,12 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.microbatches = microbatches
         self.loss_fn = loss_fn
+        self.overlap_ep_comm = overlap_ep_comm
         self.grad_scale = 1.0
         self.holds_first_stage = 0 in self.stage_indices
         self.holds_last_stage = num_stages - 1 in self.stage_indices
-        self.last_stage_group_rank = (num_stages - 1) % dist.get_world_size(group)
+        self.v_shape = schedule in V_SCHEDULES
+        self.last_stage_group_rank = stage_rank(num_stages - 1, dist.get_world_size(group), self.v_shape)
         self.forward_kwargs = _forward_parameters(self.modules[0])
         self.stats = _MoEStatsAccumulator(self.modules)
         self._schedules: dict[str, Any] = {}
@@ -172,16 +186,32 @@ class PipelineRunner:
     def _schedule(self, kind: str) -> Any:
         """The ``"train"``, ``"eval"`` (forward with losses) or ``"forward"`` (no loss) schedule, built once."""
         if kind not in self._schedules:
-            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+            from torch.distributed.pipelining import (
+                Schedule1F1B,
+                ScheduleDualPipeV,
+                ScheduleGPipe,
+                ScheduleInterleaved1F1B,
+                ScheduleZBVZeroBubble,
+            )
 
             stage_cls = pipeline_stage_class(_inference_guard)
             stages = [
                 stage_cls(module, index, self.num_stages, self.device, group=self.group)
                 for index, module in zip(self.stage_indices, self.modules)
             ]
+            for stage in stages:
+                stage.reduce_after_step = self.v_shape
             kwargs = dict(n_microbatches=self.microbatches, loss_fn=None if kind == "forward" else self._loss,
                           scale_grads=False)
-            if len(stages) > 1:
+            if self.v_shape and kind == "train":
+                v_schedule = ScheduleDualPipeV if self.schedule_name == "DualPipeV" else ScheduleZBVZeroBubble
+                schedule = v_schedule(stages, **kwargs)
+                if self.overlap_ep_comm:
+                    interleave_overlapped_forward_backward(schedule, run_interleaved)
+            elif self.v_shape:  # forward only: ZB-V's order (no paired actions), its backwards skipped
+                schedule = ScheduleZBVZeroBubble(stages, **kwargs)
+                skip_backward_actions(schedule)
+            elif len(stages) > 1:
                 schedule = ScheduleInterleaved1F1B(stages, **kwargs)
             elif kind == "train" and self.schedule_name == "1F1B":
                 schedule = Schedule1F1B(stages[0], **kwargs)
@@ -211,8 +241,14 @@ class PipelineRunner:
         args = inputs if self.holds_first_stage else ()
         tgt = target if self.holds_last_stage else None
         if train:
+            units = self._fsdp_units() if self.v_shape else []
+            for unit in units:  # gathered and unreduced until the step's last weight gradient
+                unit.set_is_last_backward(False)
+                unit.set_reshard_after_forward(False, recurse=False)
+                unit.set_reshard_after_backward(False, recurse=False)
             with self.stats.collect():
                 self._schedule("train").step(*args, target=tgt, losses=losses, return_outputs=False, **kwargs)
+            reduce_fsdp_gradients(units)
         else:
             self._run_forward_only("eval", args, dict(kwargs, target=tgt, losses=losses))
         return [loss.detach() for loss in losses] if losses is not None else None
@@ -252,12 +288,14 @@ class PipelineRunner:
 
     def reshard(self) -> None:
         """Free every FSDP unit's gathered parameters (after a forward without backward)."""
+        for unit in self._fsdp_units():
+            unit.reshard()
+
+    def _fsdp_units(self) -> list[nn.Module]:
         from torch.distributed.fsdp import FSDPModule
 
-        for module in self.modules:
-            for sub in module.modules():
-                if isinstance(sub, FSDPModule):
-                    sub.reshard()
+        units = {id(sub): sub for module in self.modules for sub in module.modules() if isinstance(sub, FSDPModule)}
+        return list(units.values())
 
     def broadcast_mean(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
         """Mean of the micro-batch losses, sent from the last stage to every rank of the pp group."""
