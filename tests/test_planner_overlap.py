@@ -208,3 +208,11 @@ def test_dispatch_chunks_comes_from_the_model_config():
     assert toy_model().dispatch_chunks == 1 and toy_model(dispatch_chunks=3).dispatch_chunks == 3
     with pytest.raises(ValueError, match=r"model.moe.dispatch_chunks=0 must be >= 1"):
         toy_model(dispatch_chunks=0)
+
+
+def test_layout_auto_offers_no_overlap_under_activation_checkpointing():
+    toy = {"vocab_size": 256, "hidden_size": HIDDEN, "num_layers": 3, "num_heads": 4, "ffn_hidden_size": 128,
+           "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN}}  # fmt: skip
+    best, _ = resolve_auto_layout(2, model=toy, cluster=toy_cluster(BANDWIDTH), seq_len=SEQ, global_batch_size=8,
+                                  micro_batch_size=1, precision="32-true", checkpointing="full")  # fmt: skip
+    assert not best.layout.overlap_ep_comm and best.checkpointing == "full", best.layout.label()

@@ -21,11 +21,14 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
   :func:`accounted_comm_bytes` (:mod:`.accounting`) maps them onto the dims under which
   :class:`~lightning_moe.callbacks.CommAccountingCallback` records them, for checks against runs.
 - **Time** (:mod:`.step_time`) per step: compute, the communication the code does not overlap, the
-  pipeline bubble and the optimizer update; :func:`estimate` gathers one layout's figures.
+  pipeline bubble and the optimizer update; :func:`estimate` gathers one layout's figures. The
+  expert token all-to-alls hide behind the expert GEMMs (``moe.dispatch_chunks``), the shared
+  expert, and the paired micro-batch's compute (``Layout.overlap_ep_comm``), each as far as its
+  compute reaches (:func:`~lightning_moe.planner.step_time.hidden_ep_seconds`).
 - **Search** (:mod:`.search`): :func:`plan` estimates every valid layout, parallel folding included
   (``Layout.fold_ep``: the expert ep group spans tp and/or cp ranks too) and HSDP where dp spans
   nodes (a replica group per node: gathers and reduce-scatters inside it, the gradient shards'
-  all-reduce across), and ranks those that fit;
+  all-reduce across), ``overlap_ep_comm`` where the strategy takes it, and ranks those that fit;
   :func:`resolve_auto_layout` serves ``MoE5DStrategy(layout="auto")``.
 
 Example::

@@ -261,6 +261,7 @@ def resolve_auto_layout(
     global_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     precision: str | None = None,
+    checkpointing: str = "none",
 ) -> tuple[Estimate, Estimate | None]:
     """``MoE5DStrategy(layout="auto", layout_options={...})``: the best layout and the runner-up.
 
@@ -269,7 +270,9 @@ def resolve_auto_layout(
     :class:`ModelShape`), ``cluster`` (a cluster preset's keys or a :class:`Cluster`), ``seq_len``,
     ``global_batch_size``, ``micro_batch_size`` (the data module's; None stands for what the data
     modules make of None, :func:`~lightning_moe.data.sampler.default_micro_batch_size`, so that
-    layouts are ranked with the micro-batch that will run) and ``precision`` (Lightning's string).
+    layouts are ranked with the micro-batch that will run), ``precision`` (Lightning's string) and
+    ``checkpointing`` (the run's activation checkpointing: the memory mode layouts must fit with, and
+    ``overlap_ep_comm`` is offered only without it, as the strategy refuses it otherwise).
     ``conf/parallel/auto.yaml`` fills them from the run's config.
 
     Example::
@@ -292,7 +295,7 @@ def resolve_auto_layout(
         micro_batch_size = default_micro_batch_size(int(global_batch_size))  # type: ignore[arg-type]
     result = plan(
         world_size, shape, machine, seq_len=int(seq_len), global_batch_size=int(global_batch_size),  # type: ignore[arg-type]
-        precision=_precision_of(precision), micro_batch_sizes=[int(micro_batch_size)],
+        precision=_precision_of(precision), micro_batch_sizes=[int(micro_batch_size)], checkpointing=checkpointing,
     )  # fmt: skip
     if not result.ranked:
         smallest = result.rejected[0]
