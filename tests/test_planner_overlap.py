@@ -2,7 +2,7 @@
 expert and ``overlap_ep_comm`` (micro-batch pairing), each capped by the compute it hides behind.
 
 Pure Python, on a toy machine whose figures make the seconds easy to check by hand: 1 GFLOP/s at
-every op kind's full efficiency, no latency, no concurrency limit, nothing of FSDP hidden.
+every op kind's full efficiency, no latency, no concurrency limit, collectives asynchronous.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ def toy_cluster(bandwidth: float) -> Cluster:
         name="toy", gpus_per_node=64, memory_bytes=1e12, peak_flops=1e9, hbm_bandwidth=1e12,
         intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, gemm_efficiency=1.0,
         grouped_gemm_efficiency=1.0, attention_efficiency=1.0, comm_efficiency=1.0, collective_latency=0.0,
-        fsdp_overlap=False,
     )  # fmt: skip
 
 
@@ -53,6 +52,14 @@ def run(model: ModelShape, layout: Layout, bandwidth: float):
 
 BANDWIDTH = 1e6  # bytes/s: 32 KiB of tokens a micro-batch, 33 ms, against ~40 ms of compute
 FAST, SLOW = 1e9, 1e4  # comm far below / far above the compute
+
+
+def test_a_backend_with_synchronous_collectives_hides_no_token_exchange():
+    """cpu_local's gloo (``fsdp_overlap=False``): every option is a no-op for the estimate."""
+    synchronous = replace(toy_cluster(BANDWIDTH), fsdp_overlap=False)
+    model = toy_model(dispatch_chunks=2, shared_expert_hidden_size=EXPERT_FFN)
+    est = estimate(model, ep2(overlap_ep_comm=True), synchronous, SEQ, 8, precision="32-true")
+    assert sum(est.hidden_ep_comm_time.values()) == 0.0
 
 
 def test_the_toy_token_exchange_takes_its_bytes_over_the_bandwidth():
@@ -191,9 +198,9 @@ def test_the_layout_names_and_hands_on_overlap_ep_comm():
 
 
 def test_layout_auto_carries_the_overlap_it_ranked_with():
-    """2 ranks, 3 layers (no pipeline split): ep2 beats dp2 (whose gradient reduction nothing hides on
-    this machine) and tp2; with overlap_ep_comm it beats its own twin without, and the strategy's
-    arguments carry it."""
+    """2 ranks, 3 layers (no pipeline split): ep2 beats dp2 (whose parameter and gradient traffic, 8x
+    the compute, mostly shows) and tp2; with overlap_ep_comm it beats its own twin without, and the
+    strategy's arguments carry it."""
     toy = {"vocab_size": 256, "hidden_size": HIDDEN, "num_layers": 3, "num_heads": 4, "ffn_hidden_size": 128,
            "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN}}  # fmt: skip
     best, runner_up = resolve_auto_layout(2, model=toy, cluster=toy_cluster(BANDWIDTH), seq_len=SEQ, global_batch_size=8,

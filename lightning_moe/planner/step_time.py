@@ -236,7 +236,9 @@ def estimate(
             token_exchange += seconds
     forward = forward_seconds_by_kind(model, layout, cluster, seq_len)
     compute = (3.0 + RECOMPUTE_FORWARDS[checkpointing]) * sum(forward.values()) * layout.microbatches
-    hidden_ep = hidden_ep_seconds(model, layout, forward, token_exchange)
+    # a backend that runs collectives synchronously (cluster.fsdp_overlap False: gloo on CPU) hides
+    # none of the token all-to-alls either
+    hidden_ep = hidden_ep_seconds(model, layout, forward, token_exchange if cluster.fsdp_overlap else 0.0)
     # FSDP and ring traffic hide behind compute (where the backend runs them asynchronously);
     # what does not fit is exposed
     hidden_capacity = compute if cluster.fsdp_overlap else 0.0
