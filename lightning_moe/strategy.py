@@ -39,7 +39,7 @@ from lightning_moe.checkpoint.state import (
 from lightning_moe.cp import context_parallel_attention
 from lightning_moe.layout import LAYOUT_KEYS
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
-from lightning_moe.moe.microbatch_overlap import MicroBatchOverlap
+from lightning_moe.microbatch_overlap import MicroBatchOverlap
 from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, check_unreduced_replicas, resolve_hsdp
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
@@ -101,7 +101,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             gradients for the step (:mod:`lightning_moe.parallel.fsdp_accumulation`).
         overlap_ep_comm: under gradient accumulation (pp = 1), run each micro-batch's backward interleaved
             with the next one's forward, so that each one's expert all-to-alls are in flight while the
-            other computes (:mod:`lightning_moe.moe.microbatch_overlap`); needs ep > 1 and
+            other computes (:mod:`lightning_moe.microbatch_overlap`); needs ep > 1 and
             ``data_parallel="fsdp"`` with ``gather_once_per_step=True``. The numbers are those without it.
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
         context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides

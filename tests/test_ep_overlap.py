@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
-from lightning_moe.moe.microbatch_overlap import MicroBatchOverlap, hand_off, run_interleaved
+from lightning_moe.microbatch_overlap import MicroBatchOverlap, hand_off, run_interleaved
 from tests.conftest import get_pool
 
 
