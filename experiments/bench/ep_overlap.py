@@ -42,6 +42,7 @@ A model, not a measurement of real links: see docs/link-simulator.md.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -76,6 +77,21 @@ def _mean(value: float) -> float:
     return float(t) / dist.get_world_size()
 
 
+def _build(moe_options: dict, mesh: object, num_layers: int, **parallel: object) -> torch.nn.Module:
+    from lightning_moe import parallelize
+    from lightning_moe.models import MoEGPT
+
+    torch.manual_seed(0)
+    moe = {"num_experts": EXPERTS, "top_k": TOP_K, "ffn_hidden_size": FFN, **moe_options}
+    model = MoEGPT(hidden_size=HIDDEN, num_layers=num_layers, num_heads=HEADS, moe=moe, max_seq_len=SEQ)
+    return parallelize(model, mesh, data_parallel="none", sequence_parallel=False, **parallel)
+
+
+def _micro_batches(rank: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(rank)
+    return [torch.randint(0, 256, (SAMPLES, SEQ + 1), generator=generator) for _ in range(MICRO_BATCHES)]
+
+
 def _training_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], overlap: bool) -> None:
     """Forward and backward of every micro-batch, gradients accumulated (as Lightning's loop runs them)."""
     from lightning_moe.microbatch_overlap import MicroBatchOverlap
@@ -89,13 +105,6 @@ def _training_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], ov
             loss = schedule.forward(step)
             schedule.backward(loss.backward, last=i == len(micro_batches) - 1)
     model.zero_grad(set_to_none=True)
-
-
-def _timed_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], overlap: bool) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    _training_step(model, micro_batches, overlap)
-    return _slowest(time.perf_counter() - start)
 
 
 def _expert_seconds(model: torch.nn.Module, reps: int = 5) -> float:
@@ -116,93 +125,131 @@ def _expert_seconds(model: torch.nn.Module, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def _worker(rank: int, world: int, store_file: str, rounds: int, out: dict) -> None:
+def _measure(steps: dict[str, Callable[[], None]], dims: object, expert_seconds: float, rounds: int) -> tuple[dict, list[dict]]:
+    """Set the ep link from the first case (ep comm time = ``expert_seconds``), then time every case
+    with infinite bandwidth and under the link, round-robin; the medians, on every rank."""
+    from lightning_moe.link_simulator import LinkSimulator
+
+    expert_seconds = _mean(expert_seconds)
+    counter = LinkSimulator(ep=1e18)  # records the bytes, delays nothing measurable
+    with counter.simulate(dims):
+        next(iter(steps.values()))()
+    ep_bytes = _mean(counter.stats["ep"]["bytes"])
+    sim = LinkSimulator(ep=ep_bytes / expert_seconds)
+
+    def timed(step: Callable[[], None]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        return _slowest(time.perf_counter() - start)
+
+    samples: dict[str, dict[str, list[float]]] = {case: {"inf": [], "sim": [], "comm": [], "wait": []} for case in steps}
+    for round_ in range(rounds + 1):  # round 0 warms up
+        for case, step in steps.items():
+            inf = timed(step)
+            with sim.simulate(dims):
+                simulated = timed(step)
+                comm, wait = _mean(sim.stats["ep"]["seconds"]), _mean(sim.stats["ep"]["exposed"])
+            if round_:
+                for key, value in (("inf", inf), ("sim", simulated), ("comm", comm), ("wait", wait)):
+                    samples[case][key].append(value)
+    setting = {"expert_seconds": expert_seconds, "ep_bytes": ep_bytes, "bandwidth": ep_bytes / expert_seconds}
+    rows = [
+        {
+            "overlap": case,
+            "step s (inf bw)": statistics.median(values["inf"]),
+            "step s (simulated)": statistics.median(values["sim"]),
+            "ep comm s (simulated)": statistics.median(values["comm"]),
+            "ep wait s (slept)": statistics.median(values["wait"]),
+        }
+        for case, values in samples.items()
+    ]
+    return setting, rows
+
+
+def _layer_worker(rank: int, world: int, store_file: str, rounds: int, out: dict) -> None:
+    """pp = 1, ep = 2: the :data:`CASES`."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
-    from lightning_moe import ParallelDims, parallelize
-    from lightning_moe.link_simulator import LinkSimulator
-    from lightning_moe.models import MoEGPT
+    from lightning_moe import ParallelDims
 
     dims = ParallelDims(ep=EP)
     mesh = dims.build_mesh("cpu")
-    models = {}
-    for label, (moe_options, _) in CASES.items():
-        torch.manual_seed(0)
-        moe = {"num_experts": EXPERTS, "top_k": TOP_K, "ffn_hidden_size": FFN, **moe_options}
-        model = MoEGPT(hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS, moe=moe, max_seq_len=SEQ)
-        parallelize(model, mesh, data_parallel="none", sequence_parallel=False)
-        models[label] = model
-    generator = torch.Generator().manual_seed(rank)
-    micro_batches = [torch.randint(0, 256, (SAMPLES, SEQ + 1), generator=generator) for _ in range(MICRO_BATCHES)]
-    base = models["no overlap"]
-
-    # The setting: ep comm time of a step = expert compute time of a step.
-    expert_seconds = _mean(_expert_seconds(base))
-    counter = LinkSimulator(ep=1e18)  # records the bytes, delays nothing measurable
-    with counter.simulate(dims):
-        _training_step(base, micro_batches, overlap=False)
-    ep_bytes = _mean(counter.stats["ep"]["bytes"])
-    bandwidth = ep_bytes / expert_seconds
-    sim = LinkSimulator(ep=bandwidth)
-
-    times: dict[tuple[str, str], list[float]] = {(c, m): [] for c in CASES for m in ("inf", "sim")}
-    comm_seconds: dict[str, list[float]] = {c: [] for c in CASES}
-    exposed_seconds: dict[str, list[float]] = {c: [] for c in CASES}
-    for round_ in range(rounds + 1):  # round 0 warms up
-        for case, (_, overlap) in CASES.items():
-            inf = _timed_step(models[case], micro_batches, overlap)
-            with sim.simulate(dims):
-                simulated = _timed_step(models[case], micro_batches, overlap)
-                seconds = _mean(sim.stats["ep"]["seconds"])
-                exposed = _mean(sim.stats["ep"]["exposed"])
-            if round_:
-                times[(case, "inf")].append(inf)
-                times[(case, "sim")].append(simulated)
-                comm_seconds[case].append(seconds)
-                exposed_seconds[case].append(exposed)
+    micro_batches = _micro_batches(rank)
+    models = {case: _build(moe_options, mesh, LAYERS) for case, (moe_options, _) in CASES.items()}
+    steps = {
+        case: functools.partial(_training_step, models[case], micro_batches, overlap) for case, (_, overlap) in CASES.items()
+    }
+    setting, rows = _measure(steps, dims, _expert_seconds(models["no overlap"]), rounds)
     if rank == 0:
-        out["setting"] = {"expert_seconds": expert_seconds, "ep_bytes": ep_bytes, "bandwidth": bandwidth}
-        out["rows"] = [
-            {
-                "overlap": case,
-                "step s (inf bw)": statistics.median(times[(case, "inf")]),
-                "step s (simulated)": statistics.median(times[(case, "sim")]),
-                "ep comm s (simulated)": statistics.median(comm_seconds[case]),
-                "ep wait s (slept)": statistics.median(exposed_seconds[case]),
-            }
-            for case in CASES
-        ]
+        out["setting"], out["rows"] = setting, rows
     dist.destroy_process_group()
 
 
-def run_ep_overlap_bench(rounds: int = 3) -> tuple[dict, list[dict]]:
-    """``(setting, rows)``: the chosen bandwidth and, per case of :data:`CASES`, median step times and
-    the fraction of the simulated ep comm time hidden."""
+def _pipeline_worker(rank: int, world: int, store_file: str, rounds: int, out: dict) -> None:
+    """pp = 2 (DualPipeV, 2 stages of one layer per rank), ep = 2: without and with ``overlap_ep_comm``."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    from lightning_moe import ParallelDims
+    from lightning_moe.models.causal_lm import next_token_loss
+    from lightning_moe.parallel.pipeline import pipeline_batch, pipeline_stage_modules
+    from lightning_moe.parallel.pipeline_runner import PipelineRunner
+
+    dims = ParallelDims(pp=2, ep=EP)
+    mesh = dims.build_mesh("cpu")
+    model = _build({}, mesh, 2 * LAYERS, pp_stages_per_rank=2, pp_schedule="DualPipeV")
+    ids = torch.cat(_micro_batches(dims.ep_mesh.get_local_rank()))
+    inputs, kwargs, target = pipeline_batch({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}, MICRO_BATCHES)
+    runners = {
+        label: PipelineRunner(pipeline_stage_modules(model), num_stages=4, group=dims.pp_group, device=torch.device("cpu"),
+                              schedule="DualPipeV", microbatches=MICRO_BATCHES, loss_fn=next_token_loss, overlap_ep_comm=overlap)
+        for label, overlap in (("DualPipeV pp2", False), ("DualPipeV pp2 + overlap_ep_comm", True))
+    }  # fmt: skip
+
+    def step(runner: PipelineRunner) -> None:
+        runner.step(inputs if runner.holds_first_stage else (), kwargs, target if runner.holds_last_stage else None)
+        model.zero_grad(set_to_none=True)
+
+    steps = {label: functools.partial(step, runner) for label, runner in runners.items()}
+    setting, rows = _measure(steps, dims, _expert_seconds(model), rounds)
+    if rank == 0:
+        out["pipeline_setting"], out["pipeline_rows"] = setting, rows
+    dist.destroy_process_group()
+
+
+def run_ep_overlap_bench(rounds: int = 3) -> tuple[dict, list[dict], dict, list[dict]]:
+    """``(setting, rows, pipeline setting, pipeline rows)``: per part, the chosen bandwidth and, per
+    case, median step times and the fraction of the simulated ep comm time hidden."""
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
         out = manager.dict()
-        mp.start_processes(_worker, args=(EP, f"{tmp}/store", rounds, out), nprocs=EP, start_method="spawn")
-        setting, rows = dict(out["setting"]), [dict(r) for r in out["rows"]]
-    for row in rows:
+        mp.start_processes(_layer_worker, args=(EP, f"{tmp}/store", rounds, out), nprocs=EP, start_method="spawn")
+        mp.start_processes(_pipeline_worker, args=(2 * EP, f"{tmp}/store_pp", rounds, out), nprocs=2 * EP, start_method="spawn")
+        parts = (dict(out["setting"]), [dict(r) for r in out["rows"]],
+                 dict(out["pipeline_setting"]), [dict(r) for r in out["pipeline_rows"]])  # fmt: skip
+    for row in (*parts[1], *parts[3]):
         exposed = row["step s (simulated)"] - row["step s (inf bw)"]
         row["fraction hidden"] = 1 - exposed / row["ep comm s (simulated)"]
         row["hidden (by waits)"] = 1 - row["ep wait s (slept)"] / row["ep comm s (simulated)"]
-    return setting, rows
+    return parts
 
 
 def main() -> None:
     from experiments.bench.table import print_table
 
-    setting, rows = run_ep_overlap_bench()
+    setting, rows, pipeline_setting, pipeline_rows = run_ep_overlap_bench()
     print(
-        f"EP comm hidden under the link simulator (ep={EP}, MoEGPT {LAYERS} layers, hidden {HIDDEN}, {EXPERTS} experts of ffn {FFN},"
-        f" top-{TOP_K}, {MICRO_BATCHES} micro-batches of {SAMPLES}x{SEQ} tokens per rank and step, fp32, 1 thread/rank, median of 3)"
+        f"EP comm hidden under the link simulator (ep={EP}, MoEGPT hidden {HIDDEN}, {EXPERTS} experts of ffn {FFN}, top-{TOP_K},"
+        f" {MICRO_BATCHES} micro-batches of {SAMPLES}x{SEQ} tokens per rank and step, fp32, 1 thread/rank, median of 3)"
     )
-    print(
-        f"simulated ep link: {setting['bandwidth'] / 1e6:.1f} MB/s, latency 0 = {setting['ep_bytes'] / 1e6:.2f} MB per rank"
-        f" and step / {setting['expert_seconds'] * 1e3:.0f} ms of expert GEMMs (fwd+bwd): ep comm time = expert compute time"
-    )
-    print_table(rows)
+    for title, part, table in ((f"pp=1, {LAYERS} layers, 2 processes", setting, rows),
+                               (f"pp=2 DualPipeV, {2 * LAYERS} layers (2 per rank), 4 processes", pipeline_setting, pipeline_rows)):  # fmt: skip
+        print(
+            f"{title}: simulated ep link {part['bandwidth'] / 1e6:.1f} MB/s, latency 0 = {part['ep_bytes'] / 1e6:.2f} MB per rank"
+            f" and step / {part['expert_seconds'] * 1e3:.0f} ms of expert GEMMs (fwd+bwd): ep comm time = expert compute time"
+        )
+        print_table(table)
 
 
 if __name__ == "__main__":
