@@ -154,7 +154,8 @@ def _schedules(
             # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory); the
             # strategy refuses it under HSDP
             for once in (False, True) if pp == 1 and m > 1 and replicas == 1 else (False,):
-                # gathering once per step lets micro-batches overlap their ep all-to-alls (one pairs with the next)
+                # micro-batch overlap needs the blocks kept gathered: FSDP2 would reshard one after the next
+                # forward while the previous backward still needs it
                 for overlap in (False, True) if once and ep > 1 else (False,):
                     layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once, fold_ep=fold,
                                     dp_replicate=replicas, overlap_ep_comm=overlap)
