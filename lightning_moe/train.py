@@ -233,19 +233,30 @@ def check_config(cfg: DictConfig) -> None:
     check_layout(model, dims, strategy.pp_stages_per_rank)
 
 
+def fit(cfg: DictConfig) -> tuple[TrainingRun, list[Any]]:
+    """Seed, build everything from ``cfg`` and fit, in this process; returns the run and its finished W&B runs.
+
+    A process group that is already initialised is used as it is and left open, so that processes
+    started once can fit several configs in turn (each ``world_size`` = ``trainer.devices``,
+    ``LOCAL_RANK`` set as a launcher sets it).
+    """
+    pl.seed_everything(cfg.seed, workers=True)
+    run = build(cfg)
+    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+    wandb_runs = [logger.experiment for logger in run.loggers if isinstance(logger, WandbLogger)]
+    for wandb_run in wandb_runs:
+        # The next job of a sweep (same process) must start a new W&B run, not append to this one.
+        # Finishing also prints W&B's closing lines now, before the run report.
+        wandb_run.finish()
+    return run, wandb_runs
+
+
 def train(cfg: DictConfig) -> float | None:
     """Build everything from ``cfg``, fit, and report where the outputs are; returns the final loss."""
     _launch_children_for_this_job_only()
     check_config(cfg)
     with _separate_from_other_sweep_jobs():
-        pl.seed_everything(cfg.seed, workers=True)
-        run = build(cfg)
-        run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
-        wandb_runs = [logger.experiment for logger in run.loggers if isinstance(logger, WandbLogger)]
-        for wandb_run in wandb_runs:
-            # The next job of a sweep (same process) must start a new W&B run, not append to this one.
-            # Finishing also prints W&B's closing lines now, before the block below.
-            wandb_run.finish()
+        run, wandb_runs = fit(cfg)
 
     summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
     if run.trainer.is_global_zero:

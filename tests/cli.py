@@ -1,4 +1,5 @@
-"""Run the training CLI in a subprocess (Lightning's launcher re-executes sys.argv, so never in-process)."""
+"""Run the training CLI in a subprocess (Lightning's launcher re-executes sys.argv, so never in-process),
+or the same training in the persistent gloo pool when the launcher is not what a test is about."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from tests.conftest import close_pools
+from tests.conftest import close_pools, get_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +68,43 @@ def run_cli_error(run_dir: Path, *overrides: str, timeout: int = 300) -> str:
     proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode != 0, f"{' '.join(cmd)} unexpectedly succeeded"
     return proc.stdout + proc.stderr
+
+
+def train_in_pool(run_dir: Path, *overrides: str, base: Sequence[str] = TINY_RUN) -> dict:
+    """What :func:`run_cli` runs, on the ranks of a test pool instead of new processes; returns summary.json.
+
+    The config is composed and checked and the training run exactly as the CLI does
+    (:func:`lightning_moe.train.fit`); only the start-up of the processes and their imports (about
+    10 s a run on 2 cores) are paid once per pool. For tests that are not about the launcher.
+    """
+    cfg = compose_train_config(run_dir, [*base, *overrides])
+    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
+    close_pools(keep=world_size)
+    get_pool(world_size).run(_fit_on_this_rank, overrides=[*base, *overrides], run_dir=str(run_dir))
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def compose_train_config(run_dir: Path, overrides: Sequence[str]) -> Any:
+    """The config ``python -m lightning_moe.train`` composes, its output directory ``run_dir``."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_moe.train import CONF_DIR
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=[*overrides, f"trainer.default_root_dir={run_dir}"])
+
+
+def _fit_on_this_rank(overrides: list[str], run_dir: str) -> None:
+    import torch.distributed as dist
+
+    from lightning_moe.train import check_config, fit
+
+    cfg = compose_train_config(Path(run_dir), overrides)
+    check_config(cfg)
+    # Set, LOCAL_RANK tells Lightning that the processes exist already (as under torchrun).
+    rank, devices = dist.get_rank(), cfg.trainer.devices
+    os.environ.update(LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices))
+    try:
+        fit(cfg)
+    finally:
+        del os.environ["LOCAL_RANK"], os.environ["NODE_RANK"]

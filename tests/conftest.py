@@ -18,15 +18,15 @@ def get_pool(world_size: int) -> DistributedPool:
     return pool
 
 
-def close_pools() -> None:
-    """Stop the idle pools (the next ``get_pool`` starts a fresh one).
+def close_pools(keep: int | None = None) -> None:
+    """Stop the idle pools but the one of world size ``keep`` (the next ``get_pool`` starts a fresh one).
 
     Every process group keeps a gloo loop thread that wakes up even when idle; after the layouts
     of many tests, an idle pool's hundreds of them take a large share of 2 cores from the
-    processes a CLI test starts.
+    processes a CLI test starts, or from another pool.
     """
-    while _POOLS:
-        _POOLS.popitem()[1].close()
+    for world_size in [size for size in _POOLS if size != keep]:
+        _POOLS.pop(world_size).close()
 
 
 @pytest.fixture

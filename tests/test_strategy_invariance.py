@@ -8,14 +8,14 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_moe.train import devices_per_node
-from tests.cli import run_cli, run_cli_error
+from tests.cli import run_cli, run_cli_error, train_in_pool
 
 REL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def single_losses(tmp_path_factory) -> list[float]:
-    summary = run_cli(tmp_path_factory.mktemp("single") / "run", "parallel=single")
+    summary = train_in_pool(tmp_path_factory.mktemp("single") / "run", "parallel=single")
     assert summary["layout"] == {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1, "etp": 1}
     assert len(summary["losses"]) == 10
     return summary["losses"]
@@ -25,19 +25,20 @@ def _assert_same_curve(losses: list[float], reference: list[float]) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=REL, atol=0.0)
 
 
-# Variants of the presets (each preset itself is covered by the default-data runs below).
+# Variants of the presets (each preset itself is covered by the default-data runs below), by process
+# count: the runs of one count share a test pool, which starts once.
 LAYOUTS = [
     ("ep2_ddp_allgather", ["parallel=ep2", "parallel.data_parallel=ddp", "model.moe.dispatcher=allgather"], {"dp": 1, "ep": 2}),
-    ("dp2_ep2_ddp", ["parallel=dp2_ep2", "parallel.data_parallel=ddp"], {"dp": 2, "ep": 2}),
     ("tp2_no_sp", ["parallel=tp2", "parallel.sequence_parallel=false"], {"tp": 2, "etp": 2}),
+    # Pipeline: each Lightning batch runs pp_microbatches (default pp) loader micro-batches.
+    ("pp2_gpipe", ["parallel=pp2", "parallel.pp_schedule=GPipe"], {"pp": 2}),
+    ("pp2_1f1b_m4", ["parallel=pp2", "parallel.pp_microbatches=4"], {"pp": 2}),
+    ("dp2_ep2_ddp", ["parallel=dp2_ep2", "parallel.data_parallel=ddp"], {"dp": 2, "ep": 2}),
     ("tp2_etp1_ep2_no_sp", ["parallel=tp2_etp1_ep2", "parallel.sequence_parallel=false"], {"tp": 2, "ep": 2, "etp": 1}),
     ("cp4_head_chunks2", ["parallel=cp4", "parallel.cp_head_chunks=2"], {"cp": 4}),
     # HSDP with tp: the 2-D meshes share tp's root (dp2x2_hsdp and dp2_ep2_hsdp are presets, run below).
     ("tp2_dp2_hsdp", ["parallel=tp2", "parallel.dp=2", "parallel.data_parallel=hsdp", "parallel.dp_shard=1"],
      {"tp": 2, "dp": 2, "etp": 2}),
-    # Pipeline: each Lightning batch runs pp_microbatches (default pp) loader micro-batches.
-    ("pp2_gpipe", ["parallel=pp2", "parallel.pp_schedule=GPipe"], {"pp": 2}),
-    ("pp2_1f1b_m4", ["parallel=pp2", "parallel.pp_microbatches=4"], {"pp": 2}),
     ("pp2_dp2", ["parallel=pp2", "parallel.dp=2"], {"pp": 2, "dp": 2}),
     ("pp2_cp2", ["parallel=pp2", "parallel.cp=2"], {"pp": 2, "cp": 2}),
 ]
@@ -71,10 +72,12 @@ def _preset_processes(preset: str) -> int:
 
 
 def _presets_up_to_8_processes() -> list[str]:
+    """By process count: the runs of one count share a test pool, which starts once."""
     from lightning_moe.train import CONF_DIR
 
     names = sorted(path.stem for path in (CONF_DIR / "parallel").glob("*.yaml"))
-    return [name for name in names if name not in ("single", "auto") and _preset_processes(name) <= 8]
+    names = [name for name in names if name not in ("single", "auto") and _preset_processes(name) <= 8]
+    return sorted(names, key=_preset_processes)
 
 
 # The interleaved preset runs 4 virtual stages, so it needs 4 layers; 2 keep the other runs quick.
@@ -89,7 +92,7 @@ def single_default_losses(tmp_path_factory):
     def losses(num_layers: int) -> list[float]:
         if num_layers not in cache:
             run_dir = tmp_path_factory.mktemp(f"single_default_{num_layers}") / "run"
-            summary = run_cli(run_dir, "parallel=single", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
+            summary = train_in_pool(run_dir, "parallel=single", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
             assert len(summary["losses"]) == 12
             cache[num_layers] = summary["losses"]
         return cache[num_layers]
@@ -102,8 +105,7 @@ def single_default_losses(tmp_path_factory):
 def test_preset_with_default_data_matches_single_process(tmp_path, single_default_losses, preset):
     """Nothing but ``parallel=<preset>``: the single-process per-step losses over 12 steps (rel 1e-5)."""
     num_layers = PRESET_LAYERS.get(preset, 2)
-    summary = run_cli(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN,
-                      timeout=900)
+    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
     assert devices_per_node(OmegaConf.create(summary["layout"])) == _preset_processes(preset)
     _assert_same_curve(summary["losses"], single_default_losses(num_layers))
 
@@ -115,13 +117,13 @@ BIAS_ROUTING = ["model.moe.score_func=sigmoid", "model.moe.load_balancing=none",
 
 @pytest.fixture(scope="module")
 def single_bias_losses(tmp_path_factory) -> list[float]:
-    return run_cli(tmp_path_factory.mktemp("single_bias") / "run", "parallel=single", *BIAS_ROUTING)["losses"]
+    return train_in_pool(tmp_path_factory.mktemp("single_bias") / "run", "parallel=single", *BIAS_ROUTING)["losses"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["dp2_ep2", "tp2_etp1_ep2"])
 def test_expert_bias_routing_is_layout_invariant(tmp_path, single_bias_losses, preset):
-    summary = run_cli(tmp_path / preset, f"parallel={preset}", *BIAS_ROUTING)
+    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", *BIAS_ROUTING)
     _assert_same_curve(summary["losses"], single_bias_losses)
 
 
@@ -129,15 +131,15 @@ def test_expert_bias_routing_is_layout_invariant(tmp_path, single_bias_losses, p
 def test_sinkhorn_routing_balances_the_whole_micro_batch_under_cp_and_tp(tmp_path_factory):
     """cp2 x tp2 shard each sequence over 4 ranks; Sinkhorn still balances the micro-batch's tokens."""
     sinkhorn = ["model.moe.load_balancing=sinkhorn"]
-    single = run_cli(tmp_path_factory.mktemp("single_sinkhorn") / "run", "parallel=single", *sinkhorn)
-    sharded = run_cli(tmp_path_factory.mktemp("cp2_tp2_sinkhorn") / "run", "parallel=cp2_tp2", *sinkhorn)
+    single = train_in_pool(tmp_path_factory.mktemp("single_sinkhorn") / "run", "parallel=single", *sinkhorn)
+    sharded = train_in_pool(tmp_path_factory.mktemp("cp2_tp2_sinkhorn") / "run", "parallel=cp2_tp2", *sinkhorn)
     _assert_same_curve(sharded["losses"], single["losses"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,overrides,layout", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
 def test_layout_matches_single_process(tmp_path, single_losses, name, overrides, layout):
-    summary = run_cli(tmp_path / name, *overrides)
+    summary = train_in_pool(tmp_path / name, *overrides)
     for key, value in layout.items():
         assert summary["layout"][key] == value
     _assert_same_curve(summary["losses"], single_losses)
