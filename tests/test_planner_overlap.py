@@ -175,7 +175,7 @@ def test_the_search_offers_overlap_ep_comm_only_where_the_strategy_takes_it():
     "layout,checkpointing,problem",
     [
         (Layout(dp=2, microbatches=4, gather_once_per_step=True, overlap_ep_comm=True), "none", "needs ep > 1"),
-        (Layout(ep=2, pp=2, microbatches=4, overlap_ep_comm=True), "none", "needs pp=1"),
+        (Layout(ep=2, pp=2, microbatches=4, overlap_ep_comm=True), "none", "use pp=1"),
         (Layout(ep=2, microbatches=4, overlap_ep_comm=True), "none", "gather_once_per_step=True"),
         (Layout(ep=2, dp=2, dp_replicate=2, microbatches=4, overlap_ep_comm=True), "none", "data_parallel='fsdp'"),
         (ep2(overlap_ep_comm=True), "selective", "activation_checkpointing='none'"),

@@ -34,7 +34,7 @@ class Layout:
     group only, over ``dp_shard`` x the group's other dims, and all-reduces gradient shards across
     the replica groups. ``overlap_ep_comm``: each micro-batch's backward runs interleaved with the
     next one's forward, each one's expert all-to-alls in flight while the other computes
-    (:mod:`lightning_moe.moe.microbatch_overlap`; the strategy takes it with ep > 1, pp = 1 and
+    (:mod:`lightning_moe.microbatch_overlap`; the strategy takes it with ep > 1, pp = 1 and
     ``gather_once_per_step``, :func:`lightning_moe.planner.search.layout_problems`).
     ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
     """

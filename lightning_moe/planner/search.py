@@ -64,8 +64,8 @@ def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: s
     problems = []
     if layout.ep == 1:
         problems.append("overlap_ep_comm=True needs ep > 1")
-    if layout.pp > 1:
-        problems.append("overlap_ep_comm=True needs pp=1")
+    if layout.pp > 1:  # the strategy also takes pp_schedule="DualPipeV", a schedule the planner does not model
+        problems.append(f"overlap_ep_comm=True with pp={layout.pp} needs pp_schedule='DualPipeV', which the planner does not model: use pp=1")
     if layout.hsdp or not layout.gather_once_per_step:
         problems.append("overlap_ep_comm=True needs data_parallel='fsdp' with gather_once_per_step=True")
     if checkpointing != "none":
