@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.plan import CONF_DIR, layout_from_parallel
 from lightning_moe.planner import ModelShape, accounted_comm_bytes, comm_records
-from tests.cli import TINY_RUN, run_cli
+from tests.cli import TINY_RUN, train_in_pool
 
 # The model of TINY_RUN (as tests/test_planner.py spells it for the planner).
 TINY = {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128,
@@ -62,11 +62,12 @@ def test_gather_once_per_step_is_refused_where_it_cannot_work():
 def test_dp2_gathering_once_per_step_matches_one_process_and_the_planned_bytes(tmp_path):
     # Gradient clipping (on in RUN) makes a mis-scaled gradient change the curve; its norm
     # all-reduces are not in the planner, so the bytes come from a run without it.
-    once = run_cli(tmp_path / "once", "parallel=dp2", "parallel.gather_once_per_step=true", base=RUN)
-    single = run_cli(tmp_path / "single", "parallel=single", base=RUN)
+    once = train_in_pool(tmp_path / "once", "parallel=dp2", "parallel.gather_once_per_step=true", base=RUN)
+    single = train_in_pool(tmp_path / "single", "parallel=single", base=RUN)
     torch.testing.assert_close(torch.tensor(once["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0.0)
 
-    run_cli(tmp_path / "bytes", "parallel=dp2", "parallel.gather_once_per_step=true", "++trainer.gradient_clip_val=null", base=RUN)
+    train_in_pool(tmp_path / "bytes", "parallel=dp2", "parallel.gather_once_per_step=true", "++trainer.gradient_clip_val=null",
+                  base=RUN)
     rows = [r for r in csv.DictReader((tmp_path / "bytes" / "csv" / "metrics.csv").open()) if r.get("comm/dp_bytes")]
     measured = {d: float(rows[-1][f"comm/{d}_bytes"]) for d in PARALLEL_DIMS}  # the last step: no set-up
     planned = accounted_comm_bytes(ModelShape.from_config(TINY), _dp2_layout(True), SEQ, precision="32-true")

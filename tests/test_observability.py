@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.cli import run_cli
+from tests.cli import run_cli, train_in_pool
 from tests.conftest import get_pool
 
 WORLD = 4
@@ -302,10 +302,10 @@ def test_wandb_offline_run_holds_the_metrics_and_heatmaps(tmp_path, monkeypatch)
 @pytest.mark.slow
 def test_router_metrics_under_ep2_dp2_and_pp2_equal_the_single_process_ones(tmp_path):
     overrides = ["trainer.max_steps=4", "trainer.log_every_n_steps=1", "~callbacks.progress_bar", "~callbacks.expert_load_plots"]
-    single = run_cli(tmp_path / "single", *overrides)
+    single = train_in_pool(tmp_path / "single", *overrides)
     # pp2: each stage holds one of the two MoE layers; every rank still logs both.
     for layout, busy_dim in (("parallel=ep2", "ep"), ("parallel=dp2", "dp"), ("parallel=pp2", "pp")):
-        other = run_cli(tmp_path / layout.split("=")[1], layout, *overrides)
+        other = train_in_pool(tmp_path / layout.split("=")[1], layout, *overrides)
         assert other["comm"][busy_dim]["bytes"] > 0
         assert list(other["expert_load"]) == ["layer0", "layer1"]
         assert other["model_flops_per_token"] == single["model_flops_per_token"]

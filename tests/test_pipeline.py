@@ -372,12 +372,12 @@ def test_validation_loss_and_moe_metrics_match_single_process(tmp_path):
     One Lightning batch under pp2 holds 2 loader batches: validating every 5 optimizer steps on the
     same 8 loader batches is val_check_interval 20 / limit 8 on one process and 10 / 4 under pp2.
     """
-    from tests.cli import run_cli
+    from tests.cli import train_in_pool
 
-    single = run_cli(tmp_path / "single", "parallel=single", "logger=csv", "trainer.val_check_interval=20",
-                     "trainer.limit_val_batches=8")
-    piped = run_cli(tmp_path / "pp2", "parallel=pp2", "logger=csv", "trainer.val_check_interval=10",
-                    "trainer.limit_val_batches=4")
+    single = train_in_pool(tmp_path / "single", "parallel=single", "logger=csv", "trainer.val_check_interval=20",
+                           "trainer.limit_val_batches=8")
+    piped = train_in_pool(tmp_path / "pp2", "parallel=pp2", "logger=csv", "trainer.val_check_interval=10",
+                          "trainer.limit_val_batches=4")
     torch.testing.assert_close(torch.tensor(piped["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     val_single, val_piped = _val_losses(tmp_path / "single"), _val_losses(tmp_path / "pp2")
     assert len(val_single) == len(val_piped) == 2
@@ -391,10 +391,10 @@ def test_validation_loss_and_moe_metrics_match_single_process(tmp_path):
 @pytest.mark.slow
 def test_stage_without_moe_layers_trains_and_logs(tmp_path):
     """moe_layer_freq=2: stage 0 holds only a dense layer, yet every rank joins the metric reductions."""
-    from tests.cli import run_cli
+    from tests.cli import train_in_pool
 
     dense_first = ["model.moe_layer_freq=2"]
-    single = run_cli(tmp_path / "single", "parallel=single", *dense_first)
-    piped = run_cli(tmp_path / "pp2", "parallel=pp2", *dense_first)
+    single = train_in_pool(tmp_path / "single", "parallel=single", *dense_first)
+    piped = train_in_pool(tmp_path / "pp2", "parallel=pp2", *dense_first)
     torch.testing.assert_close(torch.tensor(piped["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     assert list(piped["expert_load"]) == ["layer0"] and piped["expert_load"] == single["expert_load"]
