@@ -45,6 +45,9 @@ EXPERT_HSDP_MESH_DIMS: tuple[str, ...] = ("pp", "edp_replicate", "edp_shard", "e
 # their nodes (one per node), then those of one node.
 EP_NODE_MESH_DIMS: tuple[str, ...] = tuple(n for d in MESH_DIMS for n in (("ep_node", "ep_local") if d == "ep" else (d,)))
 
+# Pipeline schedules of two stages per rank placed in a V: rank r runs stages r and 2 pp - 1 - r, so
+# the first and the last stage share rank 0 (DeepSeek's DualPipeV; zero-bubble ZB-V splits backward).
+V_SCHEDULES: tuple[str, ...] = ("DualPipeV", "ZBVZeroBubble")
 
 # Attention-view dims the expert ep group can fold over (ep already acts as dp for the dense view).
 FOLDABLE_DIMS: tuple[str, ...] = ("cp", "tp")

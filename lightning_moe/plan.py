@@ -109,7 +109,7 @@ def layout_from_parallel(
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         pp_schedule=str(parallel.get("pp_schedule") or "1F1B"), pp_stages_per_rank=int(parallel.get("pp_stages_per_rank") or 1),
         pp_microbatches=pp_microbatches, gather_once_per_step=bool(parallel.get("gather_once_per_step") or False),
-        fold_ep=fold, dp_replicate=dp_replicate,
+        fold_ep=fold, dp_replicate=dp_replicate, overlap_ep_comm=bool(parallel.get("overlap_ep_comm") or False),
     )  # fmt: skip
 
 
@@ -380,7 +380,7 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
     extra: Estimate | None = None
     if cfg.get("parallel") is not None:
         layout = layout_from_parallel(cfg.parallel, world_size, gbs, micro_batch)
-        problems = layout_problems(shape, layout, seq_len, gbs)
+        problems = layout_problems(shape, layout, seq_len, gbs, cfg.checkpointing)
         if problems:
             raise ValueError(f"parallel layout {layout.label()} is invalid: " + "; ".join(problems))
         extra = estimate(shape, layout, cluster, seq_len, gbs, precision=cfg.precision, checkpointing=cfg.checkpointing, memory_budget=budget)

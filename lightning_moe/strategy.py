@@ -203,7 +203,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     def before_launch(self) -> None:
         # Runs once devices and nodes are known, before any process starts: fail fast on bad sizes.
         if self.layout == "auto":
-            chosen = auto_layout(self.num_nodes * self.num_processes, self.layout_options)
+            options = {"checkpointing": self.activation_checkpointing, **(self.layout_options or {})}
+            chosen = auto_layout(self.num_nodes * self.num_processes, options)
             self.parallel_dims = ParallelDims(**{d: chosen[d] for d in LAYOUT_KEYS}, fold_ep=chosen.get("fold_ep"),
                                               ranks_per_node=self.parallel_dims.ranks_per_node)
             self.data_parallel = chosen.get("data_parallel", self.data_parallel)
@@ -211,7 +212,10 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             self.pp_schedule = chosen.get("pp_schedule", "1F1B")
             self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
             self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
-            self.gather_once_per_step = chosen.get("gather_once_per_step", False)  # the planner estimated with it
+            # The planner estimated with these; it offers overlap_ep_comm only where the strategy takes it.
+            self.gather_once_per_step = chosen.get("gather_once_per_step", False)
+            self.overlap_ep_comm = chosen.get("overlap_ep_comm", False)
+            self._ep_overlap = MicroBatchOverlap() if self.overlap_ep_comm and self.parallel_dims.pp == 1 else None
             self._pipeline = self._make_pipeline()
         if self.parallel_dims.ranks_per_node is None:
             self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node

@@ -8,10 +8,11 @@ from typing import Literal
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_moe.layout import V_SCHEDULES
 from lightning_moe.parallel.data_parallel import apply_data_parallel
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.expert_parallel import apply_expert_parallel, check_expert_layout
-from lightning_moe.parallel.pipeline import V_SCHEDULES, check_pipeline_split, split_module
+from lightning_moe.parallel.pipeline import check_pipeline_split, split_module
 from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel, check_head_counts
 
 DataParallelKind = Literal["fsdp", "hsdp", "ddp", "none"]

@@ -14,7 +14,7 @@ A module says how it splits in one of three ways (first match wins):
    (a ``ModuleList`` stage iterates over its own blocks, named ``blocks.2``, ``blocks.3``, ...).
 
 Rank ``r`` of the pp group runs the stages ``r, r + pp, r + 2 pp, ...`` (``stages_per_rank`` of them,
-"virtual" stages for the interleaved schedule); under the V schedules (:data:`V_SCHEDULES`) the two
+"virtual" stages for the interleaved schedule); under the V schedules (:data:`lightning_moe.layout.V_SCHEDULES`) the two
 stages ``r`` and ``2 pp - 1 - r``. :func:`split_module` removes from ``module``
 everything no local stage uses, so the optimizer, FSDP and distributed checkpoints only see this
 rank's parameters, under their names in the whole model (``layers.3.attention.wq.weight``).
@@ -31,19 +31,16 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_moe._compat import module_child_table, shallow_copy_module
+from lightning_moe.layout import V_SCHEDULES
 from lightning_moe.parallel.blocks import block_container, blocks_attr, remove_block, subset
 
-PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble")
-# Schedules of two stages per rank placed in a V: rank r runs stages r and 2 pp - 1 - r, so the first
-# and the last stage share rank 0 (DeepSeek's DualPipeV; zero-bubble ZB-V splits backward in two).
-V_SCHEDULES: tuple[str, ...] = ("DualPipeV", "ZBVZeroBubble")
+PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", *V_SCHEDULES)
 DEFAULT_FIRST_STAGE_MODULES: tuple[str, ...] = ("tok_embeddings",)
 DEFAULT_LAST_STAGE_MODULES: tuple[str, ...] = ("norm", "output")
 _STAGES_ATTR = "_lightning_moe_pipeline_stages"
 
 __all__ = [
     "PIPELINE_SCHEDULES",
-    "V_SCHEDULES",
     "GroupedBatchLoader",
     "check_pipeline_config",
     "check_pipeline_split",
@@ -127,7 +124,7 @@ def split_module(
     Returns ``[(stage_index, stage_module), ...]`` in increasing stage order; the stage modules share
     their parameters with ``module``. With one stage per rank and the default convention, the stage
     module is ``module`` itself. The result is also kept on the module (:func:`pipeline_stage_modules`).
-    ``v_shape``: the V placement of two stages per rank (:data:`V_SCHEDULES`).
+    ``v_shape``: the V placement of two stages per rank (``lightning_moe.layout.V_SCHEDULES``).
 
     Example::
 

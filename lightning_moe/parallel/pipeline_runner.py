@@ -26,8 +26,9 @@ from lightning_moe._compat import (
     run_schedule_forward_only,
     skip_backward_actions,
 )
+from lightning_moe.layout import V_SCHEDULES
 from lightning_moe.microbatch_overlap import run_interleaved
-from lightning_moe.parallel.pipeline import V_SCHEDULES, stage_rank
+from lightning_moe.parallel.pipeline import stage_rank
 
 __all__ = ["PipelineRunner", "is_inferring_shapes", "scale_gradient"]
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_moe.layout import fold_size, sequence_split_problem, size_problems
+from lightning_moe.layout import V_SCHEDULES, fold_size, sequence_split_problem, size_problems
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
 from lightning_moe.planner.layout import Layout
@@ -52,6 +52,8 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
         problems.append(f"num_layers={model.num_layers} is not divisible by pp*stages_per_rank={stages}")
     if pp > 1 and layout.pp_schedule in ("1F1B", "Interleaved1F1B") and mp < pp:
         problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches per pipeline step, got {mp}")
+    if layout.pp_schedule in V_SCHEDULES and pp > 1:
+        problems.append(f"pp_schedule={layout.pp_schedule!r} (two stages per rank in a V) is not modelled by the planner")
     if layout.pp_schedule == "Interleaved1F1B" and pp > 1 and (layout.pp_stages_per_rank < 2 or mp % pp):
         problems.append("Interleaved1F1B needs pp_stages_per_rank >= 2 and micro-batches divisible by pp")
     return problems
