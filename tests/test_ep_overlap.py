@@ -144,3 +144,19 @@ def test_overlap_is_refused_where_it_cannot_run(kwargs, message):
 def test_overlap_is_off_by_default():
     assert MoE5DStrategy(ep=2).overlap_ep_comm is False
     assert MoE5DStrategy(ep=2, gather_once_per_step=True, overlap_ep_comm=True).overlap_ep_comm is True
+
+
+def test_an_auto_layout_that_chose_overlap_runs_it(monkeypatch):
+    """layout="auto" takes the planner's overlap_ep_comm (with the gather once per step it needs) and
+    hands the planner the run's activation checkpointing, under which it never chooses overlap."""
+    import lightning as L
+
+    import lightning_moe.strategy
+
+    chosen = {"tp": 1, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1, "gather_once_per_step": True, "overlap_ep_comm": True}
+    asked = {}
+    monkeypatch.setattr(lightning_moe.strategy, "auto_layout", lambda world_size, options: asked.update(options) or dict(chosen))
+    strategy = MoE5DStrategy(layout="auto", layout_options={"seq_len": 64})
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False)
+    assert strategy.overlap_ep_comm and strategy.gather_once_per_step and strategy.parallel_dims.ep == 2
+    assert asked == {"checkpointing": "none", "seq_len": 64}
