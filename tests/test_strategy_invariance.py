@@ -80,8 +80,8 @@ def _presets_up_to_8_processes() -> list[str]:
     return sorted(names, key=_preset_processes)
 
 
-# The interleaved preset runs 4 virtual stages, so it needs 4 layers; 2 keep the other runs quick.
-PRESET_LAYERS = {"pp2_interleaved": 4}
+# The interleaved and V presets run 4 stages (2 per rank), so they need 4 layers; 2 keep the other runs quick.
+PRESET_LAYERS = {"pp2_interleaved": 4, "pp2_ep2_dualpipev": 4}
 
 
 @pytest.fixture(scope="module")
