@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.cli import TINY_RUN, run_cli, run_cli_error
+from tests.cli import TINY_RUN, run_cli_error, train_in_pool
 
 REL = 1e-5
 FOUR_LAYERS = ["model.num_layers=4"]
@@ -18,7 +18,7 @@ FOUR_LAYERS = ["model.num_layers=4"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> list[float]:
-    summary = run_cli(tmp_path_factory.mktemp("reference") / "run", "parallel=single", *FOUR_LAYERS)
+    summary = train_in_pool(tmp_path_factory.mktemp("reference") / "run", "parallel=single", *FOUR_LAYERS)
     assert len(summary["losses"]) == 10
     return summary["losses"]
 
@@ -30,8 +30,8 @@ def checkpoint_after_5_steps(tmp_path_factory, name: str, *overrides: str):
     """Train 5 of the 10 scheduled steps on a layout (once per test session) and return its DCP folder."""
     if name not in _CHECKPOINTS:
         run_dir = tmp_path_factory.mktemp(f"ckpt_{name}") / "run"
-        run_cli(run_dir, *overrides, *FOUR_LAYERS, "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
-                "callbacks.checkpoint.every_n_train_steps=5")
+        train_in_pool(run_dir, *overrides, *FOUR_LAYERS, "trainer.max_steps=5", "model.max_steps=10",
+                      "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=5")
         ckpt = run_dir / "checkpoints" / "last.ckpt"
         assert ckpt.is_dir(), "a sharded DCP checkpoint folder"
         assert not list(run_dir.glob("checkpoints/*.staging")), "no half-written checkpoint is left behind"
@@ -66,7 +66,7 @@ PAIRS = [
 @pytest.mark.parametrize("name,source,target", PAIRS, ids=[pair[0] for pair in PAIRS])
 def test_resume_on_another_layout_continues_the_single_process_curve(tmp_path, tmp_path_factory, reference, name, source, target):
     ckpt = checkpoint_after_5_steps(tmp_path_factory, source, *A_LAYOUTS[source])
-    resumed = run_cli(tmp_path / name, *target, *FOUR_LAYERS, "model.max_steps=10", f"ckpt_path={ckpt}")
+    resumed = train_in_pool(tmp_path / name, *target, *FOUR_LAYERS, "model.max_steps=10", f"ckpt_path={ckpt}")
     assert len(resumed["losses"]) == 5, "the resumed run starts at step 6"
     torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference[5:]), rtol=REL, atol=0.0)
 
@@ -78,13 +78,13 @@ TWO_EXPERTS_RUN = [o for o in TINY_RUN if not o.startswith("model.moe.num_expert
 
 @pytest.mark.slow
 def test_dp2_ep2_experts_sharded_on_the_hidden_dim_resume_on_one_process(tmp_path):
-    reference = run_cli(tmp_path / "reference", "parallel=single", *FOUR_LAYERS, base=TWO_EXPERTS_RUN)["losses"]
+    reference = train_in_pool(tmp_path / "reference", "parallel=single", *FOUR_LAYERS, base=TWO_EXPERTS_RUN)["losses"]
     source = tmp_path / "source"
-    run_cli(source, "parallel=dp2_ep2", *FOUR_LAYERS, "trainer.max_steps=5", "model.max_steps=10", "callbacks=checkpoint",
-            "callbacks.checkpoint.every_n_train_steps=5", base=TWO_EXPERTS_RUN)
+    train_in_pool(source, "parallel=dp2_ep2", *FOUR_LAYERS, "trainer.max_steps=5", "model.max_steps=10",
+                  "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=5", base=TWO_EXPERTS_RUN)
     ckpt = source / "checkpoints" / "last.ckpt"
-    resumed = run_cli(tmp_path / "resumed", "parallel=single", *FOUR_LAYERS, "model.max_steps=10", f"ckpt_path={ckpt}",
-                      base=TWO_EXPERTS_RUN)["losses"]
+    resumed = train_in_pool(tmp_path / "resumed", "parallel=single", *FOUR_LAYERS, "model.max_steps=10",
+                            f"ckpt_path={ckpt}", base=TWO_EXPERTS_RUN)["losses"]
     assert len(resumed) == 5, "the resumed run starts at step 6"
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference[5:]), rtol=REL, atol=0.0)
 
