@@ -135,13 +135,17 @@ def parse_duration(value: str | float | int | None) -> float:
     return seconds
 
 
-def _sleep_until(deadline: float, exposed: dict[str, float] | None = None) -> None:
-    """Sleep until ``deadline``; add the seconds slept to ``exposed["exposed"]`` (a dim's stats)."""
+def _sleep_until(deadline: float, exposed: dict[str, float] | None = None, blocked_since: float | None = None) -> None:
+    """Sleep until ``deadline``; add the seconds slept to ``exposed["exposed"]`` (a dim's stats) and,
+    given ``blocked_since`` (when the caller started waiting on the real call), the seconds from
+    then to the end of the sleep to ``exposed["blocked"]``."""
     remaining = deadline - time.perf_counter()
     if remaining > 0:
         time.sleep(remaining)
         if exposed is not None:
             exposed["exposed"] += remaining
+    if exposed is not None and blocked_since is not None:
+        exposed["blocked"] += time.perf_counter() - blocked_since
 
 
 class _DelayedWork(dist.distributed_c10d.Work):
@@ -159,8 +163,9 @@ class _DelayedWork(dist.distributed_c10d.Work):
         self._stats = stats
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        waiting = time.perf_counter()
         result = self._work.wait(*args, **kwargs)
-        _sleep_until(self._deadline, self._stats)
+        _sleep_until(self._deadline, self._stats, waiting)
         return result
 
     def synchronize(self) -> None:
@@ -201,8 +206,10 @@ class LinkSimulator:
     A link with neither is not simulated; unset bandwidth is infinite, unset latency 0. Collectives
     on groups of none of the dims (a user's own group) are not delayed. ``stats[dim]`` sums, over the
     calls of the simulated block, ``calls``, ``bytes``, ``seconds`` (the simulated link time,
-    ``latency + bytes / bandwidth`` per call) and ``exposed`` (the seconds this rank slept waiting
-    for simulated completions: the part of ``seconds`` nothing hid, up to the real calls' own time).
+    ``latency + bytes / bandwidth`` per call), ``exposed`` (the seconds this rank slept waiting
+    for simulated completions: the part of ``seconds`` nothing hid, up to the real calls' own time)
+    and ``blocked`` (the seconds this rank's thread spent blocked on the calls: a synchronous call
+    from its issue, an asynchronous one from its ``wait()``, real call and sleep together).
 
     Example::
 
@@ -328,7 +335,7 @@ class LinkSimulator:
         busy = nbytes / bandwidth if bandwidth else 0.0
         start = max(issued, self._link_free.get(link, 0.0))
         self._link_free[link] = start + busy
-        entry = self.stats.setdefault(link[0], {"calls": 0, "bytes": 0, "seconds": 0.0, "exposed": 0.0})
+        entry = self.stats.setdefault(link[0], {"calls": 0, "bytes": 0, "seconds": 0.0, "exposed": 0.0, "blocked": 0.0})
         entry["calls"] += 1
         entry["bytes"] += nbytes
         entry["seconds"] += latency + busy
@@ -367,12 +374,13 @@ class LinkSimulator:
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calling = time.perf_counter()
             result, deadline, link, async_op = self._issue(fn, signature, sent_bytes, False, args, kwargs)
             if deadline is None or link is None:
                 return result
             if async_op and result is not None:
                 return _DelayedWork(result, deadline, self.stats[link[0]])
-            _sleep_until(deadline, self.stats[link[0]])
+            _sleep_until(deadline, self.stats[link[0]], calling)
             return result
 
         return wrapper
@@ -433,12 +441,13 @@ class LinkSimulator:
     def _wrap_wait_tensor(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            waiting = time.perf_counter()
             out = fn(tensor, *args, **kwargs)
             if self._pending:
                 inner = getattr(tensor, "elem", tensor)
                 entry = self._pending.pop(inner.untyped_storage().data_ptr(), None)
                 if entry is not None:
-                    _sleep_until(*entry)
+                    _sleep_until(*entry, waiting)
             return out
 
         return wrapper

@@ -128,7 +128,8 @@ def test_calibration_and_async_semantics():
                   f" async wait done {out['async_done']:.4f}, wait after compute {out['late_wait']:.4f}, sync after compute"
                   f" {out['sync_after_compute']:.4f}, queued {out['queued_first']:.4f} / {out['queued_second']:.4f}")
         assert median == pytest.approx(T, rel=TOLERANCE), (rank, out["sync"])
-        assert out["stats"] == {"calls": 3, "bytes": 3 * SENT, "seconds": pytest.approx(3 * T), "exposed": pytest.approx(3 * T, rel=TOLERANCE)}
+        assert out["stats"] == {"calls": 3, "bytes": 3 * SENT, "seconds": pytest.approx(3 * T), "exposed": pytest.approx(3 * T, rel=TOLERANCE),
+                                "blocked": pytest.approx(3 * T, rel=TOLERANCE)}
         assert out["is_work"]
         assert out["async_issue"] < 0.1 * T, out
         assert out["async_done"] == pytest.approx(T, rel=TOLERANCE), out
