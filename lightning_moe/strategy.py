@@ -91,7 +91,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             schedules ``"DualPipeV"`` and ``"ZBVZeroBubble"`` (``pp_stages_per_rank=2``, rank r runs stages r
             and 2 pp - 1 - r; with ``overlap_ep_comm`` DualPipeV interleaves its paired forward and backward).
         pp_microbatches: micro-batches per pipeline step (default ``pp``); 1F1B needs ``>= pp``.
-        pp_stages_per_rank: virtual stages per rank (interleaved schedule).
+        pp_stages_per_rank: virtual stages per rank (interleaved schedule; 2 for the V schedules).
         data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"hsdp"`` (FSDP2 sharding within replica groups,
             all-reducing across them), ``"ddp"`` (replication) or ``"none"``.
         dp_replicate, dp_shard: under ``"hsdp"``, dp = ``dp_replicate * dp_shard`` (give one or both): the
