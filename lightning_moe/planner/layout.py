@@ -10,6 +10,7 @@ from typing import Any
 from lightning_moe.layout import (
     MESH_DIMS,
     PARALLEL_DIMS,
+    V_SCHEDULES,
     expert_group_spans,
     hsdp_problem,
     normalize_fold_ep,
@@ -34,8 +35,10 @@ class Layout:
     group only, over ``dp_shard`` x the group's other dims, and all-reduces gradient shards across
     the replica groups. ``overlap_ep_comm``: each micro-batch's backward runs interleaved with the
     next one's forward, each one's expert all-to-alls in flight while the other computes
-    (:mod:`lightning_moe.microbatch_overlap`; the strategy takes it with ep > 1, pp = 1 and
-    ``gather_once_per_step``, :func:`lightning_moe.planner.search.layout_problems`).
+    (:mod:`lightning_moe.microbatch_overlap`; the strategy takes it with ep > 1, and either pp = 1 and
+    ``gather_once_per_step`` or ``pp_schedule="DualPipeV"``, whose paired forward and backward
+    interleave the same way, :func:`lightning_moe.planner.search.layout_problems`).
+    ``v_schedule``: the pipeline schedule places two stages per rank in a V (:attr:`v_schedule`).
     ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
     """
 
@@ -78,6 +81,12 @@ class Layout:
         return unfolded_ep(self.ep, self.fold_ep, self.tp, self.cp)
 
     @property
+    def v_schedule(self) -> bool:
+        """Whether the pipeline places its two stages per rank in a V (``ZBVZeroBubble``, ``DualPipeV``):
+        rank r runs stages r and 2 pp - 1 - r."""
+        return self.pp > 1 and self.pp_schedule in V_SCHEDULES
+
+    @property
     def pipeline_microbatches(self) -> int:
         """Micro-batches of one pipeline step (all of the optimizer step's unless set)."""
         return self.pp_microbatches or self.microbatches
@@ -106,8 +115,9 @@ class Layout:
         """Everything the estimate depends on besides the model and cluster, e.g.
         ``tp8·ep8·dp2·pp8 mb1 1F1B pp_microbatches=32``: the sizes, ``etp1`` when experts are not
         tensor-parallel, the micro-batch size and, under pp > 1, the schedule (``v2``: stages per
-        rank) and the micro-batches of one pipeline step (they set the bubble), so that two layouts
-        with different estimates never share a label. A folded ep names the dims it folds over,
+        rank, unwritten for ``ZBVZeroBubble`` and ``DualPipeV``, which always run two) and the
+        micro-batches of one pipeline step (they set the bubble), so that two layouts with different
+        estimates never share a label. A folded ep names the dims it folds over,
         ``tp8·ep8(fold tp)`` (8 ranks), apart from ``tp8·ep8`` (64); folding tp implies etp1. HSDP
         writes dp as replica groups x shard ranks: ``hsdp2x4`` is dp8 in 2 replica groups of 4.
         ``gather_once_per_step`` and ``overlap_ep_comm`` are named when set."""
@@ -117,7 +127,8 @@ class Layout:
             parts.append("etp1")
         text = "·".join(parts) + f" mb{self.micro_batch_size}"
         if self.pp > 1:
-            text += f" {self.pp_schedule}" + (f"v{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else "")
+            loops = self.pp_stages_per_rank > 1 and not self.v_schedule
+            text += f" {self.pp_schedule}" + (f"v{self.pp_stages_per_rank}" if loops else "")
             text += f" pp_microbatches={self.pipeline_microbatches}"
         if self.gather_once_per_step:
             text += " gather_once_per_step"
@@ -175,14 +186,17 @@ def rank_layers(model: ModelShape, layout: Layout, pp_rank: int) -> tuple[int, .
 
 
 def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
-    """Stages of pipeline rank ``pp_rank`` (loop placement, lightning_moe.parallel.pipeline.stage_ids)."""
+    """Stages of pipeline rank ``pp_rank`` (lightning_moe.parallel.pipeline.stage_ids): loop placement
+    ``pp_rank + k * pp``, or under a V schedule ``pp_rank`` and ``2 * pp - 1 - pp_rank``."""
+    if layout.v_schedule:
+        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
     return [pp_rank + k * layout.pp for k in range(layout.pp_stages_per_rank)]
 
 
 def edge_pp_ranks(layout: Layout) -> list[int]:
     """The first and the last pipeline rank, one of which is the busiest: the first holds the embedding
-    and the most micro-batches in flight, the last the output and its logits; middle ranks hold as
-    many layers and neither."""
+    and the most micro-batches in flight, the last the output and its logits (under a V schedule the
+    first holds both); middle ranks hold as many layers and neither."""
     return sorted({0, layout.pp - 1})
 
 

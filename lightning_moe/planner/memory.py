@@ -29,6 +29,7 @@ from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP3
 from lightning_moe.planner.layout import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import kind_counts, kind_of, local_shape, representative_specs
+from lightning_moe.planner.v_schedules import v_schedule_timeline
 
 CHECKPOINT_MODES: tuple[str, ...] = ("none", "selective", "full")
 
@@ -149,10 +150,13 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
         buffers = fsdp_buffer_bytes(unit_sizes, unit_counts, gathered, layout, precision)
         layers = rank_layers(model, layout, pp_rank)
         # micro-batches in flight on this rank: GPipe all of them, 1F1B up to pp - pp_rank,
-        # interleaved the 1F1B figure times (1 + (p-1)/(p v)) (Korthikanti et al. 2022, §4.2.3)
+        # interleaved the 1F1B figure times (1 + (p-1)/(p v)) (Korthikanti et al. 2022, §4.2.3), the V
+        # schedules the peak of their action order, in stage activation sets over the rank's stages
         m, p, v = layout.pipeline_microbatches, layout.pp, layout.pp_stages_per_rank
         if p == 1:
             in_flight = 1.0
+        elif layout.v_schedule:
+            in_flight = v_schedule_timeline(layout.pp_schedule, p, m).in_flight[pp_rank] / v
         elif layout.pp_schedule == "GPipe":
             in_flight = float(m)
         else:

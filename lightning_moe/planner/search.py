@@ -52,8 +52,8 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
         problems.append(f"num_layers={model.num_layers} is not divisible by pp*stages_per_rank={stages}")
     if pp > 1 and layout.pp_schedule in ("1F1B", "Interleaved1F1B") and mp < pp:
         problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches per pipeline step, got {mp}")
-    if layout.pp_schedule in V_SCHEDULES and pp > 1:
-        problems.append(f"pp_schedule={layout.pp_schedule!r} (two stages per rank in a V) is not modelled by the planner")
+    if layout.v_schedule and (layout.pp_stages_per_rank != 2 or mp < 2 * pp):
+        problems.append(f"{layout.pp_schedule} needs pp_stages_per_rank=2 and at least 2*pp={2 * pp} micro-batches per pipeline step")
     if layout.pp_schedule == "Interleaved1F1B" and pp > 1 and (layout.pp_stages_per_rank < 2 or mp % pp):
         problems.append("Interleaved1F1B needs pp_stages_per_rank >= 2 and micro-batches divisible by pp")
     return problems
@@ -66,9 +66,10 @@ def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: s
     problems = []
     if layout.ep == 1:
         problems.append("overlap_ep_comm=True needs ep > 1")
-    if layout.pp > 1:  # the strategy also takes pp_schedule="DualPipeV", a schedule the planner does not model
-        problems.append(f"overlap_ep_comm=True with pp={layout.pp} needs pp_schedule='DualPipeV', which the planner does not model: use pp=1")
-    if layout.hsdp or not layout.gather_once_per_step:
+    if layout.pp > 1 and layout.pp_schedule != "DualPipeV":
+        problems.append(f"overlap_ep_comm=True with pp={layout.pp} needs pp_schedule='DualPipeV' (got {layout.pp_schedule!r}) or use pp=1")
+    # DualPipeV pairs passes of the rank's two stages, never of one FSDP unit: any data parallelism does
+    if layout.pp == 1 and (layout.hsdp or not layout.gather_once_per_step):
         problems.append("overlap_ep_comm=True needs data_parallel='fsdp' with gather_once_per_step=True")
     if checkpointing != "none":
         problems.append(f"overlap_ep_comm=True needs activation_checkpointing='none', got {checkpointing!r}")
@@ -106,7 +107,7 @@ def enumerate_layouts(
     *,
     max_tp: int | None = None,
     micro_batch_sizes: Iterable[int] | None = None,
-    schedules: Iterable[str] = ("1F1B", "Interleaved1F1B"),
+    schedules: Iterable[str] = ("1F1B", "Interleaved1F1B", *V_SCHEDULES),
     folding: bool = True,
     gpus_per_node: int | None = None,
     checkpointing: str = "none",
@@ -117,9 +118,10 @@ def enumerate_layouts(
     tried with ep folded over its tp and/or cp ranks (:func:`fold_options`): ``ep = mesh_ep x`` the
     folded product, validated by the layout rules like any other. With ``gpus_per_node``, a dp
     group spanning nodes is also tried as HSDP, a replica group per node (:func:`hsdp_options`).
-    Under pp > 1 one pipeline step runs all micro-batches of the optimizer step. Where the strategy
-    takes it (pp = 1 with accumulation, ep > 1, ``gather_once_per_step``, no activation
-    checkpointing under ``checkpointing``), each layout is also tried with ``overlap_ep_comm``.
+    Under pp > 1 one pipeline step runs all micro-batches of the optimizer step, and the interleaved
+    and V schedules run two stages per rank. Where the strategy takes it (ep > 1, no activation
+    checkpointing under ``checkpointing``, and pp = 1 with accumulation and ``gather_once_per_step``
+    or ``DualPipeV``), each layout is also tried with ``overlap_ep_comm``.
     """
     for tp in _divisors(world_size):
         if max_tp is not None and tp > max_tp:
@@ -151,14 +153,15 @@ def _schedules(
     tp, cp, ep, dp, pp, etp, fold, replicas = mesh
     for mb in sizes:
         m = per_rank // mb
-        options = [("1F1B", 1)] if pp == 1 else [(sch, 2 if sch == "Interleaved1F1B" else 1) for sch in schedules]
+        options = [("1F1B", 1)] if pp == 1 else [(sch, 2 if sch in ("Interleaved1F1B", *V_SCHEDULES) else 1) for sch in schedules]
         for schedule, v in options:
             # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory); the
             # strategy refuses it under HSDP
             for once in (False, True) if pp == 1 and m > 1 and replicas == 1 else (False,):
                 # micro-batch overlap needs the blocks kept gathered: FSDP2 would reshard one after the next
-                # forward while the previous backward still needs it
-                for overlap in (False, True) if once and ep > 1 else (False,):
+                # forward while the previous backward still needs it (DualPipeV pairs two stages instead)
+                pairs = once if pp == 1 else schedule == "DualPipeV"
+                for overlap in (False, True) if pairs and ep > 1 else (False,):
                     layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once, fold_ep=fold,
                                     dp_replicate=replicas, overlap_ep_comm=overlap)
                     if not layout_problems(model, layout, seq_len, global_batch_size, checkpointing):

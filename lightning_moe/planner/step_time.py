@@ -5,7 +5,8 @@ minus the overlap the code implements (FSDP2 prefetches its all-gathers and redu
 own stream; ring attention sends the next K/V block while the current one computes; the expert
 token all-to-alls hide as far as the model's and layout's overlap options allow,
 :func:`hidden_ep_seconds`; tensor-parallel collectives and pipeline P2P are exposed), times the
-pipeline bubble ``(p - 1) / (m + p - 1)`` (interleaved: ``(p-1)/v``), plus the optimizer's
+pipeline bubble ``(p - 1) / (m + p - 1)`` (interleaved: ``(p-1)/v``; the V schedules: played out,
+:mod:`~lightning_moe.planner.v_schedules`), plus the optimizer's
 memory-bound update.
 """
 
@@ -21,6 +22,7 @@ from lightning_moe.planner.flops import RECOMPUTE_FORWARDS, flops_per_microbatch
 from lightning_moe.planner.layout import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.v_schedules import v_schedule_timeline
 
 # Adam's update reads and writes each parameter's fp32 weight, gradient and two moments:
 # (4 + 4 + 8) bytes read and (4 + 8) written (torch.optim.AdamW foreach kernel, memory-bound).
@@ -150,7 +152,9 @@ def hidden_ep_seconds(
       backward have no partner. Per pair, what the two mechanisms above left of each pass hides
       behind the other pass's compute they left free (a compute second hides one comm second):
       ``(m - 1) x [min(T_b - h_b, C_f - h_f) + min(T_f - h_f, C_b - h_b)]``, ``h`` what the layer
-      hid itself.
+      hid itself. Under ``DualPipeV`` the pairs are its ``OVERLAP_F_B`` actions, each a forward on
+      one of the rank's two stages with a full backward on the other (half the rank's layers each,
+      so half a pair's figure): :func:`overlapped_pairs` of them in place of ``m - 1``.
 
     The first two need a dispatcher that overlaps (:func:`intra_layer_overlap`).
     """
@@ -172,8 +176,18 @@ def hidden_ep_seconds(
         free = {name: factor * compute - by_layer[name] for name, factor in passes.items()}
         left = {name: comm - by_layer[name] for name in passes}
         pair = min(left["backward"], free["forward"]) + min(left["forward"], free["backward"])
-        hidden["overlap_ep_comm"] = (m - 1) * pair
+        hidden["overlap_ep_comm"] = overlapped_pairs(layout) * pair
     return hidden
+
+
+def overlapped_pairs(layout: Layout) -> float:
+    """Forward-backward pairs of ``overlap_ep_comm`` per optimizer step, in whole-rank pairs: ``m - 1``
+    at pp = 1; under ``DualPipeV`` the ``OVERLAP_F_B`` actions of the rank with the fewest (the
+    first: the step waits for it) per pipeline step, each half a rank's layers."""
+    if not layout.v_schedule:
+        return layout.microbatches - 1
+    timeline = v_schedule_timeline(layout.pp_schedule, layout.pp, layout.pipeline_microbatches)
+    return min(timeline.overlapped_pairs) / layout.pp_stages_per_rank * layout.pipeline_steps
 
 
 def record_seconds(rec: CommRecord, layout: Layout, cluster: Cluster) -> float:
@@ -196,10 +210,13 @@ def record_seconds(rec: CommRecord, layout: Layout, cluster: Cluster) -> float:
 
 def pipeline_bubble(layout: Layout) -> float:
     """The pipeline bubble's share of a step: ``(p - 1) / (m + p - 1)`` for ``m`` micro-batches per
-    pipeline step, ``(p - 1) / v`` in place of ``p - 1`` under the interleaved schedule."""
+    pipeline step, ``(p - 1) / v`` in place of ``p - 1`` under the interleaved schedule; the V
+    schedules' from their action lists played out (:func:`~lightning_moe.planner.v_schedules.v_schedule_timeline`)."""
     m, p, v = layout.pipeline_microbatches, layout.pp, layout.pp_stages_per_rank
     if p == 1:
         return 0.0
+    if layout.v_schedule:
+        return v_schedule_timeline(layout.pp_schedule, p, m).bubble_fraction
     bubble_units = (p - 1) / v if layout.pp_schedule == "Interleaved1F1B" else (p - 1)
     return bubble_units / (m + bubble_units)
 
