@@ -146,3 +146,17 @@ def test_enumeration_offers_the_v_schedules_where_valid_with_their_kwargs():
         "tp": 1, "cp": 1, "ep": 2, "dp": 1, "pp": 2, "etp": 1, "pp_schedule": "DualPipeV", "pp_microbatches": 4,
         "pp_stages_per_rank": 2, "overlap_ep_comm": True,
     }  # fmt: skip
+
+
+def test_dualpipev_hides_the_all_to_all_in_proportion_to_its_first_ranks_pairs():
+    """pp2: rank 0 has 2m - 3pp + 1 pairs, 3 at m = 4 and 11 at m = 8; each micro-batch's pair hides
+    the same seconds, so the hidden time grows 11/3-fold. Without overlap_ep_comm nothing pairs."""
+    model, cluster = toy_model(), toy_cluster()
+    hidden = {
+        m: estimate(model, v_layout("DualPipeV", microbatches=m, ep=2, overlap_ep_comm=True), cluster, SEQ, 2 * m,
+                    precision="32-true").hidden_ep_comm_time["overlap_ep_comm"]
+        for m in (4, 8)
+    }  # fmt: skip
+    assert hidden[4] > 0 and hidden[8] == pytest.approx(hidden[4] * 11 / 3)
+    plain = estimate(model, v_layout("DualPipeV", ep=2), cluster, SEQ, 8, precision="32-true")
+    assert plain.hidden_ep_comm_time["overlap_ep_comm"] == 0

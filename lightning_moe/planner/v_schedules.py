@@ -77,7 +77,7 @@ def rank_actions(schedule: str, pp: int, microbatches: int, pp_rank: int) -> lis
 
 def _kind(computation_type: object) -> str:
     """``F``, ``I``, ``W`` or ``B`` (full backward) for one of torch's computation types."""
-    return {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}[str(computation_type.name)]  # type: ignore[attr-defined]
+    return {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B"}[computation_type.name]  # type: ignore[attr-defined]
 
 
 @lru_cache(maxsize=256)
@@ -122,8 +122,8 @@ def _inputs(action: Action, last_stage: int) -> list[tuple[str, int, int]]:
         return [("F", action.stage - 1, action.microbatch)] if action.stage > 0 else []
     if action.kind == "W":
         return [("G", action.stage, action.microbatch)]
-    upstream = ("F", action.stage, action.microbatch) if action.stage == last_stage else ("G", action.stage + 1, action.microbatch)
-    return [("F", action.stage, action.microbatch), upstream] if upstream[0] == "G" else [upstream]
+    own_forward = ("F", action.stage, action.microbatch)
+    return [own_forward] if action.stage == last_stage else [own_forward, ("G", action.stage + 1, action.microbatch)]
 
 
 def _peak_in_flight(steps: list[tuple[Action, ...]]) -> int:
