@@ -47,18 +47,19 @@ A_LAYOUTS = {
     "dp2_tp2_ep2": ["parallel=dp2_tp2_ep2"],  # 8 processes
     "tp2_ep2_folded": ["parallel=tp2_ep2_folded"],  # experts at ep2 over the tp ranks: 2 processes
 }
+# By the target's process count: the runs of one count share a test pool, which starts once.
 PAIRS = [
-    ("ep2_to_single", "ep2", ["parallel=single"]),  # ep 2 -> 1, accumulation 2 -> 4
-    ("ep2_to_ep4", "ep2", ["parallel=ep4"]),
     ("ep2_to_pp2", "ep2", ["parallel=pp2"]),  # pp 1 -> 2
-    ("fsdp_to_ddp", "ep2", ["parallel=dp2_ep2", "parallel.data_parallel=ddp"]),
     ("tp2_to_cp2", "tp2", ["parallel=cp2"]),
     ("interleaved_to_1f1b", "pp2_interleaved", ["parallel=pp2"]),
-    ("pp2_to_single_micro4", "pp2_interleaved", ["parallel=single", "data.micro_batch_size=4"]),  # pp 2 -> 1, micro 2 -> 4
     ("8_processes_to_ep2", "dp2_tp2_ep2", ["parallel=ep2"]),
+    ("ep2_to_ep4", "ep2", ["parallel=ep4"]),
+    ("fsdp_to_ddp", "ep2", ["parallel=dp2_ep2", "parallel.data_parallel=ddp"]),
     # Parallel folding both ways: the experts' ep group over tp ranks <-> ep ranks of their own.
-    ("folded_to_unfolded_tp2_etp1_ep2", "tp2_ep2_folded", ["parallel=tp2_etp1_ep2"]),
     ("unfolded_to_folded_cp2_tp2_ep4", "ep2", ["parallel=cp2_tp2_ep4_folded"]),
+    ("folded_to_unfolded_tp2_etp1_ep2", "tp2_ep2_folded", ["parallel=tp2_etp1_ep2"]),
+    ("ep2_to_single", "ep2", ["parallel=single"]),  # ep 2 -> 1, accumulation 2 -> 4
+    ("pp2_to_single_micro4", "pp2_interleaved", ["parallel=single", "data.micro_batch_size=4"]),  # pp 2 -> 1, micro 2 -> 4
 ]
 
 
