@@ -69,6 +69,8 @@ __all__ = [
     "pipeline_stage_class",
     "interleave_overlapped_forward_backward",
     "reduce_fsdp_gradients",
+    "require_v_schedule_internals",
+    "V_SCHEDULE_MIN_TORCH",
     "skip_backward_actions",
     "replicate_module",
     "require_pipeline_stage_internals",
@@ -359,7 +361,7 @@ def interleave_overlapped_forward_backward(schedule: Any, interleave: Callable[[
     for the last one's gradient reduction, hand the result to the neighbouring local stage), with its
     private ``_assert_unsharded``, ``fwd_recv_ops``/``bwd_recv_ops``, ``_maybe_compute_loss``,
     ``_maybe_get_loss``, ``backward_counter`` and ``_n_microbatches``. Forward outputs are not kept
-    (``return_outputs=False``, what training steps pass). Checked on: torch 2.13-2.13."""
+    (``return_outputs=False``, what training steps pass). Checked on: torch 2.11-2.13."""
     from torch.distributed.pipelining.schedules import OVERLAP_F_B, _wait_batch_p2p
 
     def run(action: Any, ctx: Any) -> None:
@@ -401,7 +403,7 @@ def skip_backward_actions(schedule: Any) -> None:
     stages share a rank (the V's turn), where the runtime still hands the skipped backward's gradient
     to the other stage and fails. A custom function per backward kind replaces those actions; it
     drops the (empty) receive of the gradient the action would have waited for, which the private
-    ``bwd_recv_ops`` would otherwise keep into the next step. Checked on: torch 2.13-2.13."""
+    ``bwd_recv_ops`` would otherwise keep into the next step. Checked on: torch 2.11-2.13."""
     from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD
 
     def skip(action: Any, ctx: Any) -> None:
@@ -420,8 +422,9 @@ def reduce_fsdp_gradients(units: list[nn.Module]) -> None:
     backward of ZB-V and DualPipeV), which FSDP2's post-backward hooks never see. torch's pipeline
     stages do the same for a stage module that is itself an FSDP unit
     (``_PipelineStageBase.perform_reduce_grad``); ours wrap its children. Private: each unit's state's
-    ``_fsdp_param_groups`` and ``post_backward()``, and the root state's
-    ``_root_post_backward_final_callback()``. Checked on: torch 2.13-2.13."""
+    param groups (``_fsdp_param_groups`` on 2.13, one ``_fsdp_param_group`` on 2.11) and their
+    ``post_backward()``, and the root state's ``_root_post_backward_final_callback()``.
+    Checked on: torch 2.11-2.13."""
     from torch.distributed.fsdp import fully_shard
 
     if not units:
@@ -432,10 +435,30 @@ def reduce_fsdp_gradients(units: list[nn.Module]) -> None:
         unit.set_reshard_after_backward(True, recurse=False)
     states = [fully_shard.state(unit) for unit in units]  # type: ignore[attr-defined]
     for state in states:
-        for group in state._fsdp_param_groups:
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+        for group in groups:
             group.post_backward()
     root = next((state for state in states if state._is_root), states[0])
     root._root_post_backward_final_callback()
+
+
+V_SCHEDULE_MIN_TORCH = (2, 13)
+"""The first torch release whose pipeline stages run the V schedules here (:func:`require_v_schedule_internals`).
+Checked on: torch 2.11-2.13."""
+
+
+def require_v_schedule_internals(schedule: str) -> None:
+    """Refuse a V pipeline schedule (``DualPipeV``, ``ZBVZeroBubble``) on a torch older than
+    :data:`V_SCHEDULE_MIN_TORCH` with ``ValueError``: on torch 2.11 the stages' first P2P, which
+    sets up the V's neighbours, fails ("Pair is not connected"); torch 2.12 has not been run. The
+    private pipeline names the V schedules use here exist in 2.11 too. Checked on: torch 2.11-2.13."""
+    if _torch_version() < V_SCHEDULE_MIN_TORCH:
+        raise ValueError(
+            f"pp_schedule={schedule!r} needs torch >= {'.'.join(map(str, V_SCHEDULE_MIN_TORCH))}, found {torch.__version__}:"
+            " on older releases the V's stages fail to connect; upgrade torch or use pp_schedule='1F1B' or 'Interleaved1F1B'"
+        )
 
 
 def require_pipeline_stage_internals() -> None:

@@ -1,6 +1,7 @@
 import os
 
 import pytest
+import torch
 
 from tests.dist_pool import DistributedPool
 
@@ -27,6 +28,27 @@ def close_pools(keep: int | None = None) -> None:
     """
     for world_size in [size for size in _POOLS if size != keep]:
         _POOLS.pop(world_size).close()
+
+
+# The V pipeline schedules need torch >= 2.13 (lightning_moe._compat.V_SCHEDULE_MIN_TORCH): on the floor
+# torch their presets are refused before any work, which tests that build every preset must skip.
+TORCH_RELEASE = tuple(int(v) for v in torch.__version__.split(".")[:2])
+NEEDS_V_SCHEDULE_TORCH = pytest.mark.skipif(TORCH_RELEASE < (2, 13), reason="the V schedules need torch >= 2.13")
+
+
+def presets_this_torch_builds(options: list[str]) -> list:
+    """Config options (``name`` or ``group=name``) as pytest params, a parallel preset that runs a V
+    schedule marked to skip where this torch refuses it."""
+    from lightning_moe.layout import V_SCHEDULES
+    from lightning_moe.train import CONF_DIR
+
+    def runs_v_schedule(option: str) -> bool:
+        path = CONF_DIR / "parallel" / f"{option.split('=')[-1]}.yaml"
+        return (option.startswith("parallel=") or "=" not in option) and path.exists() and any(
+            f"pp_schedule: {name}" in path.read_text() for name in V_SCHEDULES
+        )
+
+    return [pytest.param(o, marks=NEEDS_V_SCHEDULE_TORCH) if runs_v_schedule(o) else o for o in options]
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_moe import MoE5DStrategy
 from lightning_moe.parallel.pipeline import check_pipeline_config, stage_ids, stage_rank
 from tests.cli import run_cli
+from tests.conftest import NEEDS_V_SCHEDULE_TORCH
 
 REL = 1e-5
 
@@ -30,6 +31,7 @@ def test_the_v_places_the_first_and_last_stage_on_rank_0(pp):
     assert all(stage_rank(stage, pp) == rank for rank in range(pp) for stage in stage_ids(rank, pp, 3))
 
 
+@NEEDS_V_SCHEDULE_TORCH
 @pytest.mark.parametrize("schedule", ["DualPipeV", "ZBVZeroBubble"])
 def test_the_v_schedules_name_what_they_need(schedule):
     check_pipeline_config(2, schedule, microbatches=4, stages_per_rank=2)
@@ -41,6 +43,15 @@ def test_the_v_schedules_name_what_they_need(schedule):
         MoE5DStrategy(pp=2, pp_schedule=schedule, pp_microbatches=4)
 
 
+def test_an_older_torch_is_refused_before_any_work(monkeypatch):
+    import lightning_moe._compat
+
+    monkeypatch.setattr(lightning_moe._compat, "_torch_version", lambda: (2, 11))
+    with pytest.raises(MisconfigurationException, match=r"pp_schedule='DualPipeV' needs torch >= 2.13, found .*use pp_schedule='1F1B'"):
+        MoE5DStrategy(pp=2, pp_schedule="DualPipeV", pp_stages_per_rank=2, pp_microbatches=4)
+
+
+@NEEDS_V_SCHEDULE_TORCH
 def test_only_dualpipev_interleaves_a_pipeline_for_overlap_ep_comm():
     kwargs = {"pp": 2, "ep": 2, "pp_stages_per_rank": 2, "pp_microbatches": 4, "overlap_ep_comm": True}
     assert MoE5DStrategy(pp_schedule="DualPipeV", **kwargs).overlap_ep_comm

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_moe._compat import module_child_table, shallow_copy_module
+from lightning_moe._compat import module_child_table, require_v_schedule_internals, shallow_copy_module
 from lightning_moe.layout import V_SCHEDULES
 from lightning_moe.parallel.blocks import block_container, blocks_attr, remove_block, subset
 
@@ -66,6 +66,7 @@ def check_pipeline_config(pp: int, schedule: str, microbatches: int, stages_per_
     if pp == 1:
         return
     if schedule in V_SCHEDULES:
+        require_v_schedule_internals(schedule)
         if stages_per_rank != 2:
             raise ValueError(
                 f"pp_schedule={schedule} runs two stages per rank (placed in a V), got pp_stages_per_rank={stages_per_rank}:"
