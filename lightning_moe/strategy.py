@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from functools import partial
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -185,7 +185,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.dp_replicate, self.dp_shard = dp_replicate, dp_shard
         self.gather_once_per_step = gather_once_per_step
         self._gather_once: GatherOncePerStep | None = None
-        self._ep_overlap = MicroBatchOverlap() if overlap_ep_comm and pp == 1 else None
+        self._ep_overlap = self._make_ep_overlap()
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
         self.cp_head_chunks = cp_head_chunks
@@ -198,6 +198,10 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                                      self.overlap_ep_comm)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
+
+    def _make_ep_overlap(self) -> MicroBatchOverlap | None:
+        """Micro-batch overlap under pp = 1 (under pp > 1 the DualPipeV schedule interleaves instead)."""
+        return MicroBatchOverlap() if self.overlap_ep_comm and self.parallel_dims.pp == 1 else None
 
     @override
     def before_launch(self) -> None:
@@ -215,7 +219,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             # The planner estimated with these; it offers overlap_ep_comm only where the strategy takes it.
             self.gather_once_per_step = chosen.get("gather_once_per_step", False)
             self.overlap_ep_comm = chosen.get("overlap_ep_comm", False)
-            self._ep_overlap = MicroBatchOverlap() if self.overlap_ep_comm and self.parallel_dims.pp == 1 else None
+            self._ep_overlap = self._make_ep_overlap()
             self._pipeline = self._make_pipeline()
         if self.parallel_dims.ranks_per_node is None:
             self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+import yaml
 
 from tests.dist_pool import DistributedPool
 
@@ -44,9 +45,9 @@ def presets_this_torch_builds(options: list[str]) -> list:
 
     def runs_v_schedule(option: str) -> bool:
         path = CONF_DIR / "parallel" / f"{option.split('=')[-1]}.yaml"
-        return (option.startswith("parallel=") or "=" not in option) and path.exists() and any(
-            f"pp_schedule: {name}" in path.read_text() for name in V_SCHEDULES
-        )
+        if not (option.startswith("parallel=") or "=" not in option) or not path.exists():
+            return False
+        return (yaml.safe_load(path.read_text()) or {}).get("pp_schedule") in V_SCHEDULES
 
     return [pytest.param(o, marks=NEEDS_V_SCHEDULE_TORCH) if runs_v_schedule(o) else o for o in options]
 
