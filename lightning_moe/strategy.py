@@ -37,14 +37,12 @@ from lightning_moe.checkpoint.state import (
     save_atomically,
 )
 from lightning_moe.cp import context_parallel_attention
-from lightning_moe.layout import LAYOUT_KEYS
 from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
-from lightning_moe.microbatch_overlap import MicroBatchOverlap
-from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, check_unreduced_replicas, resolve_hsdp
+from lightning_moe.parallel.accumulation import MicroBatchAccumulation
+from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, resolve_world_size
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.fsdp_accumulation import GatherOncePerStep
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.host_memory import return_large_blocks_to_the_system
 from lightning_moe.parallel.init import materialize
@@ -166,42 +164,41 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                                  gather_once_per_step=gather_once_per_step, dp_replicate=dp_replicate, dp_shard=dp_shard,
                                  overlap_ep_comm=overlap_ep_comm, ep=None if layout == "auto" else ep, pp_schedule=pp_schedule)
         self.layout, self.layout_options = layout, layout_options
-        try:
-            self.parallel_dims = ParallelDims(
-                tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp, ranks_per_node=ranks_per_node,
-                fold_ep=fold_ep,
-            )
-        except ValueError as err:
-            raise MisconfigurationException(str(err)) from err
-        self.pp_schedule = pp_schedule
-        self.pp_microbatches = pp if pp_microbatches is None else pp_microbatches
-        self.pp_stages_per_rank = pp_stages_per_rank
-        self.overlap_ep_comm = overlap_ep_comm
-        self._pipeline = self._make_pipeline()
+        self._set_layout(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, etp=etp, fold_ep=fold_ep, ranks_per_node=ranks_per_node,
+                         pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
+                         data_parallel=data_parallel, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                         gather_once_per_step=gather_once_per_step, overlap_ep_comm=overlap_ep_comm)
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.deterministic = bool(deterministic)
-        self.data_parallel = data_parallel
-        self.dp_replicate, self.dp_shard = dp_replicate, dp_shard
-        self.gather_once_per_step = gather_once_per_step
-        self._gather_once: GatherOncePerStep | None = None
-        self._ep_overlap = self._make_ep_overlap()
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
         self.cp_head_chunks = cp_head_chunks
 
     # -- launch and mesh ---------------------------------------------------------------------------
-    def _make_pipeline(self) -> LightningPipeline:
-        """The pipeline schedule's Lightning glue (used under pp > 1; its checks run on every layout)."""
+    def _set_layout(
+        self, *, data_parallel: str, ranks_per_node: int | None, tp: int = 1, cp: int = 1, ep: int = 1,
+        dp: int | str = "auto", pp: int = 1, etp: int | None = None, fold_ep: str | Sequence[str] | None = None,
+        pp_schedule: str = "1F1B", pp_microbatches: int | None = None, pp_stages_per_rank: int = 1,
+        dp_replicate: int | None = None, dp_shard: int | None = None, gather_once_per_step: bool = False,
+        overlap_ep_comm: bool = False,
+    ) -> None:
+        """The sizes and their options, from the constructor or (``layout="auto"``) the planner, whose
+        choice leaves out what keeps the constructor's default."""
         try:
-            return LightningPipeline(self.parallel_dims, self.pp_schedule, self.pp_microbatches, self.pp_stages_per_rank,
-                                     self.overlap_ep_comm)
+            self.parallel_dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp,
+                                              ranks_per_node=ranks_per_node, fold_ep=fold_ep)
+            # The pipeline's Lightning glue runs under pp > 1 only; its checks run on every layout.
+            self._pipeline = LightningPipeline(self.parallel_dims, pp_schedule, pp if pp_microbatches is None else pp_microbatches,
+                                               pp_stages_per_rank, overlap_ep_comm)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-
-    def _make_ep_overlap(self) -> MicroBatchOverlap | None:
-        """Micro-batch overlap under pp = 1 (under pp > 1 the DualPipeV schedule interleaves instead)."""
-        return MicroBatchOverlap() if self.overlap_ep_comm and self.parallel_dims.pp == 1 else None
+        self.pp_schedule, self.pp_stages_per_rank = pp_schedule, pp_stages_per_rank
+        self.pp_microbatches = self._pipeline.microbatches
+        self.data_parallel, self.dp_replicate, self.dp_shard = data_parallel, dp_replicate, dp_shard
+        self.gather_once_per_step, self.overlap_ep_comm = gather_once_per_step, overlap_ep_comm
+        # Under pp > 1 DualPipeV interleaves instead of the micro-batch overlap.
+        self._accumulation = MicroBatchAccumulation(overlap_ep_comm and pp == 1)
 
     @override
     def before_launch(self) -> None:
@@ -209,28 +206,14 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         if self.layout == "auto":
             options = {"checkpointing": self.activation_checkpointing, **(self.layout_options or {})}
             chosen = auto_layout(self.num_nodes * self.num_processes, options)
-            self.parallel_dims = ParallelDims(**{d: chosen[d] for d in LAYOUT_KEYS}, fold_ep=chosen.get("fold_ep"),
-                                              ranks_per_node=self.parallel_dims.ranks_per_node)
-            self.data_parallel = chosen.get("data_parallel", self.data_parallel)
-            self.dp_replicate, self.dp_shard = chosen.get("dp_replicate"), None
-            self.pp_schedule = chosen.get("pp_schedule", "1F1B")
-            self.pp_microbatches = chosen.get("pp_microbatches", self.parallel_dims.pp)
-            self.pp_stages_per_rank = chosen.get("pp_stages_per_rank", 1)
-            # The planner estimated with these; it offers overlap_ep_comm only where the strategy takes it.
-            self.gather_once_per_step = chosen.get("gather_once_per_step", False)
-            self.overlap_ep_comm = chosen.get("overlap_ep_comm", False)
-            self._ep_overlap = self._make_ep_overlap()
-            self._pipeline = self._make_pipeline()
+            self._set_layout(**{"data_parallel": self.data_parallel, "ranks_per_node": self.parallel_dims.ranks_per_node, **chosen})
         if self.parallel_dims.ranks_per_node is None:
             self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node
         try:
-            self.parallel_dims.validate(self.num_nodes * self.num_processes)
+            resolve_world_size(self.parallel_dims, self.num_nodes * self.num_processes, self.data_parallel,
+                               self.dp_replicate, self.dp_shard)
         except ValueError as err:
-            raise MisconfigurationException(
-                f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})"
-            ) from err
-        resolve_hsdp(self.parallel_dims, self.data_parallel, self.dp_replicate, self.dp_shard)
-        check_unreduced_replicas(self.parallel_dims, self.data_parallel)
+            raise MisconfigurationException(f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})") from err
         try:
             check_precision(self._precision_flag())
         except ValueError as err:
@@ -275,7 +258,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         check_context_parallel_support(self.model, self.parallel_dims)
-        if self._ep_overlap is not None and not self.lightning_module.automatic_optimization:
+        if self._accumulation.overlap is not None and not self.lightning_module.automatic_optimization:
             raise MisconfigurationException(
                 "overlap_ep_comm=True runs each micro-batch's backward inside the next training_step, which needs"
                 " automatic optimization: set overlap_ep_comm=False for a module with automatic_optimization=False"
@@ -312,7 +295,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         if pipelined:
             self._pipeline.build(self.model, self.lightning_module, self.root_device)
         if self.gather_once_per_step:
-            self._gather_once = GatherOncePerStep(self.model)
+            self._accumulation.gather_once_per_step(self.model)
         self._apply_timeout()  # groups created while parallelizing
 
     def _apply_timeout(self) -> None:
@@ -324,24 +307,14 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.parallel_dims.pp == 1:
-            if self._ep_overlap is None:
-                return self._micro_batch_backward(closure_loss, optimizer, *args, **kwargs)
             last = optimizer_steps_after_this_batch(self.lightning_module.trainer)
-            if last and self._gather_once is not None:
-                self._gather_once.begin_micro_batch(steps_optimizer=True)  # its forward ran as a non-last one's
-            self._ep_overlap.backward(partial(self._micro_batch_backward, closure_loss, optimizer, *args, **kwargs), last)
+            self._accumulation.backward(partial(super().backward, closure_loss, optimizer, *args, **kwargs), last)
             return closure_loss
         # The schedule already ran backward inside training_step: only the hooks run here.
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._pipeline.backward()
         return self.precision_plugin.post_backward(closure_loss, module)
-
-    def _micro_batch_backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        output = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._gather_once is not None:
-            self._gather_once.end_micro_batch()
-        return output
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -365,8 +338,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     def teardown(self) -> None:
         if self.lightning_module is not None:
             self._pipeline.teardown(self.lightning_module.trainer)
-        if self._ep_overlap is not None:
-            self._ep_overlap.discard()
+        self._accumulation.discard()
         super().teardown()
 
     # -- steps -------------------------------------------------------------------------------------
@@ -398,11 +370,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             self.lightning_module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
             return loss
         set_aux_loss_scale(self.parallel_dims.cp / self.lightning_module.trainer.accumulate_grad_batches)
-        if self._gather_once is not None:
-            last = optimizer_steps_after_this_batch(self.lightning_module.trainer)
-            self._gather_once.begin_micro_batch(last and self._ep_overlap is None)
-        step = partial(self._module_training_step, *args, **kwargs)
-        return step() if self._ep_overlap is None else self._ep_overlap.forward(step)
+        last = optimizer_steps_after_this_batch(self.lightning_module.trainer)
+        return self._accumulation.forward(partial(self._module_training_step, *args, **kwargs), last)
 
     def _module_training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_context():

@@ -42,7 +42,7 @@ from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
 from lightning_moe.data import resolve_batch_layout
 from lightning_moe.layout import PARALLEL_DIMS, fold_problem, normalize_fold_ep, size_problems, unfolded_ep
 from lightning_moe.parallel.parallelize import check_layout
-from lightning_moe.parallel.arguments import check_unreduced_replicas, resolve_hsdp
+from lightning_moe.parallel.arguments import resolve_world_size
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -213,9 +213,7 @@ def check_config(cfg: DictConfig) -> None:
     devices, num_nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     if not isinstance(devices, int):  # "auto" and device lists: Lightning resolves them at launch
         return
-    dims.validate(devices * num_nodes)
-    resolve_hsdp(dims, strategy.data_parallel, strategy.dp_replicate, strategy.dp_shard)
-    check_unreduced_replicas(dims, strategy.data_parallel)
+    resolve_world_size(dims, devices * num_nodes, strategy.data_parallel, strategy.dp_replicate, strategy.dp_shard)
     data = cfg.data
     if "global_batch_size" in data:
         resolve_batch_layout(

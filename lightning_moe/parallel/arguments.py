@@ -11,7 +11,7 @@ from lightning_moe.parallel.activation_checkpoint import check_activation_checkp
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS
 
-__all__ = ["auto_layout", "check_strategy_arguments", "check_unreduced_replicas", "resolve_hsdp"]
+__all__ = ["auto_layout", "check_strategy_arguments", "check_unreduced_replicas", "resolve_hsdp", "resolve_world_size"]
 
 
 def check_strategy_arguments(
@@ -117,6 +117,16 @@ def resolve_hsdp(dims: ParallelDims, data_parallel: str, dp_replicate: int | Non
     if problem:
         raise MisconfigurationException(problem)
     dims.dp_replicate = hsdp_sizes(dims.dp, dp_replicate, dp_shard)[0]
+
+
+def resolve_world_size(
+    dims: ParallelDims, world_size: int, data_parallel: str, dp_replicate: int | None, dp_shard: int | None
+) -> None:
+    """Fit ``dims`` to ``world_size`` (``dims.validate``: ``ValueError``), then HSDP's replica groups and
+    the refusal of replicas that no gradient reduction keeps equal (``MisconfigurationException``)."""
+    dims.validate(world_size)
+    resolve_hsdp(dims, data_parallel, dp_replicate, dp_shard)
+    check_unreduced_replicas(dims, data_parallel)
 
 
 def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:
