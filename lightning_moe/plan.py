@@ -237,6 +237,18 @@ def format_same_sizes(requested: Estimate, result: Plan) -> str:
     )
 
 
+def plan_json(out: Mapping[str, Any]) -> str:
+    """``plan.json``'s text: a top-level key a line, and each layout of a list on a line of its own.
+
+    ``json.dumps(indent=...)`` runs the pure-Python encoder, seconds for the tens of thousands of
+    layouts of a large world; without an indent the C encoder writes each line.
+    """
+    def value(v: Any) -> str:
+        return "[\n" + ",\n".join(json.dumps(x) for x in v) + "\n]" if isinstance(v, list) and v else json.dumps(v)
+
+    return "{\n" + ",\n".join(f"{json.dumps(k)}: {value(v)}" for k, v in out.items()) + "\n}\n"
+
+
 # -- dry run -------------------------------------------------------------------------------------------
 @dataclass
 class RankView:
@@ -437,7 +449,7 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
             raise RuntimeError("dry run: the built parameter shards differ from the cost model's (listed above)")
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "plan.json").write_text(json.dumps(out, indent=1))
+        (output_dir / "plan.json").write_text(plan_json(out))
         plot_plan(result, output_dir / "plan.png", cfg.checkpointing)
         print(f"\nplan.json and plan.png: {output_dir}")
     return out

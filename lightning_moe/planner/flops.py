@@ -25,18 +25,24 @@ def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers
     tp, cp = layout.tp, layout.cp
     h = model.hidden_size
     tokens = layout.micro_batch_size * seq_len / cp  # tokens on this cp rank (all tp ranks compute them)
+    # Each layer's terms, the same for every layer of a kind: computed once, added layer by layer.
+    projections = 2 * tokens * (h * model.q_dim + 2 * h * model.kv_dim + model.q_dim * h) / tp
+    # causal attention per sample: 2 (QK^T, PV) x 2 FLOP x s^2/2 x q_dim; cp ranks split it evenly (zigzag)
+    core = 2 * layout.micro_batch_size * seq_len * seq_len * model.q_dim / tp / cp
+    router = 2 * tokens * h * model.num_experts / tp  # on this rank's sequence shard
+    shared = 2 * tokens * 3 * h * model.shared_expert_hidden_size / tp if model.shared_expert_hidden_size else 0.0
+    experts = 2 * tokens * model.top_k * 3 * h * model.moe_ffn_hidden_size / tp
+    ffn = 2 * tokens * 3 * h * model.ffn_hidden_size / tp
     out = {"dense": 0.0, "shared_expert": 0.0, "expert": 0.0, "attention": 0.0}
     for i in layers:
-        out["dense"] += 2 * tokens * (h * model.q_dim + 2 * h * model.kv_dim + model.q_dim * h) / tp
-        # causal attention per sample: 2 (QK^T, PV) x 2 FLOP x s^2/2 x q_dim; cp ranks split it evenly (zigzag)
-        out["attention"] += 2 * layout.micro_batch_size * seq_len * seq_len * model.q_dim / tp / cp
+        out["dense"] += projections
+        out["attention"] += core
         if model.is_moe(i):
-            out["dense"] += 2 * tokens * h * model.num_experts / tp  # router on this rank's sequence shard
-            if model.shared_expert_hidden_size:
-                out["shared_expert"] += 2 * tokens * 3 * h * model.shared_expert_hidden_size / tp
-            out["expert"] += 2 * tokens * model.top_k * 3 * h * model.moe_ffn_hidden_size / tp
+            out["dense"] += router
+            out["shared_expert"] += shared
+            out["expert"] += experts
         else:
-            out["dense"] += 2 * tokens * 3 * h * model.ffn_hidden_size / tp
+            out["dense"] += ffn
     if last:
         out["dense"] += 2 * tokens * h * model.vocab_size / tp
     return out

@@ -42,11 +42,16 @@ def group_spans(layout: Layout, group: str) -> tuple[str, ...]:
     mesh, which takes tp in when experts are not tensor-parallel (etp = 1). ``"ep"`` is the expert
     view's all-to-all group: the mesh's ep dim and, folded, the attention dims it spans too. An HSDP
     part (``"dense:shard"``) spans its group's dims, dp only in part."""
+    return _group_spans(layout.tp, layout.etp, layout.fold_ep, group)
+
+
+@lru_cache(maxsize=None)  # a handful of keys: the sizes of tp and etp, the folds and the group names
+def _group_spans(tp: int, etp: int, fold_ep: tuple[str, ...], group: str) -> tuple[str, ...]:
     group, _, part = group.partition(":")
-    if part and (part not in HSDP_PARTS or "dp" not in group_spans(layout, group)):
+    if part and (part not in HSDP_PARTS or "dp" not in _group_spans(tp, etp, fold_ep, group)):
         raise ValueError(f"group {group}:{part}: HSDP splits a data-parallel group into {HSDP_PARTS}")
     if group in ("edp", "ep"):
-        return expert_group_spans(layout.tp, layout.etp, layout.fold_ep)[group]
+        return expert_group_spans(tp, etp, fold_ep)[group]
     return GROUP_SPANS[group]
 
 
@@ -70,6 +75,11 @@ def group_ranks(layout: Layout, group: str, rank: int = 0) -> list[int]:
 
 def group_size(layout: Layout, group: str) -> int:
     """Ranks of ``group``; an HSDP shard part holds ``1 / dp_replicate`` of its group, a replicate part ``dp_replicate``."""
+    return _group_size(layout.mesh, group)  # cached per mesh: see Layout.mesh
+
+
+@lru_cache(maxsize=2**16)
+def _group_size(layout: Layout, group: str) -> int:
     size = math.prod(layout.size(d) for d in group_spans(layout, group))
     part = group.partition(":")[2]
     if part == "shard":
@@ -77,17 +87,10 @@ def group_size(layout: Layout, group: str) -> int:
     return layout.dp_replicate if part == "replicate" else size
 
 
-def _mesh_only(layout: Layout) -> Layout:
-    """The layout's mesh (sizes and etp): the splits below depend on nothing else, so they are cached
-    on it, shared by every micro-batch and schedule variant of a mesh."""
-    return Layout(layout.tp, layout.cp, layout.ep, layout.dp, layout.pp, layout.etp, fold_ep=layout.fold_ep,
-                  dp_replicate=layout.dp_replicate)
-
-
 def peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, float]:
     """``(intra, inter)`` fractions of the bytes a rank sends to its group peers, traffic spread evenly
     over the peers (all-to-all, ring all-gather/reduce-scatter payload), averaged over the group."""
-    return _peer_split(_mesh_only(layout), group, gpus_per_node)
+    return _peer_split(layout.mesh, group, gpus_per_node)  # cached per mesh: see Layout.mesh
 
 
 @lru_cache(maxsize=4096)
@@ -106,7 +109,7 @@ def _peer_split(layout: Layout, group: str, gpus_per_node: int) -> tuple[float, 
 def ring_split(layout: Layout, group: str, gpus_per_node: int, wrap: bool = True) -> tuple[float, float]:
     """``(intra, inter)`` fractions of point-to-point hops ``rank -> next rank`` of a group (a ring when
     ``wrap``, a pipeline chain otherwise) that stay inside a node and that cross nodes."""
-    return _ring_split(_mesh_only(layout), group, gpus_per_node, wrap)
+    return _ring_split(layout.mesh, group, gpus_per_node, wrap)
 
 
 @lru_cache(maxsize=4096)

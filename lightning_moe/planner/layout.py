@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from lightning_moe.layout import (
@@ -40,6 +40,10 @@ class Layout:
     interleave the same way, :func:`lightning_moe.planner.search.layout_problems`).
     ``v_schedule``: the pipeline schedule places two stages per rank in a V (:attr:`v_schedule`).
     ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
+
+    The cost model asks a layout for its sizes millions of times in a search: what derives from the
+    fields is computed once (``cached_property``, kept in the instance's ``__dict__``, which the
+    frozen fields' equality, hash and ``dataclasses.replace`` never read).
     """
 
     tp: int = 1
@@ -78,7 +82,15 @@ class Layout:
     @property
     def mesh_ep(self) -> int:
         """The size of the mesh's ep dim: ``ep`` over the folded dims' product (``ep`` unfolded)."""
-        return unfolded_ep(self.ep, self.fold_ep, self.tp, self.cp)
+        return self._sizes["ep"]
+
+    @cached_property
+    def mesh(self) -> Layout:
+        """This layout's mesh alone (sizes, etp, folding, HSDP; the rest at its defaults): parameter
+        shards and group geometry depend on nothing else, so caches keyed on it are shared by every
+        micro-batch and schedule variant of a mesh. One instance per mesh (:func:`_mesh`), so that
+        those caches find it by identity and its own cached sizes are computed once."""
+        return _mesh(self.tp, self.cp, self.ep, self.dp, self.pp, self.etp, self.fold_ep, self.dp_replicate)
 
     @property
     def v_schedule(self) -> bool:
@@ -103,9 +115,12 @@ class Layout:
     def size(self, dim: str) -> int:
         """A mesh dim's size (``ep``: :attr:`mesh_ep`), or an expert-view group's (``edp``, ``etp``):
         the product of the mesh dims it spans. The expert-parallel size is :attr:`ep`."""
-        if dim in ("edp", "etp"):
-            return math.prod(self.size(d) for d in expert_group_spans(self.tp, self.etp, self.fold_ep)[dim])
-        return self.mesh_ep if dim == "ep" else getattr(self, dim)
+        return self._sizes[dim]
+
+    @cached_property
+    def _sizes(self) -> dict[str, int]:
+        """What :meth:`size` answers, one dict for the layouts of a mesh (never written to)."""
+        return _mesh_sizes(self.tp, self.cp, self.ep, self.dp, self.pp, self.etp, self.fold_ep)
 
     def parallel_sizes(self) -> dict[str, int]:
         """The five sizes as the strategy takes them (``ep``: the expert-parallel size, folded or not)."""
@@ -161,11 +176,24 @@ class Layout:
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of ``rank`` in the ``(pp, dp, ep, cp, tp)`` row-major mesh."""
-        return rank_coordinates(self.mesh_sizes(), rank)
+        return rank_coordinates(self._sizes, rank)
 
     def mesh_sizes(self) -> dict[str, int]:
         """Each mesh dim's size."""
-        return {dim: self.size(dim) for dim in MESH_DIMS}
+        return {dim: self._sizes[dim] for dim in MESH_DIMS}
+
+
+@lru_cache(maxsize=2**14)
+def _mesh(tp: int, cp: int, ep: int, dp: int, pp: int, etp: int, fold_ep: tuple[str, ...], dp_replicate: int) -> Layout:
+    return Layout(tp, cp, ep, dp, pp, etp, fold_ep=fold_ep, dp_replicate=dp_replicate)
+
+
+@lru_cache(maxsize=2**14)
+def _mesh_sizes(tp: int, cp: int, ep: int, dp: int, pp: int, etp: int, fold_ep: tuple[str, ...]) -> dict[str, int]:
+    """Each mesh dim's size, then each expert-view group's (the product of the mesh dims it spans)."""
+    sizes = {"tp": tp, "cp": cp, "ep": unfolded_ep(ep, fold_ep, tp, cp), "dp": dp, "pp": pp}
+    spans = expert_group_spans(tp, etp, fold_ep)
+    return {**{dim: sizes[dim] for dim in MESH_DIMS}, **{group: math.prod(sizes[d] for d in spans[group]) for group in ("edp", "etp")}}
 
 
 def stage_layers(model: ModelShape, layout: Layout) -> tuple[tuple[int, ...], ...]:
@@ -181,16 +209,25 @@ def _split_layers(num_layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
 
 def rank_layers(model: ModelShape, layout: Layout, pp_rank: int) -> tuple[int, ...]:
     """The layers of every stage pipeline rank ``pp_rank`` runs, stage by stage."""
-    stages = stage_layers(model, layout)
-    return tuple(i for st in rank_stages(layout, pp_rank) for i in stages[st])
+    return _rank_layers(model.num_layers, layout.pp, layout.pp_stages_per_rank, layout.v_schedule, pp_rank)
+
+
+@lru_cache(maxsize=4096)  # asked for each layout's edge ranks: few distinct pipelines
+def _rank_layers(num_layers: int, pp: int, stages_per_rank: int, v_schedule: bool, pp_rank: int) -> tuple[int, ...]:
+    stages = _split_layers(num_layers, pp * stages_per_rank)
+    return tuple(i for st in _rank_stages(pp, stages_per_rank, v_schedule, pp_rank) for i in stages[st])
 
 
 def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
     """Stages of pipeline rank ``pp_rank`` (lightning_moe.parallel.pipeline.stage_ids): loop placement
     ``pp_rank + k * pp``, or under a V schedule ``pp_rank`` and ``2 * pp - 1 - pp_rank``."""
-    if layout.v_schedule:
-        return [pp_rank, 2 * layout.pp - 1 - pp_rank]
-    return [pp_rank + k * layout.pp for k in range(layout.pp_stages_per_rank)]
+    return _rank_stages(layout.pp, layout.pp_stages_per_rank, layout.v_schedule, pp_rank)
+
+
+def _rank_stages(pp: int, stages_per_rank: int, v_schedule: bool, pp_rank: int) -> list[int]:
+    if v_schedule:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
 def edge_pp_ranks(layout: Layout) -> list[int]:

@@ -21,14 +21,13 @@ follow the shards, hold ``1 / (ep * edp)`` of the expert state rather than whole
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from lightning_moe.layout import experts_split_over_tp
 from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES, FSDP_REDUCE_BYTES
 from lightning_moe.planner.layout import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
-from lightning_moe.planner.parameters import kind_counts, kind_of, local_shape, representative_specs
+from lightning_moe.planner.parameters import kind_counts, representative_numels
 from lightning_moe.planner.v_schedules import v_schedule_timeline
 
 CHECKPOINT_MODES: tuple[str, ...] = ("none", "selective", "full")
@@ -129,22 +128,20 @@ def fsdp_buffer_bytes(unit_sizes: dict[str, float], unit_counts: dict[str, int],
 def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> tuple[Memory, int]:
     """Memory of the pipeline rank that needs the most (``(memory, pp_rank)``)."""
     best: tuple[Memory, int] | None = None
-    reps = representative_specs(model, layout)
     for pp_rank in edge_pp_ranks(layout):
         rank = pp_rank * (layout.world_size // layout.pp)
         counts = kind_counts(model, layout, pp_rank)
         params = gathered = 0.0
         unit_sizes: dict[str, float] = {}
         unit_counts: dict[str, int] = {}
-        for spec in reps:
-            n = counts[kind_of(model, spec)]
+        for spec, kind, shard, unsharded in representative_numels(model, layout, rank):
+            n = counts[kind]
             if not n:
                 continue
             unit_counts[spec.unit] = n
-            params += n * math.prod(local_shape(spec, layout, rank, padded=True))
+            params += n * shard
             # every unit, over one rank too: fully_shard wraps it all the same and FSDP2's unshard
             # then copies the shard into a buffer of its own (FSDPParamGroup.unshard, world_size == 1)
-            unsharded = math.prod(local_shape(spec, layout, rank, fsdp=False))
             unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + unsharded
             gathered += n * unsharded
         buffers = fsdp_buffer_bytes(unit_sizes, unit_counts, gathered, layout, precision)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 @dataclass(frozen=True)
@@ -84,16 +85,17 @@ class ModelShape:
         if self.num_moe_layers and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"model.moe.top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
 
-    # shape helpers
-    @property
+    # shape helpers, read in every layer's FLOPs and activations: computed once (``cached_property``
+    # keeps them in the instance's ``__dict__``, apart from the frozen fields equality and the hash read)
+    @cached_property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    @property
+    @cached_property
     def q_dim(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
+    @cached_property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
@@ -101,7 +103,8 @@ class ModelShape:
         """Same rule as :func:`lightning_moe.models.moe_gpt.is_moe_layer`."""
         return self.moe_layer_freq > 0 and (layer + 1) % self.moe_layer_freq == 0
 
-    @property
+    # The counts below loop over every layer and the planner asks for them per layout: computed once.
+    @cached_property
     def num_moe_layers(self) -> int:
         return sum(self.is_moe(i) for i in range(self.num_layers))
 
@@ -119,6 +122,10 @@ class ModelShape:
         return self.num_experts * self.hidden_size + shared
 
     def total_parameters(self) -> int:
+        return self._total_parameters
+
+    @cached_property
+    def _total_parameters(self) -> int:
         h = self.hidden_size
         total = 2 * self.vocab_size * h + h
         for i in range(self.num_layers):
@@ -128,6 +135,10 @@ class ModelShape:
 
     def active_parameters(self) -> float:
         """As :func:`lightning_moe.callbacks.throughput.active_parameters`: no embedding, experts x top_k/E."""
+        return self._active_parameters
+
+    @cached_property
+    def _active_parameters(self) -> float:
         h = self.hidden_size
         total = float(self.vocab_size * h + h)
         for i in range(self.num_layers):

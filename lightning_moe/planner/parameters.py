@@ -150,10 +150,31 @@ def _rank_holds(spec: ParamSpec, model: ModelShape, layout: Layout, pp_rank: int
 def representative_specs(model: ModelShape, layout: Layout) -> list[ParamSpec]:
     """The embedding/norm/output specs and those of one MoE and one dense layer (all layers of a kind
     shard alike): with :func:`kind_of` and :func:`kind_counts`, per-rank sums need no loop over every layer."""
+    return list(_representative_specs(model, layout.tp > 1, layout.etp == layout.tp))
+
+
+@lru_cache(maxsize=64)
+def _representative_specs(model: ModelShape, tp_on: bool, etp_is_tp: bool) -> tuple[ParamSpec, ...]:
     moe = next((i for i in range(model.num_layers) if model.is_moe(i)), None)
     dense = next((i for i in range(model.num_layers) if not model.is_moe(i)), None)
     keep = {"first", "last", f"layer:{moe}", f"layer:{dense}"}
-    return [s for s in parameter_specs(model, layout) if s.stage_part in keep]
+    return tuple(s for s in _parameter_specs(model, tp_on, etp_is_tp) if s.stage_part in keep)
+
+
+def representative_numels(model: ModelShape, layout: Layout, rank: int) -> tuple[tuple[ParamSpec, str, int, int], ...]:
+    """``(spec, kind, padded shard, unsharded)`` for each of :func:`representative_specs`: its
+    :func:`kind_of` and the elements ``rank`` holds of it, FSDP2's padded shard and the local tensor
+    FSDP2 gathers (ep and tp splits only). Cached per mesh (:attr:`Layout.mesh`): memory and FSDP
+    traffic ask for the same ranks of every micro-batch and schedule variant of a mesh."""
+    return _representative_numels(model, layout.mesh, rank)
+
+
+@lru_cache(maxsize=2**16)
+def _representative_numels(model: ModelShape, mesh: Layout, rank: int) -> tuple[tuple[ParamSpec, str, int, int], ...]:
+    return tuple(
+        (spec, kind_of(model, spec), math.prod(local_shape(spec, mesh, rank, padded=True)), math.prod(local_shape(spec, mesh, rank, fsdp=False)))
+        for spec in _representative_specs(model, mesh.tp > 1, mesh.etp == mesh.tp)
+    )
 
 
 def kind_of(model: ModelShape, spec: ParamSpec) -> str:
@@ -205,14 +226,13 @@ def fsdp_units(model: ModelShape, layout: Layout) -> list[FsdpUnit]:
     """
     totals: dict[tuple[str, str], float] = {}
     groups: dict[tuple[str, str], str] = {}
-    for spec in representative_specs(model, layout):
-        kind = kind_of(model, spec)
+    for spec, kind, padded_shard, _ in representative_numels(model, layout, rank=0):
         if kind in ("first", "last"):
             name = spec.name if layout.pp > 1 else "root"
         else:
             name = spec.unit.split(".", 1)[1] if "." in spec.unit else "block"
         key = (kind, name)
-        totals[key] = totals.get(key, 0) + math.prod(local_shape(spec, layout, rank=0, padded=True))
+        totals[key] = totals.get(key, 0) + padded_shard
         groups[key] = spec.group
     counts = {"first": 1, "last": 1, "moe": model.num_moe_layers, "dense": model.num_layers - model.num_moe_layers}
     units = []
