@@ -40,7 +40,7 @@ from lightning_moe.planner import (
     plan,
     rank_parameters,
 )
-from lightning_moe.plan import CONF_DIR, dry_run, layout_from_parallel, model_shape, run_plan
+from lightning_moe.plan import CONF_DIR, dry_run, layout_from_parallel, model_shape, plan_json, run_plan
 from tests.cli import ROOT, TINY_RUN
 from tests.conftest import close_pools, get_pool
 from tests.dist_pool import layout as pool_layout
@@ -671,3 +671,11 @@ def test_spearman_of_the_plan_check_bench_shares_ranks_of_ties():
 
     assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
     assert spearman([1, 1, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)
+
+
+def test_plan_json_reads_back_as_the_plan_a_layout_a_line():
+    """plan.json is written line by line with the C encoder (an indent would run the pure-Python one)."""
+    out = {"model": "m", "layouts": [{"tp": 1, "fold_ep": []}, {"tp": 2, "fold_ep": ["tp"]}], "rejected": [], "requested": None, "mfu": 0.5}
+    text = plan_json(out)
+    assert json.loads(text) == out
+    assert text.splitlines()[3] == '{"tp": 1, "fold_ep": []},'

@@ -186,13 +186,14 @@ def kind_of(model: ModelShape, spec: ParamSpec) -> str:
 
 def kind_counts(model: ModelShape, layout: Layout, pp_rank: int) -> dict[str, int]:
     """How many of each :func:`kind_of` pipeline rank ``pp_rank`` holds."""
-    layers = rank_layers(model, layout, pp_rank)
-    return {
-        "first": int(holds_first_stage(layout, pp_rank)),
-        "last": int(holds_last_stage(layout, pp_rank)),
-        "moe": sum(model.is_moe(i) for i in layers),
-        "dense": sum(not model.is_moe(i) for i in layers),
-    }
+    moe, dense = _layer_kinds(model, rank_layers(model, layout, pp_rank))
+    return {"first": int(holds_first_stage(layout, pp_rank)), "last": int(holds_last_stage(layout, pp_rank)), "moe": moe, "dense": dense}
+
+
+@lru_cache(maxsize=4096)  # asked for each layout's edge ranks: few distinct pipelines
+def _layer_kinds(model: ModelShape, layers: tuple[int, ...]) -> tuple[int, int]:
+    """``(MoE layers, dense layers)`` among ``layers``."""
+    return sum(model.is_moe(i) for i in layers), sum(not model.is_moe(i) for i in layers)
 
 
 def rank_parameters(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False) -> dict[str, tuple[int, ...]]:
