@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_moe.train import devices_per_node
-from tests.cli import run_cli, run_cli_error, train_in_pool
+from tests.cli import TINY_RUN, compose_train_config, run_cli, run_cli_error, train_in_pool
 
 REL = 1e-5
 
@@ -159,24 +159,45 @@ def test_cli_overrides_select_the_layout(tmp_path, single_losses):
     _assert_same_curve(summary["losses"], single_losses)
 
 
+# Bad configurations: the CLI runs check_config before anything else, so that each of these fails
+# there in-process as it does on the command line; two go through the CLI itself, one caught by
+# check_config and one (an unknown dispatcher: a model that cannot be built on meta) by the model's
+# own constructor before any process starts.
+CLI_ERRORS = [
+    (["parallel=ep2", "trainer.devices=3"], r"world_size 3 .*not divisible|world_size 3 != "),
+    (["model.moe.dispatcher=broadcast"], r"dispatcher"),
+]
+CONFIG_ERRORS = [
+    (["parallel=ep4", "model.moe.num_experts=6"], r"num_experts 6 .*not divisible by ep 4"),
+    (["parallel=dp2", "data.global_batch_size=6"], r"global_batch_size 6 .*not divisible"),
+    (["parallel.etp=3"], r"etp=3 must be 1 or equal to tp"),
+    (["parallel=cp2", "parallel.cp_head_chunks=0"], r"cp_head_chunks=0 must be a positive integer"),
+    (["parallel=pp2", "model.num_layers=3"], r"3 layers cannot be split evenly into pp\*pp_stages_per_rank = 2"),
+    (["parallel=pp2", "parallel.pp_microbatches=1"], r"pp_microbatches=1 < pp=2"),
+    (["parallel=pp2", "data.global_batch_size=6"],
+     r"global_batch_size 6 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 2\*1\*2 = 4"),
+    (["parallel=pp2_interleaved", "model.num_layers=2"], r"2 layers cannot be split evenly .* = 4"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (["parallel=ep2", "trainer.devices=3"], r"world_size 3 .*not divisible|world_size 3 != "),
-        (["parallel=ep4", "model.moe.num_experts=6"], r"num_experts 6 .*not divisible by ep 4"),
-        (["parallel=dp2", "data.global_batch_size=6"], r"global_batch_size 6 .*not divisible"),
-        (["model.moe.dispatcher=broadcast"], r"dispatcher"),
-        (["parallel.etp=3"], r"etp=3 must be 1 or equal to tp"),
-        (["parallel=cp2", "parallel.cp_head_chunks=0"], r"cp_head_chunks=0 must be a positive integer"),
-    ],
-)
+@pytest.mark.parametrize("overrides,message", CLI_ERRORS, ids=["world_size", "dispatcher"])
 def test_bad_configuration_fails_before_training(tmp_path, overrides, message):
     import re
 
     output = run_cli_error(tmp_path / "bad", *overrides)
     assert re.search(message, output), output[-3000:]
     assert "Epoch 0" not in output
+
+
+@pytest.mark.parametrize("overrides,message", CONFIG_ERRORS,
+                         ids=["experts", "global_batch", "etp", "head_chunks", "pp_layers", "pp_microbatches",
+                              "pp_global_batch", "pp_virtual_stages"])
+def test_bad_configuration_is_refused_by_the_clis_first_check(tmp_path, overrides, message):
+    from lightning_moe.train import check_config
+
+    with pytest.raises(Exception, match=message):
+        check_config(compose_train_config(tmp_path, [*TINY_RUN, *overrides]))
 
 
 @pytest.mark.slow
@@ -207,26 +228,6 @@ def test_any_sdpa_module_gets_context_parallel(tmp_path):
 @pytest.mark.slow
 def test_all_of_tp_cp_ep_pp_matches_single_process(tmp_path, single_losses):
     """16 processes: pp2 x cp2 x tp2 x ep2 (full5d adds dp2: 32 processes, too many for 2 cores)."""
-    summary = run_cli(tmp_path / "pp2_cp2_tp2_ep2", "parallel=pp2_cp2_tp2_ep2", timeout=1800)
+    summary = train_in_pool(tmp_path / "pp2_cp2_tp2_ep2", "parallel=pp2_cp2_tp2_ep2")
     assert {k: summary["layout"][k] for k in ("pp", "cp", "tp", "ep")} == {"pp": 2, "cp": 2, "tp": 2, "ep": 2}
     _assert_same_curve(summary["losses"], single_losses)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (["parallel=pp2", "model.num_layers=3"], r"3 layers cannot be split evenly into pp\*pp_stages_per_rank = 2"),
-        (["parallel=pp2", "parallel.pp_microbatches=1"], r"pp_microbatches=1 < pp=2"),
-        (["parallel=pp2", "data.global_batch_size=6"],
-         r"global_batch_size 6 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 2\*1\*2 = 4"),
-        (["parallel=pp2_interleaved", "model.num_layers=2"], r"2 layers cannot be split evenly .* = 4"),
-    ],
-    ids=["layers", "microbatches", "global_batch", "virtual_stages"],
-)
-def test_bad_pipeline_configuration_fails_before_training(tmp_path, overrides, message):
-    import re
-
-    output = run_cli_error(tmp_path / "bad", *overrides)
-    assert re.search(message, output), output[-3000:]
-    assert "Epoch 0" not in output
