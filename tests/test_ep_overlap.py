@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
 from lightning_moe.microbatch_overlap import MicroBatchOverlap, hand_off, run_interleaved
-from tests.cli import run_cli
+from tests.cli import train_in_pool
 from tests.conftest import get_pool
 
 
@@ -128,7 +128,7 @@ def test_interleaved_micro_batches_give_the_same_bits_under_fsdp():
 
 @pytest.fixture(scope="module")
 def single_losses(tmp_path_factory) -> list[float]:
-    return run_cli(tmp_path_factory.mktemp("single") / "run", "parallel=single")["losses"]
+    return train_in_pool(tmp_path_factory.mktemp("single") / "run", "parallel=single")["losses"]
 
 
 @pytest.mark.slow
@@ -136,7 +136,7 @@ def single_losses(tmp_path_factory) -> list[float]:
 def test_overlap_under_tensor_and_context_parallel_matches_one_process(tmp_path, single_losses, preset):
     """The tp collectives (DTensor) and the ring attention's P2P of both micro-batches, issued from the
     two threads in turn, keep one order on every rank: the one-process curve (rel 1e-5, 10 steps)."""
-    overlap = run_cli(tmp_path / preset, f"parallel={preset}", "parallel.gather_once_per_step=true", "parallel.overlap_ep_comm=true")
+    overlap = train_in_pool(tmp_path / preset, f"parallel={preset}", "parallel.gather_once_per_step=true", "parallel.overlap_ep_comm=true")
     torch.testing.assert_close(torch.tensor(overlap["losses"]), torch.tensor(single_losses), rtol=1e-5, atol=0.0)
 
 

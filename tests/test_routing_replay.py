@@ -334,11 +334,11 @@ def test_trace_recorded_on_one_process_replays_on_other_layouts(one_process_repl
 # ------------------------------------------------------------------------------------------- CLI
 @pytest.mark.slow
 def test_cli_records_in_validation_and_replays_in_training(tmp_path):
-    from tests.cli import run_cli, run_cli_error
+    from tests.cli import run_cli_error, train_in_pool
 
     recorded = tmp_path / "val_routing.safetensors"
     steps = ["~link", "trainer.max_steps=2", "trainer.val_check_interval=2", "trainer.limit_val_batches=2"]
-    run_cli(tmp_path / "record", *steps, f"+routing.record={recorded}")
+    train_in_pool(tmp_path / "record", *steps, f"+routing.record={recorded}")
     trace = RoutingTrace.load(recorded)
     # Validation windows are the corpus tail; 2 validation batches of 2 samples.
     assert trace.num_samples == 4 and trace.seq_len == 32 and trace.layer_names == [
@@ -353,7 +353,7 @@ def test_cli_records_in_validation_and_replays_in_training(tmp_path):
     experts = torch.rand(num_train, 32, 2, E, generator=gen).argsort(-1)[..., :K]
     made_up = tmp_path / "train_routing.safetensors"
     RoutingTrace(torch.arange(num_train), experts, trace.layer_names, trace.num_experts).save(made_up)
-    summary = run_cli(tmp_path / "replay", "~link", "trainer.max_steps=2", f"+routing.replay={made_up}")
+    summary = train_in_pool(tmp_path / "replay", "~link", "trainer.max_steps=2", f"+routing.replay={made_up}")
     assert len(summary["losses"]) == 2 and all(math.isfinite(x) for x in summary["losses"])
 
 

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
 from lightning_moe.parallel.pipeline import check_pipeline_config, stage_ids, stage_rank
-from tests.cli import run_cli
+from tests.cli import train_in_pool
 from tests.conftest import NEEDS_V_SCHEDULE_TORCH
 
 REL = 1e-5
@@ -72,11 +72,10 @@ def test_zbv_trains_and_validates_as_one_process(tmp_path):
     8 loader batches is val_check_interval 16 / limit 8 on one process and 2 / 1 under ZB-V."""
     common = ["model.num_layers=4", "data.global_batch_size=16", "trainer.max_steps=6", "logger=csv",
               "trainer.log_every_n_steps=1"]  # fmt: skip
-    single = run_cli(tmp_path / "single", "parallel=single", *common, "trainer.val_check_interval=16",
-                     "trainer.limit_val_batches=8")  # fmt: skip
-    zbv = run_cli(tmp_path / "zbv", "parallel=pp2_ep2_dualpipev", "parallel.pp_schedule=ZBVZeroBubble",
-                  "parallel.overlap_ep_comm=false", *common, "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
-                  timeout=900)  # fmt: skip
+    single = train_in_pool(tmp_path / "single", "parallel=single", *common, "trainer.val_check_interval=16",
+                           "trainer.limit_val_batches=8")  # fmt: skip
+    zbv = train_in_pool(tmp_path / "zbv", "parallel=pp2_ep2_dualpipev", "parallel.pp_schedule=ZBVZeroBubble",
+                        "parallel.overlap_ep_comm=false", *common, "trainer.val_check_interval=2", "trainer.limit_val_batches=1")  # fmt: skip
     assert zbv["layout"]["pp"] == 2 and zbv["layout"]["ep"] == 2
     torch.testing.assert_close(torch.tensor(zbv["losses"]), torch.tensor(single["losses"]), rtol=REL, atol=0.0)
     single_val, zbv_val = _validation_losses(tmp_path / "single"), _validation_losses(tmp_path / "zbv")
