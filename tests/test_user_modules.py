@@ -4,14 +4,14 @@ The user module (tests/scripts/user_moe_module.py) is unlike MoEGPT: its own bia
 projections, LayerNorms, learned positions, a ``blocks`` ModuleList, a tensor-parallel plan without
 sequence-parallel styles (``tensor_parallel_plan(self)``), expert bias with gradient accumulation.
 Each layout trains it 6 steps and must give the single-process losses (rel 1e-5) and expert biases.
+Every run (the script's ``train``, the presets' ``lightning_moe.train.fit``) goes on the ranks of a test
+pool (tests/dist_pool.py): the processes and their imports are paid once, not once per run.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,27 +23,28 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_moe import MoE5DStrategy
 from lightning_moe.parallel.tensor_parallel import call_plan
 from lightning_moe.train import CONF_DIR, check_config
-from tests.cli import ROOT, TINY_RUN
-from tests.conftest import close_pools, presets_this_torch_builds
+from tests.cli import TINY_RUN, compose_train_config
+from tests.conftest import close_pools, get_pool, presets_this_torch_builds
+from tests.scripts import user_moe_module
 
 REL = 1e-5
 STEPS = 6
-SCRIPT = ROOT / "tests" / "scripts" / "user_moe_module.py"
 FSDP_VIEW_WARNING = "returned a view tensor"
 
 
 def _run_script(out_dir: Path, *args: str) -> dict:
-    close_pools()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(SCRIPT), str(out_dir), "--steps", str(STEPS), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    """Train the user module as ``python tests/scripts/user_moe_module.py OUT_DIR --steps 6 *args`` would,
+    on the ranks of a test pool (processes started once, not once per run); the single process is a 1-rank pool."""
+    options = user_moe_module.parse_args([str(out_dir), "--steps", str(STEPS), *args])
+    world_size = options["tp"] * options["cp"] * options["ep"] * options["pp"]
+    close_pools(keep=world_size)  # the run's processes get the cores to themselves
+    logs = get_pool(world_size).run(user_moe_module.train_on_this_rank, **options)
     biases: dict[str, list[float]] = {}
     for path in out_dir.glob("bias_rank*.json"):
         biases.update(json.loads(path.read_text()))  # pipeline ranks hold different blocks
     summary = json.loads((out_dir / "summary.json").read_text())
-    return {"losses": summary["losses"], "layout": summary["layout"], "biases": biases, "log": proc.stdout + proc.stderr}
+    # Every rank's warnings (all recorded, none shown once only), logs and prints.
+    return {"losses": summary["losses"], "layout": summary["layout"], "biases": biases, "log": "".join(logs)}
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +169,41 @@ def test_tiny_run_overrides_still_pass_the_check():
 PIPELINE_PRESETS = [p for p in PRESETS if p.startswith("pp2") and p != "pp2_cp2_tp2_ep2"]  # up to 8 processes
 
 
+def fit_and_report(overrides: list[str], run_dir: str) -> str:
+    """What ``python -m lightning_moe.train *overrides`` does on this rank of a test pool: the config
+    composed and checked, :func:`lightning_moe.train.fit`, and the run report global rank 0 prints
+    (returned; "" on the other ranks)."""
+    import torch.distributed as dist
+
+    from lightning_moe.callbacks import SummaryCallback
+    from lightning_moe.train import fit, run_report
+
+    cfg = compose_train_config(Path(run_dir), overrides)
+    check_config(cfg)
+    # Set, LOCAL_RANK tells Lightning that the processes exist already (as under torchrun).
+    rank, devices = dist.get_rank(), cfg.trainer.devices
+    os.environ.update(LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices))
+    try:
+        run, wandb_runs = fit(cfg)
+    finally:
+        del os.environ["LOCAL_RANK"], os.environ["NODE_RANK"]
+    summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
+    return run_report(summary, wandb_runs) if run.trainer.is_global_zero else ""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PIPELINE_PRESETS)
 def test_pipeline_preset_trains_with_nothing_else_on_the_command_line(tmp_path, preset):
-    close_pools()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "lightning_moe.train", f"parallel={preset}", "trainer.max_steps=2", "logger=none",
-           f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    """The config that ``python -m lightning_moe.train parallel=<preset> trainer.max_steps=2 logger=none``
+    composes (every other default as shipped) trains, on the ranks of a test pool, and gives the run
+    report the CLI prints. The CLI's own process launch is covered by test_readme.py (README commands
+    as typed) and test_strategy_invariance.py (run_cli: Lightning's launcher and torchrun)."""
+    overrides = [f"parallel={preset}", "trainer.max_steps=2", "logger=none"]
+    run_dir = tmp_path / "run"
+    trainer = compose_train_config(run_dir, overrides).trainer
+    world_size = trainer.devices * trainer.num_nodes
+    close_pools(keep=world_size)
+    report = "".join(get_pool(world_size).run(fit_and_report, overrides=overrides, run_dir=str(run_dir)))
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["losses"]) == 2 and summary["layout"]["pp"] == 2
-    assert "layout: tp=" in proc.stdout and "communication per optimizer step and rank" in proc.stdout
+    assert "layout: tp=" in report and "communication per optimizer step and rank" in report

@@ -15,14 +15,20 @@ Run as a script (Lightning's launcher re-executes it per process)::
 
     python tests/scripts/user_moe_module.py OUT_DIR --tp 2 --ep 2 [--cp N --pp N --etp N --no-sp --sp-plan]
 
-Rank 0 writes OUT_DIR/summary.json (per-step losses); every rank writes OUT_DIR/bias_rank<r>.json
-(its MoE layers' expert biases by parameter name).
+or call :func:`train` in processes that exist already (``train_on_this_rank`` on every rank of a
+test pool, as ``tests/test_user_modules.py`` does). Rank 0 writes OUT_DIR/summary.json (per-step
+losses); every rank writes OUT_DIR/bias_rank<r>.json (its MoE layers' expert biases by parameter name).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import logging
+import os
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -158,7 +164,55 @@ class ExpertBiasRecorder(L.Callback):
         (self.out_dir / f"bias_rank{trainer.global_rank}.json").write_text(json.dumps(biases))
 
 
-def main() -> None:
+def train(
+    out_dir: str | Path, steps: int = 6, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None,
+    sequence_parallel: bool = True, sp_plan: bool = False,
+) -> None:
+    """Train the user module on ``tp*cp*ep*pp`` CPU processes (Lightning launches the missing ones,
+    or finds them started: ``LOCAL_RANK`` set and the process group initialised)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(0)
+    strategy = MoE5DStrategy(tp=tp, cp=cp, ep=ep, pp=pp, etp=etp, sequence_parallel=sequence_parallel)
+    devices = tp * cp * ep * pp
+    # 8 samples per step in micro-batches of 2: gradient accumulation on every layout.
+    data = ByteTextDataModule(seq_len=SEQ, global_batch_size=8, micro_batch_size=2, max_corpus_bytes=200_000)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        gradient_clip_val=0.5, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, limit_val_batches=0, default_root_dir=str(out_dir),
+        callbacks=[SummaryCallback(), ExpertBiasRecorder(out_dir)],
+    )
+    model = UserMoELMWithSP() if sp_plan else UserMoELM()
+    trainer.fit(model, datamodule=data)
+
+
+def train_on_this_rank(out_dir: str, **kwargs: object) -> str:
+    """:func:`train` on one rank of processes that exist already (a test pool: the gloo group of
+    ``tp*cp*ep*pp`` processes initialised); returns what it warned, logged and printed.
+
+    ``LOCAL_RANK`` tells Lightning that the processes were started for it (as under torchrun); it
+    uses the initialised process group as it is. Every warning is recorded, also one that an
+    earlier task of the same process already emitted (the default filter shows each only once).
+    """
+    import torch.distributed as dist
+
+    os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0")
+    output = io.StringIO()
+    handler = logging.StreamHandler(output)
+    logging.getLogger().addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+            warnings.simplefilter("always")
+            train(out_dir, **kwargs)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        del os.environ["LOCAL_RANK"], os.environ["NODE_RANK"]
+    return output.getvalue() + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+
+
+def parse_args(argv: list[str] | None = None) -> dict:
+    """The command line (``sys.argv[1:]`` by default) as keyword arguments of :func:`train`."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
     for name in ("tp", "cp", "ep", "pp"):
@@ -167,22 +221,13 @@ def main() -> None:
     parser.add_argument("--no-sp", action="store_true", help="MoE5DStrategy(sequence_parallel=False)")
     parser.add_argument("--sp-plan", action="store_true", help="UserMoELMWithSP instead of UserMoELM")
     parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args = parser.parse_args(argv)
+    return {"out_dir": str(args.out_dir), "steps": args.steps, "tp": args.tp, "cp": args.cp, "ep": args.ep, "pp": args.pp,
+            "etp": args.etp, "sequence_parallel": not args.no_sp, "sp_plan": args.sp_plan}
 
-    L.seed_everything(0)
-    strategy = MoE5DStrategy(tp=args.tp, cp=args.cp, ep=args.ep, pp=args.pp, etp=args.etp, sequence_parallel=not args.no_sp)
-    devices = args.tp * args.cp * args.ep * args.pp
-    # 8 samples per step in micro-batches of 2: gradient accumulation on every layout.
-    data = ByteTextDataModule(seq_len=SEQ, global_batch_size=8, micro_batch_size=2, max_corpus_bytes=200_000)
-    trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps, logger=False,
-        gradient_clip_val=0.5, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, limit_val_batches=0, default_root_dir=str(args.out_dir),
-        callbacks=[SummaryCallback(), ExpertBiasRecorder(args.out_dir)],
-    )
-    model = UserMoELMWithSP() if args.sp_plan else UserMoELM()
-    trainer.fit(model, datamodule=data)
+
+def main() -> None:
+    train(**parse_args())
 
 
 if __name__ == "__main__":
