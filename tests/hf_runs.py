@@ -1,5 +1,6 @@
 """Run a test script in a subprocess on one process or under torchrun (Lightning's launcher
-re-executes sys.argv, so a multi-process Trainer never starts inside pytest)."""
+re-executes sys.argv, so a multi-process Trainer never starts inside pytest), or tests/scripts/hf_train.py's
+training on the ranks of the persistent gloo test pool."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tests.conftest import close_pools
+from tests.conftest import close_pools, get_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,3 +29,50 @@ def run_script(
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+def train_hf_in_pool(layout: Mapping[str, int], out: Path, save_hf: bool, families: Sequence[str]) -> None:
+    """What ``tests/scripts/hf_train.py`` does under ``torchrun`` (no layout: run plainly), on the ranks of a
+    test pool of ``prod(layout)`` processes instead of new ones: every family in turn, the same files in ``out``.
+
+    Lightning sees the ranks as already launched (``LOCAL_RANK`` set, as under torchrun); only the
+    start-up of the processes and their imports are saved. A pipeline layout leaves the lazily created
+    MoE process groups different between the stages (see test_hf_trainer.LAYOUTS), so its pool is closed
+    after it: a later fit in the same processes would hang.
+    """
+    world = 1
+    for size in layout.values():
+        world *= size
+    close_pools(keep=world)  # the run's processes get the cores to themselves
+    pool = get_pool(world)
+    try:
+        for family in families:  # one task a family: hf_train.main's loop, each well within the pool's task timeout
+            pool.run(_train_hf_on_this_rank, layout=dict(layout), out=str(out), save_hf=save_hf, family=family)
+    finally:
+        if layout.get("pp", 1) > 1:
+            close_pools()
+
+
+def _train_hf_on_this_rank(layout: dict, out: str, save_hf: bool, family: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # LOCAL_RANK set: Lightning takes the processes as launched (torchrun's variables); WORLD_SIZE is what
+    # the script reads for the Trainer's devices.
+    env = {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world), "HF_HUB_OFFLINE": "1"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        from tests.scripts import hf_train
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        hf_train.train_one(family, layout, Path(out), save_hf)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        gc.collect()  # as hf_train.main: this family's module and trainer are gone before the next fit

@@ -2,8 +2,9 @@
 single-process losses and, where one rank runs the whole model, the single-process trained logits
 (rel 1e-5), and save_hf from a layout loads with the trained logits.
 
-One launch per layout trains both families (tests/scripts/hf_train.py under torchrun); the
-single-process reference runs once for the module.
+One run per layout trains its families (tests/scripts/hf_train.py's training, on the ranks of the
+persistent gloo test pool instead of under torchrun); the single-process reference runs once for the
+module, on a pool of one rank. The CLI test starts `python -m lightning_moe.train` itself.
 """
 
 from __future__ import annotations
@@ -20,21 +21,16 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import close_pools  # noqa: E402
-from tests.hf_runs import run_script  # noqa: E402
+from tests.hf_runs import train_hf_in_pool  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "hf_train.py"
 ALL = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")
 ISSUE = ("qwen3_moe", "deepseek_v3")  # the issue's pair: every layout
 REL = 1e-5
 
 
 def _run(layout: dict, out: Path, save_hf: bool, families: tuple[str, ...]) -> None:
-    world = 1
-    for size in layout.values():
-        world *= size
-    args = [json.dumps(layout), str(out), *(["--save-hf"] if save_hf else [])]
-    run_script(SCRIPT, args, world, env={"HF_FAMILIES": ",".join(families)}, timeout=600)
+    """tests/scripts/hf_train.py's training of ``families`` under ``layout``, on a test pool of the layout's size."""
+    train_hf_in_pool(layout, out, save_hf, families)
 
 
 @pytest.fixture(scope="module")

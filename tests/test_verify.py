@@ -2,7 +2,9 @@
 FAIL on deliberate bugs (injected from outside the library by tests/scripts/verify_bugs.py), clear
 errors on bad input.
 
-Every case runs real multi-process Lightning runs in subprocesses; one single-process reference per
+Every case runs real multi-process Lightning runs in subprocesses (the CLI's own work, composing and
+checking the config and launching the runs, is done in the test process but for two cases that start
+the CLI and check its exit codes); one single-process reference per
 model is shared through `verify.cache_dir`, and most cases record module outputs in the main runs
 (`verify.localize=always`) so that a failure needs no re-run. The data config is the default one
 (global batch 16, `micro_batch_size` unset) with shorter sequences and a smaller corpus: a correct
@@ -11,10 +13,13 @@ module must PASS with what a user gets without setting anything.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -41,16 +46,69 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("verify_cache")
 
 
-def run_verify(run_dir: Path, cache: Path, *overrides: str, timeout: int = 600, data: list[str] = DATA
-               ) -> tuple[int, str, dict | None]:
-    """Run the verify CLI after ``data`` (default DATA); returns (exit code, stdout + stderr, verify.json or None)."""
+def run_verify(run_dir: Path, cache: Path, *overrides: str, timeout: int = 600, data: list[str] = DATA,
+               cli: bool = False) -> tuple[int, str, dict | None]:
+    """What ``python -m lightning_moe.verify`` does after ``data`` (default DATA); returns (exit code, stdout +
+    stderr, verify.json or None).
+
+    By default the CLI's work runs in this process (:func:`_verify_in_process`): the config composed from
+    the same overrides, ``verify_config`` called, its exit code mapped as ``main`` maps it; the two runs it
+    launches are subprocesses either way. ``cli=True`` starts the CLI itself (its import of torch and
+    Lightning costs 5-10 s on 2 loaded cores).
+    """
     close_pools()
+    overrides = (*data, *overrides, f"verify.cache_dir={cache}")
+    if not cli:
+        return _verify_in_process(run_dir, overrides)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "lightning_moe.verify", *data, *overrides, f"verify.cache_dir={cache}",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "lightning_moe.verify", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     path = run_dir / "verify.json"
     return proc.returncode, proc.stdout + proc.stderr, json.loads(path.read_text()) if path.exists() else None
+
+
+def _verify_in_process(run_dir: Path, overrides: tuple[str, ...]) -> tuple[int, str, dict | None]:
+    """``lightning_moe.verify.__main__.main`` without a new Python process.
+
+    The config is composed as the CLI composes it; the one ``${hydra:...}`` in it
+    (``trainer.default_root_dir``, the Hydra output dir, which ``job_from_config`` replaces by None) is
+    given ``run_dir``. The launched runs get what the CLI's environment gave them: ``OMP_NUM_THREADS=1``
+    and the repository on ``PYTHONPATH`` (tests.scripts.*), and the repository as working directory.
+    Warnings the CLI would have printed on stderr are appended to the output.
+    """
+    from hydra import compose, initialize_config_dir
+
+    from lightning_moe.train import CONF_DIR
+    from lightning_moe.verify.__main__ import verify_config
+    from lightning_moe.verify.runner import VerifyConfigError
+
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("verify", overrides=[*overrides, f"trainer.default_root_dir={run_dir}"])
+    run_dir.mkdir(parents=True, exist_ok=True)  # as Hydra does before the job starts
+    out, err = io.StringIO(), io.StringIO()
+    saved_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONPATH")}
+    saved_cwd = os.getcwd()
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            try:
+                code = 0 if verify_config(cfg, run_dir).passed else 1
+            except VerifyConfigError as error:
+                print(f"verify: error: {error}", file=sys.stderr)
+                code = 2
+    finally:
+        os.chdir(saved_cwd)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    shown = "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    path = run_dir / "verify.json"
+    return code, out.getvalue() + err.getvalue() + shown, json.loads(path.read_text()) if path.exists() else None
 
 
 def _moegpt_parameter_names() -> set[str]:
@@ -132,7 +190,9 @@ def test_micro_batching_that_cannot_be_matched_explains_the_fail_and_names_the_f
 @pytest.mark.slow
 def test_expert_gradient_times_two_names_the_experts_and_the_ratio(tmp_path, cache):
     # The default localisation (on_failure): step 1 is re-run with forward hooks.
-    code, out, report = run_verify(tmp_path / "x2", cache, *MOEGPT, "parallel=ep2", BUG + "ExpertGradientTimesTwo")
+    # Through the CLI process itself: a FAIL is exit code 1 (the README's command checks that a PASS is 0).
+    code, out, report = run_verify(tmp_path / "x2", cache, *MOEGPT, "parallel=ep2", BUG + "ExpertGradientTimesTwo",
+                                   cli=True)
     assert code == 1, out[-4000:]
     assert "FAIL" in out
     loc = report["localisation"]
@@ -214,7 +274,9 @@ def test_nondeterministic_configure_model_is_refused(tmp_path, cache):
 
 @pytest.mark.slow
 def test_too_many_processes_is_refused(tmp_path, cache):
-    code, out, _ = run_verify(tmp_path / "big", cache, *MOEGPT, "parallel=pp2_cp2_tp2_ep2", "verify.max_processes=8")
+    # Through the CLI process itself: a configuration that cannot be verified is exit code 2.
+    code, out, _ = run_verify(tmp_path / "big", cache, *MOEGPT, "parallel=pp2_cp2_tp2_ep2", "verify.max_processes=8",
+                              cli=True)
     assert code == 2, out[-3000:]
     assert "the layout needs 16 processes, more than verify.max_processes=8" in out
 
