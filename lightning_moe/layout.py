@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 # The full mesh's dims, slowest-varying first (row-major DeviceMesh order).
 MESH_DIMS: tuple[str, ...] = ("pp", "dp", "ep", "cp", "tp")
@@ -220,6 +221,160 @@ def size_problems(
         dp_ep = dp * unfolded_ep(ep, fold_ep, tp, cp)
         problems.append(batch_problem(global_batch_size, micro_batch_size, dp_ep, pp_microbatches if pp > 1 else 1))
     return [problem for problem in problems if problem is not None]
+
+
+# -- the one resolution of a requested layout ------------------------------------------------------------
+# The arguments a layout is requested with, as the strategy, presets and verify take them.
+LAYOUT_REQUEST_KEYS: tuple[str, ...] = (*LAYOUT_KEYS, "fold_ep", "data_parallel", "dp_replicate", "dp_shard")
+
+
+class ResolvedLayout(NamedTuple):
+    """Every size of a layout, resolved once by :func:`resolve_layout`: nothing left to infer (immutable).
+
+    ``ep`` is the expert-parallel size (folded or not) and :attr:`mesh_ep` the mesh's ep dim;
+    ``dp_replicate`` x ``dp_shard`` split dp under HSDP (``dp_replicate == 1`` otherwise).
+    """
+
+    tp: int
+    cp: int
+    ep: int
+    dp: int
+    pp: int
+    etp: int
+    fold_ep: tuple[str, ...] = ()
+    dp_replicate: int = 1
+
+    @property
+    def mesh_ep(self) -> int:
+        """The size of the mesh's ``ep`` dim: ``ep`` over the folded dims' product."""
+        return unfolded_ep(self.ep, self.fold_ep, self.tp, self.cp)
+
+    @property
+    def dp_shard(self) -> int:
+        """The dp ranks of one HSDP replica group (dp itself without HSDP)."""
+        return self.dp // self.dp_replicate
+
+    @property
+    def hsdp(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.mesh_sizes.values())
+
+    @property
+    def dp_ep(self) -> int:
+        """Ranks that load different samples: dp x the mesh's ep."""
+        return self.dp * self.mesh_ep
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        """Each dim of the full ``(pp, dp, ep, cp, tp)`` mesh (``ep``: :attr:`mesh_ep`)."""
+        sizes = {"tp": self.tp, "cp": self.cp, "ep": self.mesh_ep, "dp": self.dp, "pp": self.pp}
+        return {d: sizes[d] for d in MESH_DIMS}
+
+    def group_size(self, name: str) -> int:
+        """A mesh dim's size, a dense group's (:data:`DENSE_GROUPS`) or an expert-view group's
+        (``edp``, ``ep``, ``etp``): the product of the mesh dims it spans."""
+        groups = {**expert_group_spans(self.tp, self.etp, self.fold_ep), **DENSE_GROUPS}
+        sizes = self.mesh_sizes
+        return sizes[name] if name in sizes else math.prod(sizes[d] for d in groups[name])
+
+    def as_dict(self) -> dict[str, int]:
+        """The layout as a strategy takes it and ``summary.json`` records it (:data:`LAYOUT_KEYS`)."""
+        return {k: int(getattr(self, k)) for k in LAYOUT_KEYS}
+
+
+def layout_request(arguments: Mapping[str, object]) -> dict[str, object]:
+    """The entries of ``arguments`` (a strategy's keyword arguments, a ``parallel`` preset) that
+    :func:`resolve_layout` takes."""
+    return {k: arguments[k] for k in LAYOUT_REQUEST_KEYS if k in arguments}
+
+
+def resolve_layout(
+    world_size: int | None,
+    *,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    dp: int | str | None = "auto",
+    pp: int = 1,
+    etp: int | None = None,
+    fold_ep: str | Sequence[str] | None = None,
+    data_parallel: str | None = None,
+    dp_replicate: int | None = None,
+    dp_shard: int | None = None,
+) -> ResolvedLayout:
+    """The one resolution of a requested layout: inferred dp, unfolded ep, default etp, folding and
+    HSDP checked. ``ValueError`` naming the argument and the fix for sizes that do not fit.
+
+    ``dp="auto"`` (or None, -1) takes the rest of ``world_size``; ``world_size=None`` needs dp
+    given and returns the world the sizes make. ``data_parallel="hsdp"`` needs ``dp_replicate``
+    and/or ``dp_shard``; another ``data_parallel`` refuses a split of dp; None takes the split as
+    given.
+
+    Example::
+
+        resolve_layout(2, tp=2, ep=2, fold_ep="tp")     # tp2, ep2 over the same 2 ranks: dp 1, etp 1
+        resolve_layout(8, ep=2, data_parallel="hsdp", dp_replicate=2).dp_shard   # 2
+        resolve_layout(6, ep=4)   # ValueError: world_size 6 is not divisible by tp*cp*ep*pp = 1*1*4*1 = 4: ...
+    """
+    for name, value in (("tp", tp), ("cp", cp), ("ep", ep), ("pp", pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    if dp in ("auto", None, -1):
+        dp = -1
+    elif isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp={dp!r} must be an integer >= 1, or 'auto' to infer it from the world size")
+    if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
+        raise ValueError(f"etp={etp!r} must be an integer >= 1 (1 or tp), or None for its default")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size={world_size!r} must be an integer >= 1 (devices*num_nodes)")
+    if world_size is None and dp == -1:
+        raise ValueError("dp='auto' takes the rest of the world size: give the world size (devices*num_nodes) or dp")
+    fold = normalize_fold_ep(fold_ep)
+    problems = size_problems(tp, cp, ep, dp, pp, etp, world_size=world_size, fold_ep=fold)
+    if problems:
+        raise ValueError(problems[0])
+    mesh_ep = unfolded_ep(ep, fold, tp, cp)
+    if dp == -1:
+        dp = world_size // (tp * cp * mesh_ep * pp)  # type: ignore[operator]
+    replicate = _resolve_hsdp(int(dp), data_parallel, dp_replicate, dp_shard)
+    return ResolvedLayout(tp=tp, cp=cp, ep=ep, dp=int(dp), pp=pp, etp=default_etp(tp, etp, fold), fold_ep=fold,
+                          dp_replicate=replicate)
+
+
+def mesh_factorizations(world_size: int) -> list[dict[str, int]]:
+    """Every full mesh of ``world_size`` ranks: each ``{tp, cp, ep, pp, dp}`` of mesh dim sizes
+    (``ep``: the mesh's ep dim) whose product is ``world_size``, dp taking the rest; tp varies
+    slowest in the list, then cp, ep and pp."""
+    meshes = []
+    for tp in _divisors(world_size):
+        for cp in _divisors(world_size // tp):
+            for ep in _divisors(world_size // (tp * cp)):
+                for pp in _divisors(world_size // (tp * cp * ep)):
+                    meshes.append({"tp": tp, "cp": cp, "ep": ep, "pp": pp, "dp": world_size // (tp * cp * ep * pp)})
+    return meshes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _resolve_hsdp(dp: int, data_parallel: str | None, dp_replicate: int | None, dp_shard: int | None) -> int:
+    """HSDP's replica groups for ``dp`` ranks (1 without HSDP); ``ValueError`` naming the fix."""
+    split = dp_replicate is not None or dp_shard is not None
+    if data_parallel == "hsdp" or (data_parallel is None and split):
+        problem = hsdp_problem(dp, dp_replicate, dp_shard)
+        if problem:
+            raise ValueError(problem)
+        return hsdp_sizes(dp, dp_replicate, dp_shard)[0]
+    if split and ((dp_replicate or 1) != 1 or (dp_shard is not None and dp_shard != dp)):
+        raise ValueError(
+            f"dp_replicate/dp_shard split dp for HSDP, but data_parallel={data_parallel!r} (dp_replicate={dp_replicate!r},"
+            f" dp_shard={dp_shard!r}): set data_parallel='hsdp' or leave both unset"
+        )
+    return 1
 
 
 # -- the rules, one a function: the problem naming its fix, None when the sizes obey it ------------------

@@ -30,17 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe.data.sampler import default_micro_batch_size
-from lightning_moe.layout import (
-    MESH_DIMS,
-    NON_DP_DIMS,
-    default_etp,
-    fold_problem,
-    hsdp_problem,
-    hsdp_sizes,
-    normalize_fold_ep,
-    unfolded_ep,
-    world_size_problem,
-)
+from lightning_moe.layout import MESH_DIMS, layout_request, resolve_layout
 from lightning_moe.planner import (
     CHECKPOINT_MODES,
     PARALLEL_DIMS,
@@ -87,45 +77,22 @@ def layout_from_parallel(
     """
     if micro_batch_size is None:
         micro_batch_size = default_micro_batch_size(global_batch_size)
-    sizes = {d: parallel.get(d, 1) for d in PARALLEL_DIMS}
-    if sizes["dp"] in ("auto", None):
-        sizes["dp"] = -1
-    fold = normalize_fold_ep(parallel.get("fold_ep"))
-    problem = fold_problem(sizes["ep"], fold, sizes["tp"], sizes["cp"], parallel.get("etp"))
-    problem = problem or world_size_problem(world_size, **sizes, fold_ep=fold)
-    if problem:
-        raise ValueError(f"parallel preset: {problem}")
-    mesh_ep = unfolded_ep(sizes["ep"], fold, sizes["tp"], sizes["cp"])
-    if sizes["dp"] == -1:
-        sizes["dp"] = world_size // math.prod(mesh_ep if d == "ep" else sizes[d] for d in NON_DP_DIMS)
-    tp = int(sizes["tp"])
-    etp = default_etp(tp, parallel.get("etp"), fold)
-    per_rank = global_batch_size // (sizes["dp"] * mesh_ep)
+    request = layout_request(parallel)
+    request["data_parallel"] = request.get("data_parallel") or "fsdp"
+    try:
+        resolved = resolve_layout(world_size, **request)
+    except ValueError as err:
+        raise ValueError(f"parallel preset: {err}") from err
+    per_rank = global_batch_size // resolved.dp_ep
     microbatches = max(1, per_rank // micro_batch_size)
-    pp_microbatches = int(parallel.get("pp_microbatches") or sizes["pp"]) if sizes["pp"] > 1 else 0
-    dp_replicate = _dp_replicate(parallel, int(sizes["dp"]))
+    pp_microbatches = int(parallel.get("pp_microbatches") or resolved.pp) if resolved.pp > 1 else 0
     return Layout(
-        tp=tp, cp=int(sizes["cp"]), ep=int(sizes["ep"]), dp=int(sizes["dp"]), pp=int(sizes["pp"]), etp=int(etp),
+        tp=resolved.tp, cp=resolved.cp, ep=resolved.ep, dp=resolved.dp, pp=resolved.pp, etp=resolved.etp,
         micro_batch_size=micro_batch_size, microbatches=microbatches,
         pp_schedule=str(parallel.get("pp_schedule") or "1F1B"), pp_stages_per_rank=int(parallel.get("pp_stages_per_rank") or 1),
         pp_microbatches=pp_microbatches, gather_once_per_step=bool(parallel.get("gather_once_per_step") or False),
-        fold_ep=fold, dp_replicate=dp_replicate, overlap_ep_comm=bool(parallel.get("overlap_ep_comm") or False),
+        fold_ep=resolved.fold_ep, dp_replicate=resolved.dp_replicate, overlap_ep_comm=bool(parallel.get("overlap_ep_comm") or False),
     )  # fmt: skip
-
-
-def _dp_replicate(parallel: Mapping[str, Any], dp: int) -> int:
-    """The HSDP replica groups of a ``parallel`` preset (``data_parallel: hsdp`` with ``dp_replicate``
-    or ``dp_shard``), 1 for FSDP; ``ValueError`` in the strategy's words for sizes it refuses."""
-    replicate, shard = parallel.get("dp_replicate"), parallel.get("dp_shard")
-    kind = parallel.get("data_parallel") or "fsdp"
-    if kind != "hsdp":
-        if (replicate or 1) != 1 or (shard is not None and shard != dp):
-            raise ValueError(f"parallel preset: dp_replicate/dp_shard split dp for HSDP, but data_parallel={kind!r}: set data_parallel=hsdp")
-        return 1
-    problem = hsdp_problem(dp, replicate, shard)
-    if problem:
-        raise ValueError(f"parallel preset: {problem}")
-    return hsdp_sizes(dp, replicate, shard)[0]
 
 
 # -- table ---------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import os
 import sys
 import warnings
@@ -40,7 +39,7 @@ from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
 from lightning_moe.data import resolve_batch_layout
-from lightning_moe.layout import PARALLEL_DIMS, fold_problem, normalize_fold_ep, size_problems, unfolded_ep
+from lightning_moe.layout import PARALLEL_DIMS, layout_request, resolve_layout, size_problems
 from lightning_moe.parallel.parallelize import check_layout
 from lightning_moe.parallel.arguments import resolve_world_size
 
@@ -56,14 +55,11 @@ def devices_per_node(parallel: DictConfig, num_nodes: int = 1) -> int:
 
         devices_per_node(OmegaConf.create({"ep": 2, "dp": 2}))  # 4
     """
-    sizes = {name: parallel.get(name, 1) for name in PARALLEL_DIMS}
-    sizes = {name: size if isinstance(size, int) else 1 for name, size in sizes.items()}
-    fold = normalize_fold_ep(parallel.get("fold_ep"))
-    problem = fold_problem(sizes["ep"], fold, sizes["tp"], sizes["cp"], parallel.get("etp"))
-    if problem:
-        raise ValueError(problem)
-    sizes["ep"] = unfolded_ep(sizes["ep"], fold, sizes["tp"], sizes["cp"])
-    world_size = math.prod(sizes.values())
+    # dp="auto" counts as 1; HSDP's split of dp changes no process count.
+    request = {k: v for k, v in layout_request(parallel).items() if k in ("fold_ep", "etp") or isinstance(v, int)}
+    request.setdefault("dp", 1)
+    request.pop("dp_replicate", None), request.pop("dp_shard", None)
+    world_size = resolve_layout(None, **request).world_size
     if world_size % num_nodes:
         raise ValueError(
             f"the parallel sizes give {world_size} processes, not divisible by trainer.num_nodes={num_nodes}: "
@@ -213,12 +209,10 @@ def check_config(cfg: DictConfig) -> None:
     devices, num_nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     if not isinstance(devices, int):  # "auto" and device lists: Lightning resolves them at launch
         return
-    resolve_world_size(dims, devices * num_nodes, strategy.data_parallel, strategy.dp_replicate, strategy.dp_shard)
+    layout = resolve_world_size(dims, devices * num_nodes, strategy.data_parallel, strategy.dp_replicate, strategy.dp_shard)
     data = cfg.data
     if "global_batch_size" in data:
-        resolve_batch_layout(
-            data.global_batch_size, data.get("micro_batch_size"), dims.dp * dims.mesh_ep, strategy.microbatches_per_step
-        )
+        resolve_batch_layout(data.global_batch_size, data.get("micro_batch_size"), layout.dp_ep, strategy.microbatches_per_step)
     problems = size_problems(*(getattr(dims, d) for d in PARALLEL_DIMS), dims.etp, seq_len=data.get("seq_len"),
                              fold_ep=dims.fold_ep)
     if problems:

@@ -6,12 +6,12 @@ from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_moe.layout import hsdp_problem, hsdp_sizes
+from lightning_moe.layout import ResolvedLayout, hsdp_problem, resolve_layout
 from lightning_moe.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS
 
-__all__ = ["auto_layout", "check_strategy_arguments", "check_unreduced_replicas", "resolve_hsdp", "resolve_world_size"]
+__all__ = ["auto_layout", "check_strategy_arguments", "check_unreduced_replicas", "resolve_world_size"]
 
 
 def check_strategy_arguments(
@@ -108,25 +108,16 @@ def _check_overlap_ep_comm(
         )
 
 
-def resolve_hsdp(dims: ParallelDims, data_parallel: str, dp_replicate: int | None, dp_shard: int | None) -> None:
-    """Under ``data_parallel="hsdp"`` set ``dims.dp_replicate`` from the sizes given, once dp is known
-    (``dims.validate`` ran); ``MisconfigurationException`` naming the fix when they do not split dp."""
-    if data_parallel != "hsdp":
-        return
-    problem = hsdp_problem(dims.dp, dp_replicate, dp_shard)
-    if problem:
-        raise MisconfigurationException(problem)
-    dims.dp_replicate = hsdp_sizes(dims.dp, dp_replicate, dp_shard)[0]
-
-
 def resolve_world_size(
     dims: ParallelDims, world_size: int, data_parallel: str, dp_replicate: int | None, dp_shard: int | None
-) -> None:
-    """Fit ``dims`` to ``world_size`` (``dims.validate``: ``ValueError``), then HSDP's replica groups and
-    the refusal of replicas that no gradient reduction keeps equal (``MisconfigurationException``)."""
-    dims.validate(world_size)
-    resolve_hsdp(dims, data_parallel, dp_replicate, dp_shard)
+) -> ResolvedLayout:
+    """Fit ``dims`` to ``world_size`` with HSDP's replica groups (:func:`~lightning_moe.layout.resolve_layout`:
+    ``ValueError``), then refuse replicas that no gradient reduction keeps equal (``MisconfigurationException``)."""
+    split = {"dp_replicate": dp_replicate, "dp_shard": dp_shard} if data_parallel == "hsdp" else {}
+    layout = resolve_layout(world_size, **{**dims.requested(), "data_parallel": data_parallel, **split})
+    dims.apply(layout)
     check_unreduced_replicas(dims, data_parallel)
+    return layout
 
 
 def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:

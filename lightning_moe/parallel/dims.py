@@ -7,7 +7,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,9 @@ from lightning_moe.layout import (
     expert_group_spans,
     expert_view_order,
     fold_size,
+    ResolvedLayout,
     normalize_fold_ep,
+    resolve_layout,
     size_problems,
     unfolded_ep,
 )
@@ -124,16 +126,33 @@ class ParallelDims:
             raise ValueError(problems[0])
 
     def validate(self, world_size: int) -> None:
-        """Infer ``dp`` if needed and check that the product of the sizes equals ``world_size``."""
-        self._raise_size_problems(world_size)
-        if self.dp == -1:
-            self.dp = world_size // self.non_dp_size
-        if self.dp % self.dp_replicate:
+        """Infer ``dp`` if needed and check that the product of the sizes equals ``world_size``
+        (:func:`lightning_moe.layout.resolve_layout`)."""
+        if self.dp_replicate > 1 and self.dp != -1 and self.dp % self.dp_replicate:
             raise ValueError(
                 f"dp_replicate={self.dp_replicate} does not divide dp={self.dp}: HSDP splits dp into replica groups"
                 " of equal size; choose a divisor of dp"
             )
+        self.apply(resolve_layout(world_size, **self.requested()))
+
+    def requested(self) -> dict[str, Any]:
+        """These sizes as :func:`~lightning_moe.layout.resolve_layout` takes them."""
+        replicate = {"dp_replicate": self.dp_replicate} if self.dp_replicate > 1 else {}
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp, "etp": self.etp,
+                "fold_ep": self.fold_ep, **replicate}
+
+    def apply(self, layout: ResolvedLayout) -> None:
+        """Take the sizes of a resolved layout (dp inferred, HSDP's replica groups)."""
+        self.tp, self.cp, self.ep, self.dp, self.pp = layout.tp, layout.cp, layout.ep, layout.dp, layout.pp
+        self.etp, self.fold_ep, self.dp_replicate = layout.etp, layout.fold_ep, layout.dp_replicate
         self._check_nodes()
+
+    @property
+    def layout(self) -> ResolvedLayout:
+        """The resolved layout (``validate`` must have run: dp known)."""
+        if self.dp == -1:
+            raise RuntimeError("ParallelDims.validate(world_size) must run before the layout is resolved")
+        return resolve_layout(None, **self.requested())
 
     @property
     def world_size(self) -> int:

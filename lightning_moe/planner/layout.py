@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
@@ -11,11 +10,10 @@ from lightning_moe.layout import (
     MESH_DIMS,
     PARALLEL_DIMS,
     V_SCHEDULES,
-    expert_group_spans,
+    ResolvedLayout,
     hsdp_problem,
     normalize_fold_ep,
     rank_coordinates,
-    unfolded_ep,
 )
 from lightning_moe.planner.model_shape import ModelShape
 
@@ -191,9 +189,8 @@ def _mesh(tp: int, cp: int, ep: int, dp: int, pp: int, etp: int, fold_ep: tuple[
 @lru_cache(maxsize=2**14)
 def _mesh_sizes(tp: int, cp: int, ep: int, dp: int, pp: int, etp: int, fold_ep: tuple[str, ...]) -> dict[str, int]:
     """Each mesh dim's size, then each expert-view group's (the product of the mesh dims it spans)."""
-    sizes = {"tp": tp, "cp": cp, "ep": unfolded_ep(ep, fold_ep, tp, cp), "dp": dp, "pp": pp}
-    spans = expert_group_spans(tp, etp, fold_ep)
-    return {**{dim: sizes[dim] for dim in MESH_DIMS}, **{group: math.prod(sizes[d] for d in spans[group]) for group in ("edp", "etp")}}
+    resolved = ResolvedLayout(tp, cp, ep, dp, pp, etp, fold_ep)
+    return {**resolved.mesh_sizes, **{group: resolved.group_size(group) for group in ("edp", "etp")}}
 
 
 def stage_layers(model: ModelShape, layout: Layout) -> tuple[tuple[int, ...], ...]:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_moe.layout import V_SCHEDULES, fold_size, sequence_split_problem, size_problems
+from lightning_moe.layout import V_SCHEDULES, fold_size, mesh_factorizations, sequence_split_problem, size_problems
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
 from lightning_moe.planner.layout import Layout
@@ -123,26 +123,23 @@ def enumerate_layouts(
     checkpointing under ``checkpointing``, and pp = 1 with accumulation and ``gather_once_per_step``
     or ``DualPipeV``), each layout is also tried with ``overlap_ep_comm``.
     """
-    for tp in _divisors(world_size):
+    for sizes_of_mesh in mesh_factorizations(world_size):
+        tp, cp, mesh_ep, pp, dp = (sizes_of_mesh[d] for d in ("tp", "cp", "ep", "pp", "dp"))
         if max_tp is not None and tp > max_tp:
             continue
-        for cp in _divisors(world_size // tp):
-            for mesh_ep in _divisors(world_size // (tp * cp)):
-                for pp in _divisors(world_size // (tp * cp * mesh_ep)):
-                    dp = world_size // (tp * cp * mesh_ep * pp)
-                    if global_batch_size % (dp * mesh_ep):
-                        continue
-                    per_rank = global_batch_size // (dp * mesh_ep)
-                    sizes = [x for x in _divisors(per_rank) if x <= MAX_MICRO_BATCH] if micro_batch_sizes is None else [x for x in micro_batch_sizes if per_rank % x == 0]
-                    for fold in fold_options(tp, cp) if folding else [()]:
-                        ep = mesh_ep * fold_size(fold, tp, cp)
-                        if fold and model.num_moe_layers and model.num_experts % ep:
-                            continue  # the layout rules would refuse every variant below
-                        for etp in [1] if "tp" in fold else sorted({1, tp}):
-                            for replicas in hsdp_options(dp, tp * cp * mesh_ep, gpus_per_node):
-                                mesh = (tp, cp, ep, dp, pp, etp, fold, replicas)
-                                yield from _schedules(model, seq_len, global_batch_size, mesh, per_rank, sizes, schedules,
-                                                      checkpointing)
+        if global_batch_size % (dp * mesh_ep):
+            continue
+        per_rank = global_batch_size // (dp * mesh_ep)
+        sizes = [x for x in _divisors(per_rank) if x <= MAX_MICRO_BATCH] if micro_batch_sizes is None else [x for x in micro_batch_sizes if per_rank % x == 0]
+        for fold in fold_options(tp, cp) if folding else [()]:
+            ep = mesh_ep * fold_size(fold, tp, cp)
+            if fold and model.num_moe_layers and model.num_experts % ep:
+                continue  # the layout rules would refuse every variant below
+            for etp in [1] if "tp" in fold else sorted({1, tp}):
+                for replicas in hsdp_options(dp, tp * cp * mesh_ep, gpus_per_node):
+                    mesh = (tp, cp, ep, dp, pp, etp, fold, replicas)
+                    yield from _schedules(model, seq_len, global_batch_size, mesh, per_rank, sizes, schedules,
+                                          checkpointing)
 
 
 def _schedules(
