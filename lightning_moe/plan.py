@@ -284,11 +284,10 @@ def dry_run(
         try:
             dims = ParallelDims(**layout.parallel_sizes(), etp=layout.etp, fold_ep=layout.fold_ep, dp_replicate=layout.dp_replicate)
             dims.validate(world)
-            mesh = dims.build_mesh("cpu")
+            dims.build_mesh("cpu")
             with torch.device("meta"):
                 module = hydra.utils.instantiate(cfg)
-            parallelize(module, mesh, data_parallel="hsdp" if layout.hsdp else "fsdp", etp=layout.etp, fold_ep=layout.fold_ep,
-                        pp_stages_per_rank=layout.pp_stages_per_rank)
+            parallelize(module, dims, data_parallel="hsdp" if layout.hsdp else "fsdp", pp_stages_per_rank=layout.pp_stages_per_rank)
             shapes = {}
             numel = nbytes = 0
             for name, param in module.named_parameters():

@@ -269,11 +269,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         if not is_parallelized(self.model):
             parallelize(
                 self.model,
-                self.device_mesh,
+                self.parallel_dims,
                 data_parallel=self.data_parallel,
                 sequence_parallel=self.sequence_parallel,
-                etp=self.parallel_dims.etp,
-                fold_ep=self.parallel_dims.fold_ep,
                 pp_stages_per_rank=self.pp_stages_per_rank,
                 pp_schedule=self.pp_schedule,
             )

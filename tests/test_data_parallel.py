@@ -37,13 +37,12 @@ def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float |
     from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
 
     dims = layout(ep=ep, cp=cp, tp=tp)
-    mesh = dims.mesh
     torch.manual_seed(0)
     moe = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 24, "load_balancing": load_balancing,
            "aux_loss_coeff": 0.1, "z_loss_coeff": 0.01}
     model = MoEGPT(hidden_size=32, num_layers=2, num_heads=4, moe=moe)
     reference = copy.deepcopy(model)
-    parallelize(model, mesh, data_parallel=data_parallel)
+    parallelize(model, dims, data_parallel=data_parallel)
 
     replicas = dims.dp_ep_mesh.size()
     # As the strategy does: each cp rank holds a partial aux loss, but gradients average over cp.

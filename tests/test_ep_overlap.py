@@ -73,10 +73,10 @@ def _fsdp_steps_with_and_without_overlap() -> dict:
     from lightning_moe.parallel.fsdp_accumulation import GatherOncePerStep
 
     dims = ParallelDims(ep=2)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     torch.manual_seed(0)
     model = MoEGPT(hidden_size=32, num_layers=2, num_heads=4, moe={"num_experts": 4, "ffn_hidden_size": 32}, max_seq_len=16)
-    parallelize(model, mesh, data_parallel="fsdp")
+    parallelize(model, dims, data_parallel="fsdp")
     gather = GatherOncePerStep(model)
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
     micro_batches = [torch.randint(0, 256, (2, 17), generator=generator) for _ in range(3)]

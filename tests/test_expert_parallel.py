@@ -38,7 +38,6 @@ def ep_layer_case(
     from lightning_moe.moe import MoELayer
 
     dims = layout(ep=ep)
-    mesh = dims.mesh
     torch.manual_seed(0)
     layer = MoELayer(
         H, F, E, top_k=K, score_func=score_func, expert_bias=expert_bias, capacity_factor=capacity_factor,
@@ -54,7 +53,7 @@ def ep_layer_case(
         with torch.no_grad():
             layer.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, E))
     reference = copy.deepcopy(layer)
-    parallelize(layer, mesh, data_parallel="none")
+    parallelize(layer, dims, data_parallel="none")
     layer.dispatcher.pad_rows = pad_rows  # padded expert groups (the CPU bf16 default) in fp32
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -130,7 +129,7 @@ def protocol_case() -> list[str]:
     for kind in ("alltoall", "allgather", "hierarchical"):
         torch.manual_seed(0)
         layer = MoELayer(H, F, E, top_k=K, dispatcher=kind)
-        parallelize(layer, dims.mesh, data_parallel="none")
+        parallelize(layer, dims, data_parallel="none")
         wrapped = ExpertTensorParallelDispatcher(layer.dispatcher, dims.tp_group)
         names += [type(d).__name__ for d in (layer.dispatcher, wrapped) if isinstance(d, Dispatcher)]
     return names

@@ -120,7 +120,7 @@ def train_case(sizes: dict | None, steps: list[int], load: str | None = None, sa
         replica, replicas, group = 0, 1, None
     else:
         dims = layout(**sizes)
-        parallelize(model, dims.mesh, data_parallel="fsdp")
+        parallelize(model, dims, data_parallel="fsdp")
         replica, replicas, group = dims.dp_ep_mesh.get_local_rank(), dims.dp_ep_mesh.size(), dims.dp_ep_mesh.get_group()
         report["edp"], report["ep"] = dims.edp_mesh.size(), dims.ep
         report["experts"] = {
@@ -244,7 +244,7 @@ def meta_init_case() -> dict:
     torch.manual_seed(7)
     with torch.device("meta"):
         model = MoEGPT(**MODEL)
-    parallelize(model, dims.mesh)
+    parallelize(model, dims)
     materialize_sharded(model, torch.device("cpu"), model.initial_value)
     want = dict(reference.named_parameters())
     mismatches, placements = [], set()

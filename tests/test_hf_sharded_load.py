@@ -38,7 +38,7 @@ def sharded_load_case(folder: str, ep: int) -> dict:
     reference = HFMoEModule(pretrained=folder)  # transformers' own from_pretrained, whole
     with torch.device("meta"):
         module = HFMoEModule(pretrained=folder)
-    parallelize(module, layout(ep=ep).mesh)
+    parallelize(module, layout(ep=ep))
     materialize_sharded(module, torch.device("cpu"), module.initial_value)
     want = dict(itertools.chain(reference.named_parameters(), reference.named_buffers()))
     mismatches = [

@@ -212,11 +212,11 @@ def upcycle_layout_case(folder: str, sizes: dict, meta: bool) -> float:
     if meta:
         with torch.device("meta"):
             module = UpcycledHFMoEModule(**kwargs)
-        parallelize(module, layout(**sizes).mesh)
+        parallelize(module, layout(**sizes))
         materialize_sharded(module, torch.device("cpu"), module.initial_value)
     else:
         module = UpcycledHFMoEModule(**kwargs)
-        parallelize(module, layout(**sizes).mesh)
+        parallelize(module, layout(**sizes))
     module.eval()
     with torch.no_grad():
         got = module(TOKENS)

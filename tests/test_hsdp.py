@@ -33,7 +33,7 @@ def _shards(sizes: dict) -> dict:
 
     dims = pool_layout(**sizes)
     torch.manual_seed(0)
-    model = parallelize(MoEGPT(**TINY), dims.mesh, data_parallel="hsdp")
+    model = parallelize(MoEGPT(**TINY), dims, data_parallel="hsdp")
     params = {}
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), name

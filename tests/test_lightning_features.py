@@ -44,7 +44,7 @@ def policy_case(precision: str) -> dict:
     from tests.dist_pool import layout
 
     dims = layout(ep=2)
-    model = parallelize(_tiny_gpt(), dims.mesh)
+    model = parallelize(_tiny_gpt(), dims)
     units = apply_mixed_precision(model, mixed_precision_policy(precision))
     master_dtypes = sorted({str(p.dtype) for p in model.parameters()})  # the sharded parameters
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -93,7 +93,7 @@ def checkpointing_case(mode: str, tp: int) -> dict:
     from tests.dist_pool import layout
 
     dims = layout(ep=2, tp=tp)
-    model = parallelize(_tiny_gpt(), dims.mesh)
+    model = parallelize(_tiny_gpt(), dims)
     apply_activation_checkpointing(model, mode)
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dims.dp_ep_mesh.get_local_rank()))
     comm.reset()

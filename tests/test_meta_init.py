@@ -27,7 +27,7 @@ def meta_init_case(sizes: dict[str, int]) -> dict:
     torch.manual_seed(7)
     with torch.device("meta"):
         model = MoEGPT(**MODEL)
-    parallelize(model, dims.mesh)
+    parallelize(model, dims)
     materialize_sharded(model, torch.device("cpu"), model.initial_value)
     want = dict(itertools.chain(reference.named_parameters(), reference.named_buffers()))
     mismatches, checked, local_bytes, expert_bytes = [], 0, 0, 0

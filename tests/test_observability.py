@@ -106,14 +106,13 @@ def comm_case(data_parallel: str) -> dict:
     from tests.dist_pool import layout
 
     dims = layout(ep=2)
-    mesh = dims.mesh
     torch.manual_seed(0)
     layer = MoELayer(H, F, E, top_k=K, aux_loss_coeff=1e-2)
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[0] = 1.0
         layer.router.weight[1] = 0.9
-    parallelize(layer, mesh, data_parallel=data_parallel)
+    parallelize(layer, dims, data_parallel=data_parallel)
     # An activation, as in a model: the dispatch all-to-all has a backward.
     x = torch.rand(BATCH, SEQ, H, generator=torch.Generator().manual_seed(dist.get_rank())) + 0.1
     x.requires_grad_(True)

@@ -184,11 +184,10 @@ def pipeline_grad_case(
     from lightning_moe.parallel.pipeline_runner import PipelineRunner
 
     dims = layout(pp=pp, ep=ep, tp=tp, cp=cp)
-    mesh = dims.mesh
     torch.manual_seed(0)
     model = _tiny_model(num_layers, load_balancing=load_balancing)
     reference = copy.deepcopy(model)
-    parallelize(model, mesh, data_parallel=data_parallel, pp_stages_per_rank=stages_per_rank)
+    parallelize(model, dims, data_parallel=data_parallel, pp_stages_per_rank=stages_per_rank)
     runner = PipelineRunner(
         pipeline_stage_modules(model),
         num_stages=pp * stages_per_rank,
@@ -280,11 +279,10 @@ def pipeline_eval_case(pp: int, schedule: str, stages_per_rank: int = 1, num_lay
     from lightning_moe.parallel.pipeline_runner import PipelineRunner
 
     dims = layout(pp=pp)
-    mesh = dims.mesh
     torch.manual_seed(0)
     model = _tiny_model(num_layers)
     reference = copy.deepcopy(model)
-    parallelize(model, mesh, pp_stages_per_rank=stages_per_rank)
+    parallelize(model, dims, pp_stages_per_rank=stages_per_rank)
     runner = PipelineRunner(pipeline_stage_modules(model), pp * stages_per_rank, dims.pp_group, torch.device("cpu"),
                             schedule, 4, lambda output, labels: model.loss_from_logits(output, labels))
     worst = 0.0

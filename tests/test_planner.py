@@ -499,7 +499,7 @@ def _held_parameters(sizes: dict, cfg: dict) -> dict:
     dims = pool_layout(**sizes)
     torch.manual_seed(0)
     kind = "hsdp" if sizes.get("dp_replicate", 1) > 1 else "fsdp"
-    module = parallelize(MoEGPT(**cfg), dims.mesh, data_parallel=kind, etp=sizes.get("etp"), fold_ep=sizes.get("fold_ep"))
+    module = parallelize(MoEGPT(**cfg), dims, data_parallel=kind)
     shapes = {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in module.named_parameters()}
     nbytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in module.parameters())
     return {"rank": dist.get_rank(), "shapes": shapes, "bytes": nbytes}

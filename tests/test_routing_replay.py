@@ -275,7 +275,7 @@ def replay_layout_case(tp: int, cp: int, ep: int, trace_path: str) -> dict:
     dims = layout(tp=tp, cp=cp, ep=ep)
     model = _model()
     _perturb_routers(model)
-    parallelize(model, dims.mesh, data_parallel="none", sequence_parallel=True)
+    parallelize(model, dims, data_parallel="none", sequence_parallel=True)
     batch = _batch(SAMPLES)
     share = len(SAMPLES) // dims.dp_ep_mesh.size()
     rank = dims.dp_ep_mesh.get_local_rank()
@@ -369,7 +369,7 @@ def replay_pipeline_case(trace_path: str) -> dict:
     dims = layout(pp=2)
     model = _model()
     _perturb_routers(model)
-    parallelize(model, dims.mesh, data_parallel="none")
+    parallelize(model, dims, data_parallel="none")
     runner = PipelineRunner(pipeline_stage_modules(model), 2, dims.pp_group, torch.device("cpu"), "1F1B", 2,
                             lambda output, labels: model.loss_from_logits(output, labels))
     share = len(SAMPLES) // dims.dp_ep_mesh.size()

@@ -33,12 +33,11 @@ def tp_layer_case(
     from lightning_moe.moe import MoELayer
 
     dims = layout(tp=tp, ep=ep, etp=etp)
-    mesh = dims.mesh
     torch.manual_seed(0)
     layer = MoELayer(H, F, E, top_k=K, dispatcher=dispatcher, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
                      load_balancing="seq_aux_loss", shared_expert_hidden_size=8)
     reference = copy.deepcopy(layer)
-    parallelize(layer, mesh, data_parallel="none", sequence_parallel=sequence_parallel, etp=etp)
+    parallelize(layer, dims, data_parallel="none", sequence_parallel=sequence_parallel)
     layer.dispatcher.pad_rows = pad_rows  # padded expert groups (the CPU bf16 default) in fp32
 
     tp_rank = dims.tp_mesh.get_local_rank()
@@ -145,7 +144,6 @@ def tp_error_case(kind: str) -> str:
     from lightning_moe.moe import MoELayer
 
     dims = layout(tp=4 if kind == "ffn" else 2)
-    mesh = dims.mesh
     module = {
         "heads": lambda: MoEGPT(hidden_size=48, num_layers=1, num_heads=3, moe={"num_experts": 4, "ffn_hidden_size": 32}),
         "kv_heads": lambda: MoEGPT(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=1, moe={"num_experts": 4, "ffn_hidden_size": 32}),
@@ -153,7 +151,7 @@ def tp_error_case(kind: str) -> str:
         "no_plan": lambda: nn.Sequential(nn.Linear(16, 16), MoELayer(16, 32, 4)),
     }[kind]()
     try:
-        parallelize(module, mesh, data_parallel="none")
+        parallelize(module, dims, data_parallel="none")
     except ValueError as err:
         return str(err)
     return "no error"

@@ -55,7 +55,7 @@ def reference_case(ep: int, ranks_per_node: int, options: dict, reference_option
     assert dims.ep_num_nodes == 2
     layer = _layer(**options)
     reference = _layer(**reference_options)
-    parallelize(layer, dims.mesh, data_parallel="none")
+    parallelize(layer, dims, data_parallel="none")
     rank, world = dist.get_rank(), dist.get_world_size()
     ep_peers = dist.get_process_group_ranks(dims.ep_group)
     x, probe = _micro_batch(rank)
@@ -150,7 +150,7 @@ def internode_case(ep: int, ranks_per_node: int, dispatcher: str, max_nodes: int
 
     dims = layout(ep=ep, ranks_per_node=ranks_per_node)
     layer = _layer(dispatcher=dispatcher, max_nodes_per_token=max_nodes)
-    parallelize(layer, dims.mesh, data_parallel="none")
+    parallelize(layer, dims, data_parallel="none")
     x, probe = _micro_batch(dist.get_rank())
     x.requires_grad_(True)
     comm.reset()
@@ -211,7 +211,7 @@ def low_precision_case(ep: int, ranks_per_node: int, dispatcher: str, wire: str,
     results = {}
     for dtype in (None, wire):
         layer = _layer(dispatcher=dispatcher, dispatch_dtype=dtype)
-        parallelize(layer, dims.mesh, data_parallel="none")
+        parallelize(layer, dims, data_parallel="none")
         optimizer = torch.optim.Adam(layer.parameters(), lr=3e-3)
         x, target = _micro_batch(dist.get_rank())
         x.requires_grad_(True)
@@ -315,7 +315,7 @@ def errors_case() -> list[str]:
     ):
         dims = layout(**sizes)
         try:
-            parallelize(_layer(**options), dims.mesh, data_parallel="none")
+            parallelize(_layer(**options), dims, data_parallel="none")
             messages.append("no error")
         except ValueError as err:
             messages.append(str(err))

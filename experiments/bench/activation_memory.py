@@ -57,13 +57,13 @@ def _worker(rank: int, world: int, store_file: str, out: dict) -> None:
 
     dims = ParallelDims(ep=world)
     dims.validate(world)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
     results = {}
     for name, mode, precision in (("none", "none", "32-true"), ("full", "full", "32-true"),
                                   ("selective", "selective", "32-true"), ("bf16-mixed", "none", "bf16-mixed")):
         torch.manual_seed(0)
-        model = parallelize(MoEGPT(**MODEL), mesh)
+        model = parallelize(MoEGPT(**MODEL), dims)
         apply_mixed_precision(model, mixed_precision_policy(precision))
         apply_activation_checkpointing(model, mode)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -32,10 +32,10 @@ def _worker(rank: int, world: int, store_file: str, case: dict, out: dict) -> No
     from lightning_moe.moe import MoELayer
 
     dims = ParallelDims(ep=case["ep"], tp=case.get("tp", 1), etp=1)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     torch.manual_seed(0)
     layer = MoELayer(HIDDEN, FFN, EXPERTS, top_k=TOP_K, dispatcher=case["dispatcher"])
-    parallelize(layer, mesh, data_parallel="none", sequence_parallel=False, etp=1)
+    parallelize(layer, dims, data_parallel="none", sequence_parallel=False)
     # Micro-batch of this rank: its ep coordinate (tp and "naive" dp replicas share one).
     micro_batch = dims.ep_mesh.get_local_rank()
     x = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(micro_batch), requires_grad=True)

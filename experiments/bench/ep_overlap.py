@@ -78,14 +78,14 @@ def _mean(value: float) -> float:
     return float(t) / dist.get_world_size()
 
 
-def _build(moe_options: dict, mesh: object, num_layers: int, **parallel: object) -> torch.nn.Module:
+def _build(moe_options: dict, dims: object, num_layers: int, **parallel: object) -> torch.nn.Module:
     from lightning_moe import parallelize
     from lightning_moe.models import MoEGPT
 
     torch.manual_seed(0)
     moe = {"num_experts": EXPERTS, "top_k": TOP_K, "ffn_hidden_size": FFN, **moe_options}
     model = MoEGPT(hidden_size=HIDDEN, num_layers=num_layers, num_heads=HEADS, moe=moe, max_seq_len=SEQ)
-    return parallelize(model, mesh, data_parallel="none", sequence_parallel=False, **parallel)
+    return parallelize(model, dims, data_parallel="none", sequence_parallel=False, **parallel)
 
 
 def _micro_batches(rank: int) -> list[torch.Tensor]:
@@ -176,9 +176,9 @@ def _layer_worker(rank: int, world: int, store_file: str, rounds: int, out: dict
     from lightning_moe import ParallelDims
 
     dims = ParallelDims(ep=EP)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     micro_batches = _micro_batches(rank)
-    models = {case: _build(moe_options, mesh, LAYERS) for case, (moe_options, _) in CASES.items()}
+    models = {case: _build(moe_options, dims, LAYERS) for case, (moe_options, _) in CASES.items()}
     steps = {
         case: functools.partial(_training_step, models[case], micro_batches, overlap) for case, (_, overlap) in CASES.items()
     }
@@ -199,8 +199,8 @@ def _pipeline_worker(rank: int, world: int, store_file: str, rounds: int, out: d
     from lightning_moe.parallel.pipeline_runner import PipelineRunner
 
     dims = ParallelDims(pp=2, ep=EP)
-    mesh = dims.build_mesh("cpu")
-    model = _build({}, mesh, 2 * LAYERS, pp_stages_per_rank=2, pp_schedule="DualPipeV")
+    dims.build_mesh("cpu")
+    model = _build({}, dims, 2 * LAYERS, pp_stages_per_rank=2, pp_schedule="DualPipeV")
     ids = torch.cat(_micro_batches(dims.ep_mesh.get_local_rank()))
     inputs, kwargs, target = pipeline_batch({"input_ids": ids[:, :-1], "labels": ids[:, 1:]}, MICRO_BATCHES)
     runners = {

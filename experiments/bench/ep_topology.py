@@ -56,14 +56,14 @@ def _worker(rank: int, world: int, ranks_per_node: int, store_file: str, out: di
     from lightning_moe.moe import MoELayer
 
     dims = ParallelDims(ep=world, ranks_per_node=ranks_per_node)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     nodes, my_node = dims.ep_num_nodes, dims.ep_node_ids[dims.ep_mesh.get_local_rank()]
     x = torch.randn(1, TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank), requires_grad=True)
 
     def build(**options):  # noqa: ANN202
         torch.manual_seed(0)
         layer = MoELayer(HIDDEN, FFN, EXPERTS, top_k=TOP_K, **options)
-        return parallelize(layer, mesh, data_parallel="none")
+        return parallelize(layer, dims, data_parallel="none")
 
     def measure(layer) -> tuple[int, int]:  # noqa: ANN001
         comm.reset()

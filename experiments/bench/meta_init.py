@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, store_file: str, meta: bool, out: dict) -> No
 
     dims = ParallelDims(ep=world)
     dims.validate(world)
-    mesh = dims.build_mesh("cpu")
+    dims.build_mesh("cpu")
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")  # reset VmHWM to the current resident set
     start = _high_water_kb()
@@ -50,11 +50,11 @@ def _worker(rank: int, world: int, store_file: str, meta: bool, out: dict) -> No
     if meta:
         with torch.device("meta"):
             model = MoEGPT(**MODEL)
-        parallelize(model, mesh)
+        parallelize(model, dims)
         materialize_sharded(model, torch.device("cpu"), model.initial_value)
     else:
         model = MoEGPT(**MODEL)
-        parallelize(model, mesh)
+        parallelize(model, dims)
     held = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
     out[rank] = ((_high_water_kb() - start) * 1024, held)
     dist.barrier()
@@ -78,7 +78,8 @@ def _load_worker(rank: int, world: int, store_file: str, folder: str, out: dict)
     dims.validate(world)
     with torch.device("meta"):
         module = HFMoEModule(pretrained=folder)
-    parallelize(module, dims.build_mesh("cpu"))
+    dims.build_mesh("cpu")
+    parallelize(module, dims)
     materialize_sharded(module, torch.device("cpu"), module.initial_value)
     files = module._pretrained_shards.folder
     out[rank] = (files.bytes_read, files.expert_bytes_read)

@@ -95,7 +95,7 @@ def apply_activation_checkpointing(module: nn.Module, mode: str, *, attention: b
 
     Example::
 
-        parallelize(model, mesh)
+        parallelize(model, dims)
         apply_activation_checkpointing(model, "selective")
     """
     check_activation_checkpointing(mode)

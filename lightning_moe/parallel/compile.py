@@ -27,7 +27,7 @@ def apply_compile(module: nn.Module, **compile_kwargs: object) -> int:
 
     Example::
 
-        parallelize(model, mesh)
+        parallelize(model, dims)
         apply_compile(model)            # each model.layers[i] runs compiled
     """
     blocks = require_block_container(module, "compile=True")

@@ -25,7 +25,6 @@ from lightning_moe.layout import (
     default_etp,
     expert_group_spans,
     expert_view_order,
-    fold_size,
     ResolvedLayout,
     normalize_fold_ep,
     resolve_layout,
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIM_NAMES: tuple[str, ...] = MESH_DIMS  # the public name (lightning_moe.parallel) of the full mesh's dims
-_DIMS_ATTR = "_lightning_moe_parallel_dims"
 
 
 @dataclass
@@ -298,37 +296,6 @@ class ParallelDims:
                      "edp_mesh", "dense_fsdp_mesh", "token_fsdp_mesh"):
             self.__dict__.pop(name, None)
         self._hsdp_root = None
-        # Remembered on the mesh, so that every parallelize() over it reuses the same sub-meshes
-        # and process groups instead of creating new ones (process groups are never freed).
-        mesh.__dict__.setdefault(_DIMS_ATTR, {})[(self.etp, self.fold_ep)] = self
-
-    @classmethod
-    def from_mesh(
-        cls, mesh: DeviceMesh, etp: int | None = None, fold_ep: tuple[str, ...] | str | None = None
-    ) -> ParallelDims:
-        """The dims of a full mesh built by :meth:`build_mesh` (or with the same names).
-
-        ``etp`` and ``fold_ep`` both left at None: the dims the mesh was built with (the strategy's),
-        else those of a plain mesh (``etp = tp``, no folding).
-        """
-        sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
-        missing = [n for n in MESH_DIM_NAMES if n not in sizes]
-        if missing:
-            raise ValueError(f"mesh needs the dims {MESH_DIM_NAMES}, it lacks {missing}: build it with ParallelDims.build_mesh")
-        attached = mesh.__dict__.get(_DIMS_ATTR, {})
-        if etp is None and fold_ep is None and attached:
-            return next(iter(attached.values()))
-        fold = normalize_fold_ep(fold_ep)
-        known = attached.get((default_etp(sizes["tp"], etp, fold), fold))
-        if known is not None:
-            return known
-        # The node layout belongs to the ranks, not to etp: keep the one the mesh was built with.
-        ranks_per_node = next(iter(attached.values())).ranks_per_node if attached else None
-        ep = sizes["ep"] * fold_size(fold, sizes["tp"], sizes["cp"])
-        dims = cls(**{n: sizes[n] for n in MESH_DIM_NAMES if n != "ep"}, ep=ep, etp=etp, ranks_per_node=ranks_per_node,
-                   fold_ep=fold)
-        dims.attach(mesh)
-        return dims
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -61,7 +61,7 @@ def materialize_sharded(module: nn.Module, device: torch.device, initial_value: 
 
         with torch.device("meta"):
             model = MoEGPT()
-        parallelize(model, mesh)
+        parallelize(model, dims)
         materialize_sharded(model, torch.device("cpu"), model.initial_value)
     """
     module.to_empty(device=device)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Literal
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_moe.layout import V_SCHEDULES
 from lightning_moe.parallel.data_parallel import apply_data_parallel
@@ -55,34 +53,39 @@ def check_layout(module: nn.Module, dims: ParallelDims, pp_stages_per_rank: int 
 
 def parallelize(
     module: nn.Module,
-    mesh: DeviceMesh,
+    dims: ParallelDims,
     *,
     data_parallel: DataParallelKind = "fsdp",
     sequence_parallel: bool = True,
-    etp: int | None = None,
-    fold_ep: str | Sequence[str] | None = None,
     pp_stages_per_rank: int = 1,
     pp_schedule: str = "1F1B",
 ) -> nn.Module:
-    """Parallelize ``module`` in place over the full ``(pp, dp, ep, cp, tp)`` mesh and return it.
+    """Parallelize ``module`` in place over the layout ``dims`` (its full ``(pp, dp, ep, cp, tp)``
+    mesh built, :meth:`ParallelDims.build_mesh`) and return it.
 
     Order: under pp > 1 the pipeline split first (:func:`lightning_moe.parallel.pipeline.split_module`:
     the module keeps only this rank's ``pp_stages_per_rank`` stages, whose modules
     ``pipeline_stage_modules(module)`` returns; ``pp_schedule`` places them, in a V for
-    ``"DualPipeV"``/``"ZBVZeroBubble"``), then expert parallel for every ``MoELayer``, the
-    module's tensor-parallel plan (``tensor_parallel_plan()``, over the layers left), then data
-    parallel last (FSDP2 ``fully_shard``, DDP-style ``replicate``, or ``"none"``: parameters stay
-    replicated and gradients unreduced).
+    ``"DualPipeV"``/``"ZBVZeroBubble"``), then expert parallel for every ``MoELayer`` (over
+    ``dims``' expert view: ``etp``, ``fold_ep``), the module's tensor-parallel plan
+    (``tensor_parallel_plan()``, over the layers left), then data parallel last (FSDP2
+    ``fully_shard``, DDP-style ``replicate``, or ``"none"``: parameters stay replicated and gradients
+    unreduced). Inside a LightningModule run by ``MoE5DStrategy``, ``dims`` is
+    ``self.trainer.strategy.parallel_dims``.
 
     Example::
 
         dims = ParallelDims(ep=2); dims.validate(dist.get_world_size())
-        mesh = dims.build_mesh("cpu")
-        layer = parallelize(MoELayer(64, 128, num_experts=8), mesh, data_parallel="none")
+        dims.build_mesh("cpu")
+        layer = parallelize(MoELayer(64, 128, num_experts=8), dims, data_parallel="none")
     """
+    if not isinstance(dims, ParallelDims):
+        raise TypeError(
+            f"parallelize(module, dims) takes the ParallelDims of the layout, got {type(dims).__name__}: pass"
+            " trainer.strategy.parallel_dims, or ParallelDims(...) after dims.build_mesh(device_type)"
+        )
     if data_parallel not in DATA_PARALLEL_KINDS:
         raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL_KINDS}")
-    dims = ParallelDims.from_mesh(mesh, etp=etp, fold_ep=fold_ep)
     check_layout(module, dims, pp_stages_per_rank)
     if dims.pp > 1:
         # Split first: only this rank's layers get sharded for ep, tp and dp.

@@ -61,7 +61,7 @@ def apply_mixed_precision(module: nn.Module, policy) -> int:  # noqa: ANN001
 
     Example::
 
-        parallelize(model, mesh)                                   # fully_shard, fp32 all-gathers
+        parallelize(model, dims)                                   # fully_shard, fp32 all-gathers
         apply_mixed_precision(model, mixed_precision_policy("bf16-mixed"))   # bf16 all-gathers
     """
     if policy is None:
