@@ -521,3 +521,50 @@ def batch_problem(
         f"global_batch_size {global_batch_size} not divisible by {_product(list(factors), factors)} = {per_step}"
         f"{which}: make global_batch_size a multiple of {per_step} or change micro_batch_size"
     )
+
+
+# -- batches ---------------------------------------------------------------------------------------------
+DEFAULT_MICRO_BATCH_SIZE = 2
+
+
+def default_micro_batch_size(global_batch_size: int) -> int:
+    """The micro-batch `micro_batch_size=None` stands for: 2 samples per rank (1 if the global batch is odd).
+
+    It depends on the global batch alone, never on the layout: batch-level router statistics
+    (the Switch aux loss, capacity, sinkhorn, expert choice) are computed per micro-batch, so a
+    layout-dependent default would change the losses with the layout.
+    """
+    return math.gcd(global_batch_size, DEFAULT_MICRO_BATCH_SIZE)
+
+
+def resolve_batch_layout(
+    global_batch_size: int, micro_batch_size: int | None, num_replicas: int, microbatches_per_step: int = 1
+) -> tuple[int, int]:
+    """Check a batch layout and return `(micro_batch_size, accumulate_grad_batches)`.
+
+    `num_replicas` is the data-parallel size `dp_ep` (dp x ep). `microbatches_per_step` is the
+    number of loader batches one training step consumes together (`pp_microbatches` under pipeline
+    parallelism, the step engine's `loader_batches_per_step`): the accumulation count must be a
+    multiple of it. `micro_batch_size=None` means `default_micro_batch_size(global_batch_size)`,
+    the same on every layout.
+
+    >>> resolve_batch_layout(16, 4, 2)
+    (4, 2)
+    >>> resolve_batch_layout(16, None, 2, microbatches_per_step=2)
+    (2, 4)
+    """
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if microbatches_per_step < 1:
+        raise ValueError(f"microbatches_per_step must be >= 1, got {microbatches_per_step}")
+    default = micro_batch_size is None
+    if default:
+        micro_batch_size = default_micro_batch_size(global_batch_size)
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
+    problem = batch_problem(global_batch_size, micro_batch_size, num_replicas, microbatches_per_step, default=default)
+    if problem:
+        raise ValueError(problem)
+    return micro_batch_size, global_batch_size // (micro_batch_size * num_replicas)

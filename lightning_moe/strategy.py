@@ -21,7 +21,6 @@ from typing_extensions import override
 
 from lightning_moe._compat import (
     LaunchCheckedModelParallelStrategy,
-    optimizer_steps_after_this_batch,
     optimizers_to_device,
     route_gradient_clipping,
     set_process_group_timeouts,
@@ -37,16 +36,15 @@ from lightning_moe.checkpoint.state import (
     save_atomically,
 )
 from lightning_moe.cp import context_parallel_attention
-from lightning_moe.moe import set_aux_loss_scale, update_expert_biases
-from lightning_moe.parallel.accumulation import MicroBatchAccumulation
+from lightning_moe.moe import update_expert_biases
 from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, resolve_world_size
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.engines import choose_step_engine
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.host_memory import return_large_blocks_to_the_system
 from lightning_moe.parallel.init import materialize
-from lightning_moe.parallel.lightning_pipeline import LightningPipeline
 from lightning_moe.parallel.parallelize import is_parallelized, parallelize
 from lightning_moe.parallel.precision import check_precision
 from lightning_moe.parallel.training_plans import apply_training_plans
@@ -62,7 +60,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     over ``dp x ep`` and saves distributed (DCP) checkpoints atomically.
 
     Under ``pp > 1`` a ``torch.distributed.pipelining`` schedule replaces the module's
-    ``training_step`` (:class:`~lightning_moe.parallel.lightning_pipeline.LightningPipeline`): the
+    ``training_step`` (:class:`~lightning_moe.parallel.lightning_pipeline.PipelineEngine`): the
     module provides ``loss_from_logits(output, labels, loss_mask=None, loss_token_count=None)``, and
     ``self(...)`` in its evaluation steps runs the whole model through the stages. Under ``cp > 1``
     ``predict_step`` outputs come back whole, in token order. Precision follows the trainer
@@ -99,7 +97,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             gradients for the step (:mod:`lightning_moe.parallel.fsdp_accumulation`).
         overlap_ep_comm: under gradient accumulation (pp = 1), run each micro-batch's backward interleaved
             with the next one's forward, so that each one's expert all-to-alls are in flight while the
-            other computes (:mod:`lightning_moe.microbatch_overlap`); needs ep > 1 and
+            other computes (:class:`lightning_moe.parallel.accumulation.OverlapEngine`); needs ep > 1 and
             ``data_parallel="fsdp"`` with ``gather_once_per_step=True``. The numbers are those without it.
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
         context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides
@@ -188,17 +186,16 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         try:
             self.parallel_dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp,
                                               ranks_per_node=ranks_per_node, fold_ep=fold_ep)
-            # The pipeline's Lightning glue runs under pp > 1 only; its checks run on every layout.
-            self._pipeline = LightningPipeline(self.parallel_dims, pp_schedule, pp if pp_microbatches is None else pp_microbatches,
-                                               pp_stages_per_rank, overlap_ep_comm)
+            self.step_engine = choose_step_engine(
+                self.parallel_dims, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
+                pp_stages_per_rank=pp_stages_per_rank, overlap_ep_comm=overlap_ep_comm, gather_once_per_step=gather_once_per_step,
+            )
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
         self.pp_schedule, self.pp_stages_per_rank = pp_schedule, pp_stages_per_rank
-        self.pp_microbatches = self._pipeline.microbatches
+        self.pp_microbatches = pp if pp_microbatches is None else pp_microbatches
         self.data_parallel, self.dp_replicate, self.dp_shard = data_parallel, dp_replicate, dp_shard
         self.gather_once_per_step, self.overlap_ep_comm = gather_once_per_step, overlap_ep_comm
-        # Under pp > 1 DualPipeV interleaves instead of the micro-batch overlap.
-        self._accumulation = MicroBatchAccumulation(overlap_ep_comm and pp == 1)
 
     @override
     def before_launch(self) -> None:
@@ -258,14 +255,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         check_context_parallel_support(self.model, self.parallel_dims)
-        if self._accumulation.overlap is not None and not self.lightning_module.automatic_optimization:
-            raise MisconfigurationException(
-                "overlap_ep_comm=True runs each micro-batch's backward inside the next training_step, which needs"
-                " automatic optimization: set overlap_ep_comm=False for a module with automatic_optimization=False"
-            )
-        pipelined = self.parallel_dims.pp > 1
-        if pipelined and trainer.state.fn == TrainerFn.FITTING:
-            self._pipeline.setup(trainer, self.lightning_module, getattr(self.precision_plugin, "scaler", None) is not None)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.step_engine.setup(trainer, self.lightning_module, self.precision_plugin)
         if not is_parallelized(self.model):
             parallelize(
                 self.model,
@@ -288,12 +279,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             optimizers_to_device(self.optimizers, self.root_device)
         # Dense and expert parameters are DTensors on different meshes, which torch's clip_grad_norm_
         # cannot stack: gradient_clip_val goes through ours (norms combined over pp stages).
-        plugin, pp_group = self.precision_plugin, self.parallel_dims.pp_group if pipelined else None
-        route_gradient_clipping(plugin, lambda opt, clip_val: clip_grad_norm_(plugin.main_params(opt), clip_val, group=pp_group))
-        if pipelined:
-            self._pipeline.build(self.model, self.lightning_module, self.root_device)
-        if self.gather_once_per_step:
-            self._accumulation.gather_once_per_step(self.model)
+        plugin, stages_group = self.precision_plugin, self.step_engine.stages_group
+        route_gradient_clipping(plugin, lambda opt, clip_val: clip_grad_norm_(plugin.main_params(opt), clip_val, group=stages_group))
+        self.step_engine.build(self.model, self.lightning_module, self.root_device)
         self._apply_timeout()  # groups created while parallelizing
 
     def _apply_timeout(self) -> None:
@@ -304,15 +292,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.parallel_dims.pp == 1:
-            last = optimizer_steps_after_this_batch(self.lightning_module.trainer)
-            self._accumulation.backward(partial(super().backward, closure_loss, optimizer, *args, **kwargs), last)
-            return closure_loss
-        # The schedule already ran backward inside training_step: only the hooks run here.
         module = self.lightning_module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._pipeline.backward()
-        return self.precision_plugin.post_backward(closure_loss, module)
+        return self.step_engine.backward(partial(super().backward, closure_loss, optimizer, *args, **kwargs), closure_loss,
+                                         module.trainer, self.precision_plugin, module)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -323,20 +305,17 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
 
     @property
     def microbatches_per_step(self) -> int:
-        """Loader batches each Lightning batch holds: ``pp_microbatches`` under pp > 1, else 1 (a data
-        module's automatic ``micro_batch_size`` keeps the accumulation count a multiple of it)."""
-        return self.pp_microbatches if self.parallel_dims.pp > 1 else 1
+        """Loader batches each Lightning batch holds: ``pp_microbatches`` under pp > 1, else 1
+        (the step engine's ``loader_batches_per_step``)."""
+        return self.step_engine.loader_batches_per_step
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        return self._pipeline.group_batches(dataloader) if self.parallel_dims.pp > 1 else dataloader
+        return self.step_engine.process_dataloader(super().process_dataloader(dataloader))
 
     @override
     def teardown(self) -> None:
-        if self.lightning_module is not None:
-            self._pipeline.teardown(self.lightning_module.trainer)
-        self._accumulation.discard()
+        self.step_engine.teardown(self.lightning_module.trainer if self.lightning_module is not None else None)
         super().teardown()
 
     # -- steps -------------------------------------------------------------------------------------
@@ -355,36 +334,18 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # Lightning divides the task loss by the accumulation count; the MoE aux losses follow. Each
-        # cp rank holds a partial aux loss (the cp ranks' parts sum to the micro-batch's) while
-        # gradients are averaged over cp, hence the factor cp.
-        assert self.lightning_module is not None
-        if self.parallel_dims.pp > 1:
-            # The schedule runs forward and backward of every micro-batch; Lightning's backward is a no-op.
-            with self._step_context(), self.precision_plugin.train_step_context():
-                loss, size = self._pipeline.training_step(
-                    args[0], self.lightning_module.trainer.accumulate_grad_batches, self.optimizers, self.lightning_module
-                )
-            self.lightning_module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
-            return loss
-        set_aux_loss_scale(self.parallel_dims.cp / self.lightning_module.trainer.accumulate_grad_batches)
-        last = optimizer_steps_after_this_batch(self.lightning_module.trainer)
-        return self._accumulation.forward(partial(self._module_training_step, *args, **kwargs), last)
-
-    def _module_training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            return super().training_step(*args, **kwargs)
+        module = self.lightning_module
+        assert module is not None
+        batch = args[0] if args else kwargs.get("batch")
+        return self.step_engine.training_step(partial(super().training_step, *args, **kwargs), batch, module.trainer,
+                                              self.optimizers, module, self._step_context)
 
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         """The module's own evaluation step: under pp > 1 ``self(...)`` runs the whole model through the
         stages (output on every rank); under cp > 1 ``predict_step`` outputs come back whole, in token order."""
         assert self.lightning_module is not None
         step = getattr(super(), hook)
-        pipeline = (
-            self._pipeline.whole_model_forward(self.lightning_module)
-            if self.parallel_dims.pp > 1 and self._pipeline.runner is not None else nullcontext()
-        )
-        with self._step_context(), pipeline:
+        with self._step_context(), self.step_engine.eval_context(self.lightning_module):
             output = step(*args, **kwargs)
         if hook == "predict_step" and self.parallel_dims.cp > 1:
             batch = args[0] if args else kwargs.get("batch")
@@ -436,7 +397,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             return super().load_checkpoint(path, weights_only=True)
         assert self.model is not None and self.lightning_module is not None
         metadata = read_metadata(path)
-        load_model_and_optimizers(self.model, self.optimizers, path, complete=self.parallel_dims.pp == 1,
+        load_model_and_optimizers(self.model, self.optimizers, path, complete=self.step_engine.stages_group is None,
                                   strict=self.lightning_module.strict_loading)
         restore_strategy_state(metadata, self.lightning_module.trainer.accumulate_grad_batches)
         return metadata

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import close_pools, get_pool
+from tests.dist_pool import close_pools, sole_pool
+from tests.launched_rank import launched_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,10 +78,9 @@ def train_in_pool(run_dir: Path, *overrides: str, base: Sequence[str] = TINY_RUN
     (:func:`lightning_moe.train.fit`); only the start-up of the processes and their imports (about
     10 s a run on 2 cores) are paid once per pool. For tests that are not about the launcher.
     """
-    cfg = compose_train_config(run_dir, [*base, *overrides])
-    world_size = cfg.trainer.devices * cfg.trainer.num_nodes
-    close_pools(keep=world_size)
-    get_pool(world_size).run(_fit_on_this_rank, overrides=[*base, *overrides], run_dir=str(run_dir))
+    overrides = [*base, *overrides]
+    trainer = compose_train_config(run_dir, overrides).trainer
+    sole_pool(trainer.devices * trainer.num_nodes).run(_fit_on_this_rank, overrides=overrides, run_dir=str(run_dir))
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -94,17 +94,17 @@ def compose_train_config(run_dir: Path, overrides: Sequence[str]) -> Any:
         return compose("train", overrides=[*overrides, f"trainer.default_root_dir={run_dir}"])
 
 
-def _fit_on_this_rank(overrides: list[str], run_dir: str) -> None:
-    import torch.distributed as dist
-
+def fit_on_this_rank(overrides: Sequence[str], run_dir: str | Path) -> Any:
+    """What ``python -m lightning_moe.train *overrides`` does on this rank of a test pool: the config
+    composed (output directory ``run_dir``) and checked, and :func:`lightning_moe.train.fit`'s result,
+    the processes taken as launched (as under torchrun)."""
     from lightning_moe.train import check_config, fit
 
     cfg = compose_train_config(Path(run_dir), overrides)
     check_config(cfg)
-    # Set, LOCAL_RANK tells Lightning that the processes exist already (as under torchrun).
-    rank, devices = dist.get_rank(), cfg.trainer.devices
-    os.environ.update(LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices))
-    try:
-        fit(cfg)
-    finally:
-        del os.environ["LOCAL_RANK"], os.environ["NODE_RANK"]
+    with launched_rank(cfg.trainer.devices):
+        return fit(cfg)
+
+
+def _fit_on_this_rank(overrides: list[str], run_dir: str) -> None:
+    fit_on_this_rank(overrides, run_dir)  # a pool task: nothing to send back

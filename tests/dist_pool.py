@@ -4,6 +4,9 @@ Tests send a module-level function by reference; every rank runs it and the resu
 in rank order. Workers are forked from a fork server that imported torch, Lightning and the
 library once for the whole session: a spawned worker imports them itself (about 5 s of CPU each,
 20 s for a pool of 4 on 2 loaded cores), a forked one starts in a tenth of a second.
+
+The session keeps one live pool per world size (:func:`get_pool`); :func:`close_pools` stops the idle
+ones when a test needs the cores, and the session's end (tests/conftest.py) stops them all.
 """
 
 from __future__ import annotations
@@ -105,6 +108,34 @@ class DistributedPool:
             if proc.is_alive():
                 proc.kill()
         self._store_dir.cleanup()
+
+
+_POOLS: dict[int, DistributedPool] = {}
+
+
+def get_pool(world_size: int) -> DistributedPool:
+    """One live pool per world size for the whole session (restarted if a test broke it)."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive:
+        pool = _POOLS[world_size] = DistributedPool(world_size)
+    return pool
+
+
+def close_pools(keep: int | None = None) -> None:
+    """Stop the idle pools but the one of world size ``keep`` (the next ``get_pool`` starts a fresh one).
+
+    Every process group keeps a gloo loop thread that wakes up even when idle; after the layouts
+    of many tests, an idle pool's hundreds of them take a large share of 2 cores from the
+    processes a CLI test starts, or from another pool.
+    """
+    for world_size in [size for size in _POOLS if size != keep]:
+        _POOLS.pop(world_size).close()
+
+
+def sole_pool(world_size: int) -> DistributedPool:
+    """The pool of ``world_size`` processes, every other one stopped: its run gets the cores to itself."""
+    close_pools(keep=world_size)
+    return get_pool(world_size)
 
 
 _LAYOUTS: dict[tuple, Any] = {}

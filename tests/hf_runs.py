@@ -10,7 +10,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tests.conftest import close_pools, get_pool
+from tests.dist_pool import close_pools, sole_pool
+from tests.launched_rank import launched_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,8 +44,7 @@ def train_hf_in_pool(layout: Mapping[str, int], out: Path, save_hf: bool, famili
     world = 1
     for size in layout.values():
         world *= size
-    close_pools(keep=world)  # the run's processes get the cores to themselves
-    pool = get_pool(world)
+    pool = sole_pool(world)  # the run's processes get the cores to themselves
     try:
         for family in families:  # one task a family: hf_train.main's loop, each well within the pool's task timeout
             pool.run(_train_hf_on_this_rank, layout=dict(layout), out=str(out), save_hf=save_hf, family=family)
@@ -58,21 +58,13 @@ def _train_hf_on_this_rank(layout: dict, out: str, save_hf: bool, family: str) -
 
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    # LOCAL_RANK set: Lightning takes the processes as launched (torchrun's variables); WORLD_SIZE is what
-    # the script reads for the Trainer's devices.
-    env = {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world), "HF_HUB_OFFLINE": "1"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
+    # Lightning takes the processes as launched (torchrun's variables); WORLD_SIZE is what the script
+    # reads for the Trainer's devices.
     try:
-        from tests.scripts import hf_train
+        with launched_rank(env={"WORLD_SIZE": str(dist.get_world_size()), "HF_HUB_OFFLINE": "1"}):
+            from tests.scripts import hf_train
 
-        Path(out).mkdir(parents=True, exist_ok=True)
-        hf_train.train_one(family, layout, Path(out), save_hf)
+            Path(out).mkdir(parents=True, exist_ok=True)
+            hf_train.train_one(family, layout, Path(out), save_hf)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         gc.collect()  # as hf_train.main: this family's module and trainer are gone before the next fit

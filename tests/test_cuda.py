@@ -321,9 +321,11 @@ def test_bf16_grouped_mm_path_takes_aligned_groups():
 
 @_cuda_test
 @pytest.mark.xfail(
-    strict=False,
-    reason="known CUDA syncs outside the padding code (bincount in the router and sort_slots_by_expert, scalar"
-    " tensors in the layer's statistics): see tests/test_hot_path.py",
+    strict=True,
+    raises=AssertionError,
+    reason="known CUDA syncs outside the padding code, on every step (bincount in the router and"
+    " sort_slots_by_expert, scalar tensors in the layer's statistics): tests/test_hot_path.py's strict xfail"
+    " counts the same sites on CPU; fixing them flips both",
 )
 def test_bf16_grouped_mm_path_has_no_device_sync():
     if not _grouped_mm_on_this_gpu():
@@ -333,6 +335,16 @@ def test_bf16_grouped_mm_path_has_no_device_sync():
 
 
 # -- expert-parallel dispatchers on CUDA with NCCL ------------------------------------------------------
+def _ep_rank_step(layer, rank: int) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Rank ``rank``'s bf16 forward and backward on CUDA: ``{"y": output, "gx": input gradient}`` in fp32 on CPU."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    x = torch.randn(40, 64, generator=gen).cuda().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().sum().backward()
+    return {"y": y.detach().float().cpu(), "gx": x.grad.float().cpu()}
+
+
 def _ep_worker(rank: int, world: int, init_file: str, dispatcher: str, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -342,16 +354,12 @@ def _ep_worker(rank: int, world: int, init_file: str, dispatcher: str, out_dir: 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        mesh = ParallelDims(ep=world, dp=1).build_mesh("cuda")
+        dims = ParallelDims(ep=world, dp=1)
+        dims.build_mesh("cuda")
         torch.manual_seed(0)
         layer = MoELayer(64, 96, 8, top_k=2, dispatcher=dispatcher).cuda()
-        parallelize(layer, mesh, data_parallel="none")
-        gen = torch.Generator().manual_seed(10 + rank)
-        x = torch.randn(40, 64, generator=gen).cuda().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = layer(x)
-        y.float().sum().backward()
-        torch.save({"y": y.detach().float().cpu(), "gx": x.grad.float().cpu()}, f"{out_dir}/rank{rank}.pt")
+        parallelize(layer, dims, data_parallel="none")
+        torch.save(_ep_rank_step(layer, rank), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -370,13 +378,9 @@ def test_ep_dispatchers_on_cuda_match_the_single_device_layer(dispatcher, tmp_pa
     reference = MoELayer(64, 96, 8, top_k=2).cuda()
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
-        gen = torch.Generator().manual_seed(10 + rank)
-        x = torch.randn(40, 64, generator=gen).cuda().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            y = reference(x)
-        y.float().sum().backward()
-        torch.testing.assert_close(got["y"], y.detach().float().cpu(), atol=3e-2, rtol=3e-2)
-        torch.testing.assert_close(got["gx"], x.grad.float().cpu(), atol=3e-2, rtol=3e-2)
+        want = _ep_rank_step(reference, rank)
+        torch.testing.assert_close(got["y"], want["y"], atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(got["gx"], want["gx"], atol=3e-2, rtol=3e-2)
 
 
 # -- 10 Lightning steps on one GPU vs CPU ---------------------------------------------------------------

@@ -137,7 +137,7 @@ EP_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("ep,dispatcher,capacity_factor,score_func,expert_bias,one_rank", EP_CASES)
 def test_forced_alignment_under_expert_parallelism(ep, dispatcher, capacity_factor, score_func, expert_bias, one_rank):
-    from tests.conftest import get_pool
+    from tests.dist_pool import get_pool
     from tests.test_expert_parallel import ATOL, WORLD, ep_layer_case
 
     reports = get_pool(WORLD).run(

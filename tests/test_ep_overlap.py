@@ -12,9 +12,10 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
-from lightning_moe.microbatch_overlap import MicroBatchOverlap, hand_off, run_interleaved
+from lightning_moe.moe.interleave import hand_off, run_interleaved
+from lightning_moe.parallel.accumulation import MicroBatchOverlap
 from tests.cli import train_in_pool
-from tests.conftest import get_pool
+from tests.dist_pool import get_pool
 
 
 def test_the_two_micro_batches_take_turns_at_each_all_to_all():

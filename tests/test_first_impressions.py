@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 
 from lightning_moe.callbacks import StepProgressBar
-from tests.conftest import close_pools
+from tests.dist_pool import close_pools
 
 # `make train`'s command (OMP_NUM_THREADS=1 python -m lightning_moe.train parallel=ep2) with the
 # default logger (W&B, offline), shortened.

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.conftest import get_pool  # noqa: E402
+from tests.dist_pool import get_pool  # noqa: E402
 from tests.dist_pool import layout  # noqa: E402
 
 QWEN3 = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,

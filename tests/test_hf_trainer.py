@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.conftest import close_pools  # noqa: E402
+from tests.dist_pool import close_pools  # noqa: E402
 from tests.hf_runs import train_hf_in_pool  # noqa: E402
 
 ALL = ("qwen3_moe", "deepseek_v3", "mixtral", "qwen2_moe", "olmoe", "gpt_oss")

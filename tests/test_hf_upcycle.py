@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.conftest import get_pool  # noqa: E402
+from tests.dist_pool import get_pool  # noqa: E402
 from tests.dist_pool import layout  # noqa: E402
 
 REL = 1e-5

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
 from lightning_moe.layout import hsdp_problem, hsdp_sizes
-from tests.conftest import get_pool
+from tests.dist_pool import get_pool
 from tests.dist_pool import layout as pool_layout
 
 TINY = {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden_size": 128,

@@ -28,7 +28,8 @@ from lightning_moe.hf import HFMoEModule
 from lightning_moe.models import MoEGPT
 from lightning_moe.moe import MoELayer
 from lightning_moe.train import CONF_DIR, build
-from tests.conftest import close_pools, presets_this_torch_builds
+from tests.dist_pool import close_pools
+from tests.presets import presets_this_torch_builds
 
 GROUPS = ("model", "parallel", "data", "trainer", "logger", "callbacks", "experiment")
 SUMMARY_KEYS = {"layout", "losses", "final_loss", "tokens_per_second", "expert_load"}

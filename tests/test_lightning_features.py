@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.cli import ROOT
-from tests.conftest import close_pools
+from tests.dist_pool import close_pools
 from tests.scripts.lightning_features_run import NUM_SAMPLES
 
 SCRIPT = ROOT / "tests/scripts/lightning_features_run.py"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.link_simulator import LinkSimulator, parse_bandwidth, parse_duration
-from tests.conftest import get_pool
+from tests.dist_pool import get_pool
 
 WORLD = 2
 SENT = 1_000_000  # bytes each rank sends to its peer in one all-to-all

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from tests.conftest import get_pool
+from tests.dist_pool import get_pool
 from tests.dist_pool import layout
 
 MODEL = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, moe={"num_experts": 4, "ffn_hidden_size": 32},

@@ -235,7 +235,7 @@ def sequence_group_case(balancing: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("balancing", ["aux_loss", "seq_aux_loss", "global_aux_loss"])
 def test_sequence_group_losses_sum_to_the_full_micro_batch(balancing):
-    from tests.conftest import get_pool
+    from tests.dist_pool import get_pool
 
     for rank, report in enumerate(get_pool(4).run(sequence_group_case, balancing=balancing)):
         assert report["aux_value"] > 0

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.moe import LocalDispatcher, MoELayer
-from tests.conftest import get_pool
+from tests.dist_pool import get_pool
 from tests.dist_pool import layout
 from tests.reference_moe import (
     ATOL,
@@ -134,7 +134,7 @@ def options_layer_case(option: str, tp: int, ep: int, etp: int, dispatcher: str,
                        z_loss_coeff=1e-3 * coeff, **DIST_OPTIONS[option])
     reference = copy.deepcopy(layer)
     # Tokens replicated over tp (a plain tensor): each tp rank dispatches its 1/tp sequence slice.
-    parallelize(layer, dims.mesh, data_parallel="none", sequence_parallel=False, etp=etp)
+    parallelize(layer, dims, data_parallel="none", sequence_parallel=False)
     layer.dispatcher.pad_rows = pad_rows
 
     tp_rank = dims.tp_mesh.get_local_rank()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tests.cli import run_cli, train_in_pool
-from tests.conftest import get_pool
+from tests.dist_pool import get_pool
 
 WORLD = 4
 

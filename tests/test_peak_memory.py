@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from experiments.bench.peak_memory import compare, measure, planned_bytes
-from tests.conftest import close_pools
+from tests.dist_pool import close_pools
 
 # 4 layers of 8 experts of 3 x 512 x 1024: 53M parameters, 26.6M per ep2 rank; 3 AdamW steps.
 MODEL = [

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.conftest import get_pool
+from tests.dist_pool import get_pool
 from tests.dist_pool import layout
 
 ATOL = 2e-6

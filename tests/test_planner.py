@@ -42,7 +42,7 @@ from lightning_moe.planner import (
 )
 from lightning_moe.plan import CONF_DIR, dry_run, layout_from_parallel, model_shape, plan_json, run_plan
 from tests.cli import ROOT, TINY_RUN
-from tests.conftest import close_pools, get_pool
+from tests.dist_pool import close_pools, get_pool
 from tests.dist_pool import layout as pool_layout
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli import TINY_MODEL
-from tests.conftest import close_pools
+from tests.dist_pool import close_pools
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -17,7 +17,7 @@ from experiments.sweeps.layouts import sweep_override, valid_layouts
 from lightning_moe.report import load_jobs, main, write_report
 from lightning_moe.train import CONF_DIR
 from tests.cli import TINY_RUN
-from tests.conftest import close_pools
+from tests.dist_pool import close_pools
 
 
 def _summary(final_loss: float, imbalance: list[float], ep: int = 1) -> dict:

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.conftest import get_pool
+from tests.dist_pool import get_pool
 
 WORLD = 4
 BATCH, HEAD_DIM = 2, 8

@@ -318,7 +318,7 @@ def one_process_replay(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp,cp,ep", [(1, 1, 2), (2, 1, 2), (1, 2, 2)], ids=["ep2", "tp2-ep2-sp", "cp2-ep2"])
 def test_trace_recorded_on_one_process_replays_on_other_layouts(one_process_replay, tp, cp, ep):
-    from tests.conftest import get_pool
+    from tests.dist_pool import get_pool
 
     reference = one_process_replay
     reports = get_pool(WORLD).run(replay_layout_case, tp=tp, cp=cp, ep=ep, trace_path=reference["path"])
@@ -388,7 +388,7 @@ def replay_pipeline_case(trace_path: str) -> dict:
 @pytest.mark.slow
 def test_trace_recorded_on_one_process_replays_through_the_pipeline(one_process_replay):
     """pp2: each stage replays its own layers' recorded choices for the samples of its data rank."""
-    from tests.conftest import get_pool
+    from tests.dist_pool import get_pool
 
     reference = one_process_replay
     reports = get_pool(WORLD).run(replay_pipeline_case, trace_path=reference["path"])

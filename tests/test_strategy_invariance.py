@@ -209,7 +209,7 @@ def test_any_sdpa_module_gets_context_parallel(tmp_path):
     import sys
 
     from tests.cli import ROOT
-    from tests.conftest import close_pools
+    from tests.dist_pool import close_pools
 
     close_pools()
     losses = {}

@@ -11,7 +11,6 @@ pool (tests/dist_pool.py): the processes and their imports are paid once, not on
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,8 +22,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_moe import MoE5DStrategy
 from lightning_moe.parallel.tensor_parallel import call_plan
 from lightning_moe.train import CONF_DIR, check_config
-from tests.cli import TINY_RUN, compose_train_config
-from tests.conftest import close_pools, get_pool, presets_this_torch_builds
+from tests.cli import TINY_RUN, compose_train_config, fit_on_this_rank
+from tests.dist_pool import sole_pool
+from tests.presets import presets_this_torch_builds
 from tests.scripts import user_moe_module
 
 REL = 1e-5
@@ -37,8 +37,7 @@ def _run_script(out_dir: Path, *args: str) -> dict:
     on the ranks of a test pool (processes started once, not once per run); the single process is a 1-rank pool."""
     options = user_moe_module.parse_args([str(out_dir), "--steps", str(STEPS), *args])
     world_size = options["tp"] * options["cp"] * options["ep"] * options["pp"]
-    close_pools(keep=world_size)  # the run's processes get the cores to themselves
-    logs = get_pool(world_size).run(user_moe_module.train_on_this_rank, **options)
+    logs = sole_pool(world_size).run(user_moe_module.train_on_this_rank, **options)
     biases: dict[str, list[float]] = {}
     for path in out_dir.glob("bias_rank*.json"):
         biases.update(json.loads(path.read_text()))  # pipeline ranks hold different blocks
@@ -173,20 +172,10 @@ def fit_and_report(overrides: list[str], run_dir: str) -> str:
     """What ``python -m lightning_moe.train *overrides`` does on this rank of a test pool: the config
     composed and checked, :func:`lightning_moe.train.fit`, and the run report global rank 0 prints
     (returned; "" on the other ranks)."""
-    import torch.distributed as dist
-
     from lightning_moe.callbacks import SummaryCallback
-    from lightning_moe.train import fit, run_report
+    from lightning_moe.train import run_report
 
-    cfg = compose_train_config(Path(run_dir), overrides)
-    check_config(cfg)
-    # Set, LOCAL_RANK tells Lightning that the processes exist already (as under torchrun).
-    rank, devices = dist.get_rank(), cfg.trainer.devices
-    os.environ.update(LOCAL_RANK=str(rank % devices), NODE_RANK=str(rank // devices))
-    try:
-        run, wandb_runs = fit(cfg)
-    finally:
-        del os.environ["LOCAL_RANK"], os.environ["NODE_RANK"]
+    run, wandb_runs = fit_on_this_rank(overrides, run_dir)
     summary = next((c for c in run.callbacks if isinstance(c, SummaryCallback)), None)
     return run_report(summary, wandb_runs) if run.trainer.is_global_zero else ""
 
@@ -201,9 +190,8 @@ def test_pipeline_preset_trains_with_nothing_else_on_the_command_line(tmp_path, 
     overrides = [f"parallel={preset}", "trainer.max_steps=2", "logger=none"]
     run_dir = tmp_path / "run"
     trainer = compose_train_config(run_dir, overrides).trainer
-    world_size = trainer.devices * trainer.num_nodes
-    close_pools(keep=world_size)
-    report = "".join(get_pool(world_size).run(fit_and_report, overrides=overrides, run_dir=str(run_dir)))
+    pool = sole_pool(trainer.devices * trainer.num_nodes)
+    report = "".join(pool.run(fit_and_report, overrides=overrides, run_dir=str(run_dir)))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["losses"]) == 2 and summary["layout"]["pp"] == 2
     assert "layout: tp=" in report and "communication per optimizer step and rank" in report

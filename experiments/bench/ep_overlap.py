@@ -20,7 +20,7 @@ The cases (:data:`CASES`):
 - ``shared expert``: a shared expert of the routed experts' FFN size, computed while the dispatch is
   in flight (in backward, its gradient while the dispatch's gradient travels);
 - ``micro-batch overlap``: ``MoE5DStrategy(overlap_ep_comm=True)``'s schedule
-  (:mod:`lightning_moe.microbatch_overlap`): micro-batch i's backward interleaved with micro-batch
+  (:class:`lightning_moe.parallel.accumulation.MicroBatchOverlap`): micro-batch i's backward interleaved with micro-batch
   i+1's forward, each one's all-to-alls in flight while the other computes.
 
 Each runs with infinite bandwidth (no simulator) and under the simulated link, round-robin, median
@@ -95,7 +95,7 @@ def _micro_batches(rank: int) -> list[torch.Tensor]:
 
 def _training_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], overlap: bool) -> None:
     """Forward and backward of every micro-batch, gradients accumulated (as Lightning's loop runs them)."""
-    from lightning_moe.microbatch_overlap import MicroBatchOverlap
+    from lightning_moe.parallel.accumulation import MicroBatchOverlap
 
     schedule = MicroBatchOverlap() if overlap else None
     for i, ids in enumerate(micro_batches):

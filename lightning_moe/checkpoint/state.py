@@ -167,9 +167,9 @@ def rewind_epoch_cut_short(checkpoint: MutableMapping[str, Any]) -> None:
         epochs[scope]["completed"] -= 1
         epochs[scope]["processed"] -= 1
         batches[scope]["completed"] -= 1
-    loop_state = fit.get("epoch_loop.state_dict", {})
-    if "_batches_that_stepped" in loop_state:
-        loop_state["_batches_that_stepped"] -= 1
+    from lightning_moe._compat import rewind_saved_logging_step
+
+    rewind_saved_logging_step(fit.get("epoch_loop.state_dict", {}))
     epoch = epochs["current"]["completed"]
     for loader_state in fit.get("state_dict", {}).get("combined_loader") or []:
         if isinstance(loader_state, dict) and "samples_consumed" in loader_state:

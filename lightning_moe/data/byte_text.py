@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe.data.sampler import LayoutInvariantSampler, ResumableDataLoader, resolve_batch_layout
+from lightning_moe.parallel.engines import step_engine_of
 
 __all__ = [
     "ByteTextDataModule",
@@ -242,9 +243,9 @@ class ByteTextDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers.
 
     `num_replicas`/`rank` come from `trainer.strategy.distributed_sampler_kwargs` (the strategy's
-    `dp_ep` group) and are 1/0 without a distributed strategy; `microbatches_per_step` from
-    `trainer.strategy.microbatches_per_step` (1 if absent). `setup()` sets
-    `trainer.accumulate_grad_batches = global_batch_size // (micro_batch_size * num_replicas)`.
+    `dp_ep` group) and are 1/0 without a distributed strategy. `setup()` asks the strategy's step
+    engine (plain gradient accumulation for another strategy) for the batch plan, and the engine
+    has the trainer accumulate `global_batch_size // (micro_batch_size * num_replicas)` micro-batches.
 
     Example:
         >>> dm = ByteTextDataModule(seq_len=128, global_batch_size=16, micro_batch_size=4)
@@ -289,23 +290,24 @@ class ByteTextDataModule(pl.LightningDataModule):
         self.train_dataset: ByteWindowDataset | None = None
         self.val_dataset: ByteWindowDataset | None = None
 
-    def _replica_layout(self) -> tuple[int, int, int]:
-        """(data-parallel replicas, this rank among them, loader batches per training step)."""
-        strategy = getattr(self.trainer, "strategy", None)
-        microbatches = int(getattr(strategy, "microbatches_per_step", 1))
+    def _replica_layout(self) -> tuple[int, int]:
+        """(data-parallel replicas, this rank among them)."""
         # Single-device strategies have no distributed_sampler_kwargs at all.
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+        kwargs = getattr(getattr(self.trainer, "strategy", None), "distributed_sampler_kwargs", None)
         if not kwargs:
-            return 1, 0, microbatches
-        return int(kwargs["num_replicas"]), int(kwargs["rank"]), microbatches
+            return 1, 0
+        return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
     def prepare_data(self) -> None:
         build_corpus(self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir)
 
     def setup(self, stage: str | None = None) -> None:
-        self.num_replicas, self.rank, self.microbatches_per_step = self._replica_layout()
-        self.micro_batch_size, self.accumulate_grad_batches = resolve_batch_layout(
-            self.global_batch_size, self.requested_micro_batch_size, self.num_replicas, self.microbatches_per_step
+        self.num_replicas, self.rank = self._replica_layout()
+        # The step engine plans the batches and has the trainer accumulate them (one owner).
+        engine = step_engine_of(self.trainer)
+        self.microbatches_per_step = engine.loader_batches_per_step
+        self.micro_batch_size, self.accumulate_grad_batches = engine.plan_batches(
+            self.trainer, self.global_batch_size, self.requested_micro_batch_size, self.num_replicas
         )
         # Every rank builds (or finds) the corpus: the build is atomic, so racing is harmless.
         self.corpus = build_corpus(
@@ -329,17 +331,6 @@ class ByteTextDataModule(pl.LightningDataModule):
             )
         self.train_dataset = ByteWindowDataset(self.corpus, self.seq_len, 0, num_train)
         self.val_dataset = ByteWindowDataset(self.corpus, self.seq_len, num_train, num_val)
-        if self.trainer is not None:
-            requested = self.trainer.accumulate_grad_batches
-            if requested not in (1, self.accumulate_grad_batches):
-                raise ValueError(
-                    f"Trainer(accumulate_grad_batches={requested}) conflicts with the data "
-                    f"layout: global_batch_size // (micro_batch_size*dp_ep) = "
-                    f"{self.accumulate_grad_batches}; leave accumulate_grad_batches at 1 and set "
-                    "global_batch_size / micro_batch_size instead"
-                )
-            # Lightning's loops read this attribute at every batch, so setting it here is enough.
-            self.trainer.accumulate_grad_batches = self.accumulate_grad_batches
 
     def _loader(self, dataset: ByteWindowDataset | None, shuffle: bool) -> DataLoader:
         if dataset is None or self.micro_batch_size is None:

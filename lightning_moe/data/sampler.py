@@ -9,62 +9,15 @@ run on 4 data-parallel processes therefore average their gradients over the same
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_moe.layout import batch_problem
+from lightning_moe.layout import DEFAULT_MICRO_BATCH_SIZE, default_micro_batch_size, resolve_batch_layout
 
 __all__ = ["DEFAULT_MICRO_BATCH_SIZE", "LayoutInvariantSampler", "ResumableDataLoader", "default_micro_batch_size", "resolve_batch_layout"]
-
-
-DEFAULT_MICRO_BATCH_SIZE = 2
-
-
-def default_micro_batch_size(global_batch_size: int) -> int:
-    """The micro-batch `micro_batch_size=None` stands for: 2 samples per rank (1 if the global batch is odd).
-
-    It depends on the global batch alone, never on the layout: batch-level router statistics
-    (the Switch aux loss, capacity, sinkhorn, expert choice) are computed per micro-batch, so a
-    layout-dependent default would change the losses with the layout.
-    """
-    return math.gcd(global_batch_size, DEFAULT_MICRO_BATCH_SIZE)
-
-
-def resolve_batch_layout(
-    global_batch_size: int, micro_batch_size: int | None, num_replicas: int, microbatches_per_step: int = 1
-) -> tuple[int, int]:
-    """Check a batch layout and return `(micro_batch_size, accumulate_grad_batches)`.
-
-    `num_replicas` is the data-parallel size `dp_ep` (dp x ep). `microbatches_per_step` is the
-    number of loader batches one training step consumes together (`pp_microbatches` under pipeline
-    parallelism, see `MoE5DStrategy.microbatches_per_step`): the accumulation count must be a
-    multiple of it. `micro_batch_size=None` means `default_micro_batch_size(global_batch_size)`,
-    the same on every layout.
-
-    >>> resolve_batch_layout(16, 4, 2)
-    (4, 2)
-    >>> resolve_batch_layout(16, None, 2, microbatches_per_step=2)
-    (2, 4)
-    """
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
-    if microbatches_per_step < 1:
-        raise ValueError(f"microbatches_per_step must be >= 1, got {microbatches_per_step}")
-    default = micro_batch_size is None
-    if default:
-        micro_batch_size = default_micro_batch_size(global_batch_size)
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
-    problem = batch_problem(global_batch_size, micro_batch_size, num_replicas, microbatches_per_step, default=default)
-    if problem:
-        raise ValueError(problem)
-    return micro_batch_size, global_batch_size // (micro_batch_size * num_replicas)
 
 
 class LayoutInvariantSampler(DistributedSampler):

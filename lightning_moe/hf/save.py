@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_moe._compat import attached_trainer_or_none, tied_weights_keys
 from lightning_moe.hf.convert import hf_state_dict
 
 __all__ = ["save_hf"]
@@ -52,7 +53,7 @@ def save_hf(module: Any, path: str | os.PathLike) -> None:
     """
     model = getattr(module, "model", module)
     state = hf_state_dict(model, full=_full_cpu)
-    strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
+    strategy = getattr(attached_trainer_or_none(module), "strategy", None)
     dims = getattr(strategy, "parallel_dims", None)
     merged = _gather_stages(state, dims)
     if merged is not None:
@@ -72,7 +73,7 @@ def write_hf_folder(config: Any, state: dict[str, torch.Tensor], path: str | os.
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
-    tied = set(getattr(fresh, "_tied_weights_keys", None) or [])
+    tied = set(tied_weights_keys(fresh))
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
         raise RuntimeError(f"save_hf: state dict does not match {type(fresh).__name__}: missing {missing}, unexpected {unexpected}")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_moe._compat import grouped_mm
+from lightning_moe._compat import grouped_mm, torch_has_grouped_mm
 
 __all__ = ["ACTIVATIONS", "GroupedExperts", "SharedExpert", "compute_dtype", "expert_activation", "grouped_mm_available"]
 
@@ -40,7 +40,7 @@ def grouped_mm_available(device: torch.device, dtype: torch.dtype, *row_sizes: i
     largest group size on the host once per layer (one sync) and computes ``E x max`` rows: train
     under bf16 autocast (``precision="bf16-mixed"``) on GPUs.
     """
-    if not hasattr(torch, "_grouped_mm") or dtype not in _GROUPED_MM_DTYPES:
+    if not torch_has_grouped_mm() or dtype not in _GROUPED_MM_DTYPES:
         return False
     itemsize = torch.empty((), dtype=dtype).element_size()
     if any(size * itemsize % 16 for size in row_sizes):

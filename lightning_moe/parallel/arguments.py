@@ -74,7 +74,7 @@ def check_strategy_arguments(
 def _check_overlap_ep_comm(
     overlap: Any, *, ep: int | None, pp: int, pp_schedule: str, data_parallel: str, gather_once_per_step: bool, activation_checkpointing: str
 ) -> None:
-    """Where micro-batch overlap (:mod:`lightning_moe.microbatch_overlap`) cannot run, say why
+    """Where micro-batch overlap (:class:`lightning_moe.parallel.accumulation.OverlapEngine`) cannot run, say why
     (``ep=None``: chosen later, by ``layout="auto"``)."""
     if not isinstance(overlap, bool):
         raise MisconfigurationException(f"overlap_ep_comm={overlap!r} must be True or False")

@@ -1,11 +1,11 @@
-"""Pipeline parallelism inside Lightning's loops: what ``MoE5DStrategy``'s hooks hand off to under pp > 1.
+"""Pipeline parallelism inside Lightning's loops: the step engine of pp > 1.
 
-Lightning calls ``training_step``, then ``backward``, per loader batch. Under pp > 1 one Lightning
+Lightning calls ``training_step``, then ``backward``, per Lightning batch. Under pp > 1 one Lightning
 batch holds ``pp_microbatches`` loader batches and the schedule runs forward *and* backward of all
-of them inside ``training_step``. :class:`LightningPipeline` keeps Lightning's contract around that:
+of them inside ``training_step``. :class:`PipelineEngine` keeps Lightning's contract around that:
 
-- gradient accumulation: ``accumulate_grad_batches`` counts loader batches, so it is divided by
-  ``pp_microbatches`` for the run and restored afterwards;
+- gradient accumulation: the batch plan counts loader micro-batches; Lightning accumulates that
+  many over ``pp_microbatches`` Lightning batches (:class:`~lightning_moe.parallel.step_engine.StepEngine`);
 - gradients: Lightning zeroes gradients *after* ``training_step`` and before its backward, so the
   schedule's gradients are stashed and added back in ``backward``, as Lightning's backward would;
 - scaling: each micro-batch is ``1 / (pp_microbatches * accumulation)`` of the optimizer step, for
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,26 +35,28 @@ from lightning_moe.parallel.pipeline import (
     unpack_target_loss,
 )
 from lightning_moe.parallel.pipeline_runner import PipelineRunner
+from lightning_moe.parallel.step_engine import StepEngine
 
-__all__ = ["LightningPipeline", "forward_through_pipeline"]
+__all__ = ["PipelineEngine", "forward_through_pipeline"]
 
 
-class LightningPipeline:
+class PipelineEngine(StepEngine):
     """The pipeline schedule of a Lightning run, with Lightning's accumulation and gradient contract.
 
     Example (what ``MoE5DStrategy`` does under ``pp > 1``)::
 
-        pipeline = LightningPipeline(dims, schedule="1F1B", microbatches=4, stages_per_rank=1)
-        pipeline.setup(trainer, module, has_grad_scaler=False)   # checks; accumulate_grad_batches //= 4
-        pipeline.build(model, module, device)                    # after parallelize
-        loss, size = pipeline.training_step(batch, accumulate, optimizers, module)   # forward + backward
-        pipeline.backward()                           # in Lightning's backward: gradients back in place
+        engine = PipelineEngine(dims, schedule="1F1B", microbatches=4, stages_per_rank=1)
+        engine.setup(trainer, module, precision_plugin)        # checks the module and the batch plan
+        engine.build(model, module, device)                    # after parallelize
+        loss = engine.training_step(step, batch, trainer, optimizers, module, step_context)  # forward + backward
+        engine.backward(backward, loss, trainer, precision_plugin, module)   # gradients back in place
     """
 
     def __init__(
         self, dims: ParallelDims, schedule: str, microbatches: int, stages_per_rank: int, overlap_ep_comm: bool = False
     ) -> None:
         check_pipeline_config(dims.pp, schedule, microbatches, stages_per_rank)
+        super().__init__()
         self.dims = dims
         self.overlap_ep_comm = overlap_ep_comm
         self.schedule = schedule
@@ -62,11 +64,22 @@ class LightningPipeline:
         self.stages_per_rank = stages_per_rank
         self.runner: PipelineRunner | None = None
         self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
-        self._user_accumulate_grad_batches: int | None = None
+        self._precision: Any = None
+
+    @property
+    def stages_group(self) -> torch.distributed.ProcessGroup:  # type: ignore[override]
+        """The pp group: every stage holds part of the model."""
+        return self.dims.pp_group
+
+    @property
+    def loader_batches_per_step(self) -> int:  # type: ignore[override]
+        """Each Lightning batch runs ``pp_microbatches`` loader micro-batches through the schedule."""
+        return self.microbatches
 
     # -- setup and teardown ------------------------------------------------------------------------
-    def setup(self, trainer: Any, module: Any, has_grad_scaler: bool) -> None:
-        """Before fitting: refuse what the schedule cannot run, and count accumulation in pipeline steps."""
+    def setup(self, trainer: Any, module: Any, precision_plugin: Any) -> None:
+        """Before fitting: refuse what the schedule cannot run, and a batch plan that does not fill
+        whole pipeline steps."""
         if not callable(getattr(module, "loss_from_logits", None)):
             raise MisconfigurationException(
                 f"pp={self.dims.pp} > 1: {type(module).__name__} needs a method"
@@ -74,38 +87,19 @@ class LightningPipeline:
                 " of one micro-batch from the last stage's output (the strategy runs the pipeline schedule"
                 " instead of training_step)"
             )
-        if has_grad_scaler:
+        if getattr(precision_plugin, "scaler", None) is not None:
             raise MisconfigurationException(
                 "pp > 1 with a gradient scaler (precision='16-mixed') is not supported: the pipeline runs"
                 " backward itself; use precision='bf16-mixed' or '32-true'"
             )
-        self._divide_accumulation(trainer)
-
-    def _divide_accumulation(self, trainer: Any) -> None:
-        """Each Lightning batch runs ``pp_microbatches`` loader batches: accumulate that many times fewer."""
-        if self._user_accumulate_grad_batches is None:
-            self._user_accumulate_grad_batches = trainer.accumulate_grad_batches
-        accumulate = self._user_accumulate_grad_batches
-        m = self.microbatches
-        if accumulate % m == 0:
-            trainer.accumulate_grad_batches = accumulate // m
-            return
-        dims = self.dims
-        datamodule = getattr(trainer, "datamodule", None)
-        global_batch = getattr(datamodule, "global_batch_size", None)
-        micro_batch = getattr(datamodule, "micro_batch_size", None)
-        if isinstance(global_batch, int) and isinstance(micro_batch, int):
-            product = dims.dp * dims.mesh_ep * m * micro_batch
+        accumulation = self.accumulation if self.accumulation is not None else self._user_value(trainer)
+        if accumulation % self.microbatches:
             raise MisconfigurationException(
-                f"global_batch_size {global_batch} is not divisible by dp*ep*pp_microbatches*micro_batch_size ="
-                f" {dims.dp}*{dims.mesh_ep}*{m}*{micro_batch} = {product}: every pipeline step runs pp_microbatches"
-                f" micro-batches; make global_batch_size a multiple of {product} or change pp_microbatches"
-                " or micro_batch_size"
+                f"accumulate_grad_batches {accumulation} (micro-batches per optimizer step and rank) is not divisible by"
+                f" pp_microbatches={self.microbatches}: every pipeline step runs pp_microbatches micro-batches"
             )
-        raise MisconfigurationException(
-            f"accumulate_grad_batches {accumulate} (micro-batches per optimizer step and rank) is not divisible by"
-            f" pp_microbatches={m}: every pipeline step runs pp_microbatches micro-batches"
-        )
+        self._precision = precision_plugin
+        super().setup(trainer, module, precision_plugin)
 
     def build(self, model: nn.Module, module: Any, device: torch.device) -> None:
         """This rank's stages of the parallelized ``model`` under the schedule; ``module`` gives the loss."""
@@ -132,25 +126,27 @@ class LightningPipeline:
             overlap_ep_comm=self.overlap_ep_comm,
         )
 
-    def teardown(self, trainer: Any) -> None:
-        """Give the trainer back the ``accumulate_grad_batches`` the user set."""
-        if self._user_accumulate_grad_batches is not None and trainer is not None:
-            trainer.accumulate_grad_batches = self._user_accumulate_grad_batches
-        self._user_accumulate_grad_batches = None
-
-    def group_batches(self, dataloader: object) -> GroupedBatchLoader:
+    def process_dataloader(self, dataloader: object) -> GroupedBatchLoader:
         """``pp_microbatches`` loader batches per Lightning batch."""
         return GroupedBatchLoader(dataloader, self.microbatches)
 
     # -- steps -------------------------------------------------------------------------------------
-    def training_step(
-        self, batch: Any, accumulate_grad_batches: int, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module
-    ) -> tuple[torch.Tensor, int]:
-        """Forward and backward of every micro-batch of ``batch``: the mean loss on every rank, and the batch size.
+    def training_step(self, step: Callable[[], Any], batch: Any, trainer: Any, optimizers: list[torch.optim.Optimizer],
+                      module: Any, step_context: Callable[[], contextlib.AbstractContextManager]) -> Any:
+        """Forward and backward of every micro-batch of ``batch`` by the schedule (the module's own
+        ``step`` does not run): the mean loss on every rank, logged as ``train/loss``.
 
         The gradients of the ``optimizers``' parameters (``module``'s without optimizers) are
         stashed until :meth:`backward`.
         """
+        with step_context(), self._precision.train_step_context():
+            loss, size = self._schedule_step(batch, trainer.accumulate_grad_batches, optimizers, module)
+        module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
+        return loss
+
+    def _schedule_step(
+        self, batch: Any, accumulate_grad_batches: int, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module
+    ) -> tuple[torch.Tensor, int]:
         runner = self._built()
         inputs, kwargs, target = pipeline_batch(
             batch,
@@ -159,7 +155,7 @@ class LightningPipeline:
             with_sample_index="sample_index" in runner.forward_kwargs,
             cp_group=self.dims.cp_group if self.dims.cp > 1 else None,
         )
-        self.backward()  # a previous step's gradients, if its backward never ran
+        self._restore_gradients()  # a previous step's gradients, if its backward never ran
         # Lightning zeroes gradients *after* training_step, before its backward: the schedule must
         # not add to the previous gradients, whose fate (zeroed or kept) is decided later.
         previous = [(p, p.grad) for p in _optimized_parameters(optimizers, module)]
@@ -175,7 +171,15 @@ class LightningPipeline:
             param.grad = grad
         return loss, inputs[0].shape[0]
 
-    def backward(self) -> None:
+    def backward(self, backward: Callable[[], Any], closure_loss: torch.Tensor, trainer: Any, precision_plugin: Any,
+                 module: Any) -> torch.Tensor:
+        """The schedule already ran backward inside ``training_step``: only the precision hooks run, and
+        the stashed gradients go back in place."""
+        closure_loss = precision_plugin.pre_backward(closure_loss, module)
+        self._restore_gradients()
+        return precision_plugin.post_backward(closure_loss, module)
+
+    def _restore_gradients(self) -> None:
         """Add the stashed gradients of the last training step, as Lightning's backward would."""
         if self._stashed_grads is None:
             return
@@ -186,12 +190,13 @@ class LightningPipeline:
 
     def _built(self) -> PipelineRunner:
         if self.runner is None:
-            raise RuntimeError("LightningPipeline.build(model, module, device) must run before the first step")
+            raise RuntimeError("PipelineEngine.build(model, module, device) must run before the first step")
         return self.runner
 
-    def whole_model_forward(self, module: nn.Module) -> contextlib.AbstractContextManager:
-        """Within the block, ``module(...)`` runs the whole model through the stages."""
-        return forward_through_pipeline(module, self._built())
+    def eval_context(self, module: nn.Module) -> contextlib.AbstractContextManager:
+        """Within the block, ``module(...)`` runs the whole model through the stages (once built:
+        evaluation outside ``fit`` runs the module as it is)."""
+        return forward_through_pipeline(module, self.runner) if self.runner is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

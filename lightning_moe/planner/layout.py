@@ -33,7 +33,7 @@ class Layout:
     group only, over ``dp_shard`` x the group's other dims, and all-reduces gradient shards across
     the replica groups. ``overlap_ep_comm``: each micro-batch's backward runs interleaved with the
     next one's forward, each one's expert all-to-alls in flight while the other computes
-    (:mod:`lightning_moe.microbatch_overlap`; the strategy takes it with ep > 1, and either pp = 1 and
+    (:class:`lightning_moe.parallel.accumulation.OverlapEngine`; the strategy takes it with ep > 1, and either pp = 1 and
     ``gather_once_per_step`` or ``pp_schedule="DualPipeV"``, whose paired forward and backward
     interleave the same way, :func:`lightning_moe.planner.search.layout_problems`).
     ``v_schedule``: the pipeline schedule places two stages per rank in a V (:attr:`v_schedule`).

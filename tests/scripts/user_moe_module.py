@@ -23,12 +23,7 @@ losses); every rank writes OUT_DIR/bias_rank<r>.json (its MoE layers' expert bia
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-import logging
-import os
-import warnings
 from pathlib import Path
 
 import lightning as L
@@ -189,26 +184,13 @@ def train(
 
 def train_on_this_rank(out_dir: str, **kwargs: object) -> str:
     """:func:`train` on one rank of processes that exist already (a test pool: the gloo group of
-    ``tp*cp*ep*pp`` processes initialised); returns what it warned, logged and printed.
+    ``tp*cp*ep*pp`` processes initialised), Lightning told so as under torchrun; returns what it
+    warned, logged and printed (every warning, also one an earlier task of the process emitted)."""
+    from tests.launched_rank import launched_rank  # a test pool's rank: the tests package is importable
 
-    ``LOCAL_RANK`` tells Lightning that the processes were started for it (as under torchrun); it
-    uses the initialised process group as it is. Every warning is recorded, also one that an
-    earlier task of the same process already emitted (the default filter shows each only once).
-    """
-    import torch.distributed as dist
-
-    os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0")
-    output = io.StringIO()
-    handler = logging.StreamHandler(output)
-    logging.getLogger().addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
-            warnings.simplefilter("always")
-            train(out_dir, **kwargs)
-    finally:
-        logging.getLogger().removeHandler(handler)
-        del os.environ["LOCAL_RANK"], os.environ["NODE_RANK"]
-    return output.getvalue() + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    with launched_rank(capture=True) as output:
+        train(out_dir, **kwargs)
+    return output.text
 
 
 def parse_args(argv: list[str] | None = None) -> dict:

@@ -1,4 +1,6 @@
-"""Micro-batch overlap of the expert-parallel all-to-alls (``MoE5DStrategy(overlap_ep_comm=True)``).
+"""Two computations interleaved at their token all-to-alls: what micro-batch overlap of the expert-parallel
+all-to-alls runs (``MoE5DStrategy(overlap_ep_comm=True)``, :class:`lightning_moe.parallel.accumulation.OverlapEngine`;
+DualPipeV's paired forward and backward).
 
 One micro-batch's backward and the next micro-batch's forward run interleaved, as Megatron's
 ``--overlap-moe-expert-parallel-comm`` does: each time one of them issues a token all-to-all
@@ -25,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["MicroBatchOverlap", "hand_off", "run_interleaved"]
+__all__ = ["hand_off", "run_interleaved"]
 
 T = TypeVar("T")
 
@@ -107,39 +109,3 @@ def run_interleaved(backward: Callable[[], None], forward: Callable[[], T]) -> T
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["value"]  # type: ignore[return-value]
-
-
-class MicroBatchOverlap:
-    """A training loop's side of :func:`run_interleaved`: a micro-batch's backward is deferred until
-    the next micro-batch's forward, and run interleaved with it. The step's last backward runs at
-    once (nothing follows it before the optimizer step).
-
-    Example::
-
-        overlap = MicroBatchOverlap()
-        for i, batch in enumerate(micro_batches):
-            loss = overlap.forward(lambda: model(batch).sum())
-            overlap.backward(loss.backward, last=i == len(micro_batches) - 1)
-        optimizer.step()
-    """
-
-    def __init__(self) -> None:
-        self._pending: Callable[[], None] | None = None
-
-    def forward(self, step: Callable[[], T]) -> T:
-        """``step()``, interleaved with the previous micro-batch's backward when one is pending."""
-        pending, self._pending = self._pending, None
-        return step() if pending is None else run_interleaved(pending, step)
-
-    def backward(self, run: Callable[[], None], last: bool) -> None:
-        """Run ``run()`` now when ``last``, else keep it for the next :meth:`forward`."""
-        if self._pending is not None:
-            raise RuntimeError("a deferred backward is still pending: call forward() between two backward() calls")
-        if last:
-            run()
-        else:
-            self._pending = run
-
-    def discard(self) -> None:
-        """Forget a deferred backward (the loop ended before the next forward)."""
-        self._pending = None
