@@ -29,8 +29,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_moe.data.sampler import default_micro_batch_size
-from lightning_moe.layout import MESH_DIMS, layout_request, resolve_layout
+from lightning_moe.conf import CONF_DIR
+from lightning_moe.layout import MESH_DIMS, default_micro_batch_size, layout_request, resolve_layout
 from lightning_moe.planner import (
     CHECKPOINT_MODES,
     PARALLEL_DIMS,
@@ -46,7 +46,6 @@ from lightning_moe.planner import (
     rank_parameters,
 )
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
 GIB = 2**30
 
 

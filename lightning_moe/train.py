@@ -35,6 +35,7 @@ from hydra.types import RunMode
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from lightning_moe.conf import CONF_DIR
 from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
@@ -43,7 +44,6 @@ from lightning_moe.layout import PARALLEL_DIMS, layout_request, resolve_layout, 
 from lightning_moe.parallel.parallelize import check_layout
 from lightning_moe.parallel.arguments import resolve_world_size
 
-CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 def devices_per_node(parallel: DictConfig, num_nodes: int = 1) -> int:
@@ -150,7 +150,7 @@ def build(cfg: DictConfig) -> TrainingRun:
     datamodule = hydra.utils.instantiate(cfg.data)
     strategy = hydra.utils.instantiate(cfg.parallel)
     callbacks = _instantiate_all(cfg.callbacks)
-    if cfg.get("link"):  # the `link` group: simulated link speeds (lightning_moe.link_simulator)
+    if cfg.get("link"):  # the `link` group: simulated link speeds (lightning_moe.comm.link_simulator)
         callbacks.append(hydra.utils.instantiate(cfg.link))
     loggers = _instantiate_all(cfg.logger)
     if cfg.get("routing") is not None:  # +routing.record=<path> / +routing.replay=<path> (docs/routing-replay.md)

@@ -28,7 +28,7 @@ def _shards(sizes: dict) -> dict:
     from torch.distributed.tensor import DTensor
 
     from lightning_moe import parallelize
-    from lightning_moe.collective_traffic import group_dims
+    from lightning_moe.comm.traffic import group_dims
     from lightning_moe.models import MoEGPT
 
     dims = pool_layout(**sizes)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_moe.link_simulator import LinkSimulator, parse_bandwidth, parse_duration
+from lightning_moe.comm.link_simulator import LinkSimulator, parse_bandwidth, parse_duration
 from tests.dist_pool import get_pool
 
 WORLD = 2
@@ -184,7 +184,7 @@ def test_functional_collectives_wait_at_first_use_and_nodes_split_links():
 def test_link_config_group(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from lightning_moe.link_simulator import LinkSimulatorCallback
+    from lightning_moe.comm.link_simulator import LinkSimulatorCallback
     from lightning_moe.train import CONF_DIR, build
 
     def callbacks(*overrides: str) -> list:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_moe.planner import Cluster, Layout, ModelShape, enumerate_layouts, estimate, layout_problems
-from lightning_moe.planner.layout import edge_pp_ranks, holds_first_stage, holds_last_stage, rank_stages
+from lightning_moe.planner.candidate import edge_pp_ranks, holds_first_stage, holds_last_stage, rank_stages
 from lightning_moe.planner.step_time import overlapped_pairs, pipeline_bubble
 from lightning_moe.planner.v_schedules import Action, rank_actions, v_schedule_timeline
 

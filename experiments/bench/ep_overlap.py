@@ -2,7 +2,7 @@
 
 On one host a gloo all-to-all costs almost nothing, so overlap cannot show in step time. Here 2
 gloo processes (ep=2, one thread each) run training steps of a 2-layer MoEGPT (attention and an
-MoE layer per block) under :class:`lightning_moe.link_simulator.LinkSimulator`, each step being
+MoE layer per block) under :class:`lightning_moe.comm.link_simulator.LinkSimulator`, each step being
 forward and backward of ``MICRO_BATCHES`` micro-batches (gradient accumulation, pp = 1), with an
 ep bandwidth chosen so that the simulated ep comm time of a step equals the expert compute time of
 a step:
@@ -129,7 +129,7 @@ def _expert_seconds(model: torch.nn.Module, reps: int = 5) -> float:
 def _measure(steps: dict[str, Callable[[], None]], dims: object, expert_seconds: float, rounds: int) -> tuple[dict, list[dict]]:
     """Set the ep link from the first case (ep comm time = ``expert_seconds``), then time every case
     with infinite bandwidth and under the link, round-robin; the medians, on every rank."""
-    from lightning_moe.link_simulator import LinkSimulator
+    from lightning_moe.comm.link_simulator import LinkSimulator
 
     expert_seconds = _mean(expert_seconds)
     counter = LinkSimulator(ep=1e18)  # records the bytes, delays nothing measurable

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning_moe import comm
 from lightning_moe._compat import funcol, wrap_distributed_functions
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
-from lightning_moe.collective_traffic import (
+from lightning_moe.comm.traffic import (
     C10D_SENT_BYTES,
     FUNCOL_SENT_BYTES,
     OTHER,
@@ -58,7 +58,7 @@ _ALL_ROWS: tuple[str, ...] = (*_ROWS, INTERNODE)
 # lightning_moe.moe.exchange (the dispatchers' all-to-all) records through lightning_moe.comm as well.
 _SKIPPED_CALLERS = frozenset({comm.__name__, funcol.__name__, c10d.__name__, "lightning_moe.moe.exchange"})
 # Wrappers of other tools (the link simulator) between a caller and ours: the caller is behind them.
-_TRANSPARENT_CALLERS = frozenset({"lightning_moe.link_simulator"})
+_TRANSPARENT_CALLERS = frozenset({"lightning_moe.comm.link_simulator"})
 
 _ACTIVE_GROUPS: GroupDims | None = None  # set while count_collectives() is active
 _GROUP_CACHE: dict[tuple[str, bool], tuple[int, int, str]] = {}  # (group, functional) -> (size, rank, dim)

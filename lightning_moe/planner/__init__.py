@@ -46,7 +46,7 @@ from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, c
 from lightning_moe.planner.dtypes import PRECISIONS
 from lightning_moe.planner.flops import flops_per_microbatch
 from lightning_moe.planner.groups import group_ranks, peer_split, ring_split
-from lightning_moe.planner.layout import Layout
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 from lightning_moe.layout import ACCOUNTED_GROUPS, MESH_DIMS, PARALLEL_DIMS, accounted_dim, accounted_shared_dim
 from lightning_moe.planner.communication import CommRecord, comm_records
 from lightning_moe.planner.groups import group_spans
-from lightning_moe.planner.layout import Layout
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
 
 

@@ -22,7 +22,7 @@ from lightning_moe.planner.dtypes import (
     INT64_BYTES,
 )
 from lightning_moe.planner.groups import fsdp_shard_group, group_size, peer_split, ring_split
-from lightning_moe.planner.layout import Layout
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import fsdp_units
 

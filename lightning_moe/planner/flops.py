@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from lightning_moe.planner.layout import Layout
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
 
 # Activation checkpointing cost in forward passes recomputed during backward: "full" recomputes the

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from functools import lru_cache
 
 from lightning_moe.layout import DENSE_GROUPS, MESH_DIMS, expert_group_spans, spanned_ranks
-from lightning_moe.planner.layout import Layout
+from lightning_moe.planner.candidate import Layout
 
 # Mesh groups the code communicates on, as the mesh dims they span: the single dims (ep unfolded:
 # :func:`group_spans` gives a folded ep group's), the dense view's groups the cost model charges

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from lightning_moe.layout import experts_split_over_tp
 from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES, FSDP_REDUCE_BYTES
-from lightning_moe.planner.layout import Layout, edge_pp_ranks, holds_last_stage, rank_layers
+from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import kind_counts, representative_numels
 from lightning_moe.planner.v_schedules import v_schedule_timeline

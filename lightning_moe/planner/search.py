@@ -7,10 +7,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_moe.layout import V_SCHEDULES, fold_size, mesh_factorizations, sequence_split_problem, size_problems
+from lightning_moe.layout import V_SCHEDULES, default_micro_batch_size, fold_size, mesh_factorizations, sequence_split_problem, size_problems
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
-from lightning_moe.planner.layout import Layout
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.step_time import Estimate, estimate
@@ -272,7 +272,7 @@ def resolve_auto_layout(
     ``layout_options`` are this function's keyword arguments: ``model`` (MoEGPT arguments or a
     :class:`ModelShape`), ``cluster`` (a cluster preset's keys or a :class:`Cluster`), ``seq_len``,
     ``global_batch_size``, ``micro_batch_size`` (the data module's; None stands for what the data
-    modules make of None, :func:`~lightning_moe.data.sampler.default_micro_batch_size`, so that
+    modules make of None, :func:`~lightning_moe.layout.default_micro_batch_size`, so that
     layouts are ranked with the micro-batch that will run), ``precision`` (Lightning's string) and
     ``checkpointing`` (the run's activation checkpointing: the memory mode layouts must fit with, and
     ``overlap_ep_comm`` is offered only without it, as the strategy refuses it otherwise).
@@ -292,9 +292,6 @@ def resolve_auto_layout(
     shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model, name="model")  # type: ignore[arg-type]
     machine = cluster if isinstance(cluster, Cluster) else Cluster.from_config(cluster)  # type: ignore[arg-type]
     if micro_batch_size is None:
-        # Imported here: the cost model stays free of the data modules' Lightning imports.
-        from lightning_moe.data.sampler import default_micro_batch_size
-
         micro_batch_size = default_micro_batch_size(int(global_batch_size))  # type: ignore[arg-type]
     result = plan(
         world_size, shape, machine, seq_len=int(seq_len), global_batch_size=int(global_batch_size),  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, record_split
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES
 from lightning_moe.planner.flops import RECOMPUTE_FORWARDS, flops_per_microbatch
-from lightning_moe.planner.layout import Layout, edge_pp_ranks, holds_last_stage, rank_layers
+from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.v_schedules import v_schedule_timeline

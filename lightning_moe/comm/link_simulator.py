@@ -13,7 +13,7 @@ The model, per rank:
   ``ParallelDims(ranks_per_node=...)`` (``node_size``). Each link has a bandwidth (bytes/s;
   unset: infinite) and a latency (s; unset: 0).
 - ``bytes`` is what this rank sends in the call, as the comm accounting counts it
-  (:mod:`lightning_moe.collective_traffic`: an all-to-all's splits to other ranks, an all-gather's
+  (:mod:`lightning_moe.comm.traffic`: an all-to-all's splits to other ranks, an all-gather's
   input once per peer, the ``2(n-1)/n`` of a ring all-reduce, ...).
 - Calls on one link are served in issue order (FIFO, as one NCCL communicator runs its
   collectives in order): a call starts when it is issued or when the link has finished the
@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe._compat import funcol, wrap_distributed_functions
-from lightning_moe.collective_traffic import (
+from lightning_moe.comm.traffic import (
     C10D_SENT_BYTES,
     FUNCOL_SENT_BYTES,
     GroupDims,

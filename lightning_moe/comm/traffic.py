@@ -1,6 +1,6 @@
 """What a ``torch.distributed`` call sends, and for which parallel dimension: shared by the comm
 accounting (:mod:`lightning_moe.callbacks.comm_accounting`, which counts it) and the link
-simulator (:mod:`lightning_moe.link_simulator`, which delays it).
+simulator (:mod:`lightning_moe.comm.link_simulator`, which delays it).
 
 - :data:`C10D_SENT_BYTES` and :data:`FUNCOL_SENT_BYTES`: for each wrapped function of
   ``torch.distributed`` and of the functional collectives, the bytes this rank sends to its peers

@@ -1,0 +1,122 @@
+"""The structure the features build on: one resolution of a layout, one step engine, modules in their rooms.
+
+Read from the source, no process started: each test names the rule and the place that breaks it.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import lightning_moe
+
+PACKAGE = Path(lightning_moe.__file__).resolve().parent
+# The torch side of the layout: ParallelDims holds a layout's sizes before the world size is known.
+LAYOUT_FACES = {"layout.py", "parallel/dims.py"}
+DIM_SIZE = re.compile(r"\b(tp|cp|ep|pp|mesh_ep|non_dp\w*)\b")
+
+
+def _sources() -> dict[str, tuple[str, ast.Module]]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        out[path.relative_to(PACKAGE).as_posix()] = (text, ast.parse(text))
+    return out
+
+
+SOURCES = _sources()
+
+
+def test_no_module_but_layout_infers_dp_or_the_unfolded_ep():
+    """dp is the world size over a product of dim sizes; only ``layout.resolve_layout`` divides it out."""
+    found = []
+    for name, (text, tree) in SOURCES.items():
+        if name == "layout.py":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+                left = ast.get_source_segment(text, node.left) or ""
+                right = ast.get_source_segment(text, node.right) or ""
+                if re.search(r"world|devices", left) and len(set(DIM_SIZE.findall(right))) >= 2:
+                    found.append(f"{name}:{node.lineno}: {ast.get_source_segment(text, node)}")
+            if isinstance(node, ast.Call) and name not in LAYOUT_FACES:
+                func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                if func in ("unfolded_ep", "default_etp", "hsdp_sizes"):
+                    found.append(f"{name}:{node.lineno}: {func}(...) (ask resolve_layout)")
+    assert not found, "\n".join(found)
+
+
+def test_the_strategy_has_no_branch_on_pp():
+    """The step engine is chosen once (``choose_step_engine``); the strategy's hooks never ask for pp."""
+    text, tree = SOURCES["strategy.py"]
+    reads = [f"strategy.py:{n.lineno}: {ast.get_source_segment(text, n)}" for n in ast.walk(tree)
+             if isinstance(n, ast.Attribute) and n.attr in ("pp", "pp_group")]
+    assert not reads, "\n".join(reads)
+
+
+def test_data_modules_write_no_trainer_attribute():
+    """The step engine alone sets ``trainer.accumulate_grad_batches``; data modules ask it."""
+    found = []
+    for name, (text, tree) in SOURCES.items():
+        if not name.startswith("data/"):
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and "trainer" in (ast.get_source_segment(text, target.value) or ""):
+                    found.append(f"{name}:{node.lineno}: {ast.get_source_segment(text, target)}")
+    assert not found, "\n".join(found)
+
+
+def test_no_loose_top_level_module():
+    """Top-level files are the entry points, ``layout.py`` and the package's face; the rest lives in a package."""
+    allowed = {"__init__.py", "layout.py", "strategy.py", "train.py", "report.py", "plan.py"}
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in allowed)
+    assert not loose, f"modules outside a package: {loose}"
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Top-level unit (package or module) -> the units it imports at module level."""
+    graph: dict[str, set[str]] = {}
+    for name, (_, tree) in SOURCES.items():
+        unit = name.split("/")[0].removesuffix(".py")
+        deps = graph.setdefault(unit, set())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_moe."):
+                deps.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                deps.update(a.name.split(".")[1] for a in node.names if a.name.startswith("lightning_moe."))
+        deps.discard(unit)
+    return graph
+
+
+def test_no_import_cycle_between_packages():
+    graph = _package_imports()
+    cycles = []
+
+    def visit(unit: str, path: list[str]) -> None:
+        for dep in sorted(graph.get(unit, ())):
+            if dep in path:
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep != "__init__":
+                visit(dep, path + [dep])
+
+    for unit in graph:
+        visit(unit, [unit])
+    assert not cycles, sorted(set(cycles))
+
+
+def test_lower_layers_import_nothing_above_them():
+    """DESIGN §0: layout sits at the bottom, moe/ and cp/ are pure torch, parallel/ works on any module."""
+    graph = _package_imports()
+    above = {
+        "layout": set(graph) - {"layout"},
+        "_compat": set(graph) - {"_compat"},
+        "moe": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "verify", "report", "checkpoint", "cp"},
+        "cp": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "verify", "report", "checkpoint", "moe"},
+        "comm": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "verify", "report", "moe", "cp"},
+        "parallel": {"strategy", "callbacks", "models", "hf", "data", "train", "plan", "verify", "report"},
+    }
+    upward = {unit: sorted(graph[unit] & banned) for unit, banned in above.items() if graph[unit] & banned}
+    assert not upward, upward
