@@ -249,3 +249,36 @@ def test_folding_keeps_the_ep_group_on_a_node() -> None:
     assert unfolded._ep_group_ranks()[0].tolist() == [0, 2, 4, 6] and unfolded.ep_rank_nodes == [0, 0, 1, 1]
     assert folded._ep_group_ranks()[0].tolist() == [0, 1, 2, 3] and folded.ep_rank_nodes == [0, 0, 0, 0]
     assert (folded.mesh_ep, folded.etp, folded.world_size) == (2, 1, 8)
+
+
+# -- resolve_layout: the one resolution of a requested layout ------------------------------------------
+
+
+def test_resolve_layout_infers_dp_unfolds_ep_and_splits_hsdp():
+    folded = layout.resolve_layout(2, tp=2, ep=2, fold_ep="tp")
+    assert (folded.dp, folded.mesh_ep, folded.etp, folded.fold_ep, folded.world_size) == (1, 1, 1, ("tp",), 2)
+    hsdp = layout.resolve_layout(8, ep=2, data_parallel="hsdp", dp_replicate=2)
+    assert (hsdp.dp, hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp_ep) == (4, 2, 2, 8)
+    assert layout.resolve_layout(None, tp=2, ep=2, dp=2).world_size == 8
+    assert layout.resolve_layout(8, tp=2, cp=2).group_size("edp") == 4  # dp2 x cp2 (experts split over tp)
+    assert layout.resolve_layout(8, tp=2, cp=2, etp=1).group_size("edp") == 8  # and tp too
+    assert layout.resolve_layout(4, ep=2).as_dict() == {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1}
+    request = layout.layout_request({"tp": 2, "ep": 2, "fold_ep": "tp", "pp_schedule": "1F1B", "seed": 3})
+    assert request == {"tp": 2, "ep": 2, "fold_ep": "tp"}
+
+
+@pytest.mark.parametrize(
+    ("world_size", "requested", "message"),
+    [
+        (6, {"ep": 4}, "world_size 6 is not divisible by tp*cp*ep*pp = 1*1*4*1 = 4"),
+        (2, {"tp": 2, "ep": 3, "fold_ep": "tp"}, "ep=3 is not divisible by the folded tp = 2"),
+        (4, {"dp": 4, "dp_replicate": 2, "data_parallel": "fsdp"}, "dp_replicate/dp_shard split dp for HSDP"),
+        (4, {"data_parallel": "hsdp"}, "data_parallel='hsdp' needs dp_replicate or dp_shard"),
+        (None, {"ep": 2}, "dp='auto' takes the rest of the world size"),
+        (4, {"tp": 0}, "tp=0 must be an integer >= 1"),
+    ],
+)
+def test_resolve_layout_names_the_fix(world_size, requested, message):
+    with pytest.raises(ValueError) as err:
+        layout.resolve_layout(world_size, **requested)
+    assert message in str(err.value)

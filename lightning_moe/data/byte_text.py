@@ -314,23 +314,28 @@ class ByteTextDataModule(pl.LightningDataModule):
             self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir
         )
         corpus_bytes = self.corpus.stat().st_size
-        windows = corpus_bytes // (self.seq_len + 1)
-        if windows == 0:
+        if corpus_bytes < self.seq_len + 1:
             raise ValueError(
                 f"seq_len {self.seq_len} is longer than the corpus ({corpus_bytes} bytes at "
                 f"{self.corpus}): lower seq_len, raise max_corpus_bytes or use a larger path"
             )
+        num_train, num_val = self._split_windows(corpus_bytes, f"the corpus ({corpus_bytes} bytes)", "bytes")
+        self.train_dataset = ByteWindowDataset(self.corpus, self.seq_len, 0, num_train)
+        self.val_dataset = ByteWindowDataset(self.corpus, self.seq_len, num_train, num_val)
+
+    def _split_windows(self, units: int, corpus: str, unit: str) -> tuple[int, int]:
+        """``(train, validation)`` windows of ``seq_len + 1`` of the corpus's ``units`` (bytes or tokens),
+        the validation windows last; ``ValueError`` naming the fix when either cannot fill a global batch."""
+        windows = units // (self.seq_len + 1)
         num_val = round(windows * self.val_fraction)
         num_train = windows - num_val
         if num_train < self.global_batch_size or 0 < num_val < self.global_batch_size:
             raise ValueError(
-                f"too few windows for one global batch: the corpus ({corpus_bytes} bytes) gives "
-                f"{num_train} train and {num_val} validation windows of seq_len+1 = "
-                f"{self.seq_len + 1} bytes, but global_batch_size is {self.global_batch_size}: "
-                "lower seq_len or global_batch_size, raise max_corpus_bytes or use a larger path"
+                f"too few windows for one global batch: {corpus} gives {num_train} train and {num_val} validation"
+                f" windows of seq_len+1 = {self.seq_len + 1} {unit}, but global_batch_size is {self.global_batch_size}:"
+                " lower seq_len or global_batch_size, raise max_corpus_bytes or use a larger path"
             )
-        self.train_dataset = ByteWindowDataset(self.corpus, self.seq_len, 0, num_train)
-        self.val_dataset = ByteWindowDataset(self.corpus, self.seq_len, num_train, num_val)
+        return num_train, num_val
 
     def _loader(self, dataset: ByteWindowDataset | None, shuffle: bool) -> DataLoader:
         if dataset is None or self.micro_batch_size is None:

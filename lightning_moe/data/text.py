@@ -106,15 +106,6 @@ class TextDataModule(ByteTextDataModule):
         cache = Path(self.cache_dir).expanduser() if self.cache_dir is not None else self.corpus.parent
         self.tokens = tokenize_corpus(self.corpus, self.tokenizer_path, cache)
         num_tokens = len(np.load(self.tokens, mmap_mode="r"))
-        windows = num_tokens // (self.seq_len + 1)
-        num_val = round(windows * self.val_fraction)
-        num_train = windows - num_val
-        if num_train < self.global_batch_size or 0 < num_val < self.global_batch_size:
-            raise ValueError(
-                f"too few windows for one global batch: the tokenized corpus ({num_tokens} tokens) gives {num_train}"
-                f" train and {num_val} validation windows of seq_len+1 = {self.seq_len + 1} tokens, but"
-                f" global_batch_size is {self.global_batch_size}: lower seq_len or global_batch_size, raise"
-                " max_corpus_bytes or use a larger path"
-            )
+        num_train, num_val = self._split_windows(num_tokens, f"the tokenized corpus ({num_tokens} tokens)", "tokens")
         self.train_dataset = TokenWindowDataset(self.tokens, self.seq_len, 0, num_train)
         self.val_dataset = TokenWindowDataset(self.tokens, self.seq_len, num_train, num_val)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_moe.hf.families import model_family
-from lightning_moe.moe import MoELayer
+from lightning_moe.moe import MoEConfig, MoELayer
 
 __all__ = [
     "FAMILIES",
@@ -250,7 +250,7 @@ def convert_moe_blocks(
 def _new_layer(family: Family, kwargs: dict[str, Any], block: nn.Module) -> nn.Module:
     reference = next(iter(block.parameters()))
     with torch.device("meta"):
-        layer = HFMoELayer(kwargs.pop("hidden_size"), kwargs.pop("ffn_hidden_size"), kwargs.pop("num_experts"), **kwargs)
+        layer = HFMoELayer(config=MoEConfig(**kwargs))
     layer.hf_family = family.name
     layer.to(dtype=reference.dtype)
     layer.to_empty(device=reference.device)

@@ -21,7 +21,8 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_moe.models.blocks import Attention, FeedForward, TransformerBlock, rotary_cos_sin
 from lightning_moe.models.causal_lm import CausalLMModule, next_token_loss, warmup_cosine_factor
-from lightning_moe.moe import MoELayer, token_keys
+from lightning_moe.moe import MoEConfig, MoELayer, token_keys
+from lightning_moe.moe.config import DEFAULT_NUM_EXPERTS
 from lightning_moe.parallel.init import seeded_generator
 
 __all__ = ["MoEGPT", "is_moe_layer", "next_token_loss", "warmup_cosine_factor"]
@@ -51,8 +52,9 @@ class MoEGPT(CausalLMModule):
         ffn_hidden_size: dense FFN width (None: `8/3 * hidden_size` rounded up to a multiple of 64,
             the SwiGLU width with the parameters of a `4 * hidden_size` MLP).
         moe_layer_freq: see above; 0 means no MoE layer.
-        moe: `MoELayer` keyword arguments except `hidden_size`, merged over
-            `{"num_experts": 8, "top_k": 2, "ffn_hidden_size": <dense ffn_hidden_size>}`.
+        moe: `MoEConfig` (`MoELayer`) keyword arguments except `hidden_size`, merged over
+            `{"num_experts": 8, "ffn_hidden_size": <dense ffn_hidden_size>}` (the rest: `MoEConfig`'s
+            defaults, e.g. `top_k=2`). Every MoE layer is built from the one `MoEConfig`.
         max_seq_len: longest sequence accepted when `position_ids` are not given.
         rope_theta: RoPE base.
         lr, min_lr_ratio, weight_decay, betas, warmup_steps, max_steps: AdamW with linear warmup
@@ -108,16 +110,19 @@ class MoEGPT(CausalLMModule):
         self.save_hyperparameters()
         if ffn_hidden_size is None:
             ffn_hidden_size = 64 * math.ceil(8 * hidden_size / 3 / 64)
-        moe_kwargs = {"num_experts": 8, "top_k": 2, "ffn_hidden_size": ffn_hidden_size}
+        moe_kwargs = {"num_experts": DEFAULT_NUM_EXPERTS, "ffn_hidden_size": ffn_hidden_size}
         moe_kwargs.update(dict(moe or {}))
+        # Checked once, and only when some layer is an MoE layer (moe_layer_freq=0 never reads it).
+        moe_layers = [i for i in range(num_layers) if is_moe_layer(i, moe_layer_freq)]
+        moe_config = MoEConfig(hidden_size, **moe_kwargs) if moe_layers else None
         self.max_seq_len = max_seq_len
         self.rope_theta = rope_theta
 
         self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleDict()
         for i in range(num_layers):
-            if is_moe_layer(i, moe_layer_freq):
-                feed_forward: nn.Module = MoELayer(hidden_size, **moe_kwargs)
+            if moe_config is not None and i in moe_layers:
+                feed_forward: nn.Module = MoELayer(config=moe_config)
             else:
                 feed_forward = FeedForward(hidden_size, ffn_hidden_size)
             attention = Attention(hidden_size, num_heads, num_kv_heads)

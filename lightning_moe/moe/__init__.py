@@ -2,8 +2,9 @@
 
 Example::
 
-    from lightning_moe.moe import MoELayer, update_expert_biases
+    from lightning_moe.moe import MoEConfig, MoELayer, update_expert_biases
     layer = MoELayer(hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2)
+    same = MoELayer(config=MoEConfig(hidden_size=64, ffn_hidden_size=128, num_experts=8, top_k=2))
     y = layer(torch.randn(2, 16, 64))      # aux losses reach the router by themselves
     update_expert_biases(model)            # once per optimizer step (expert_bias=True layers)
 
@@ -11,6 +12,7 @@ Routing record/replay (docs/routing-replay.md): ``record_routing(model)``, ``rep
 """
 
 from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
+from lightning_moe.moe.config import MoEConfig
 from lightning_moe.moe.dispatcher import DispatchContext, Dispatcher, LocalDispatcher
 from lightning_moe.moe.experts import GroupedExperts, SharedExpert
 from lightning_moe.moe.layer import DISPATCHERS, LOAD_BALANCING, MoELayer, build_dispatcher, update_expert_biases
@@ -44,6 +46,7 @@ __all__ = [
     "GroupedExperts",
     "LocalDispatcher",
     "MoEAuxLossAutoScaler",
+    "MoEConfig",
     "MoELayer",
     "RouterOutput",
     "RoutingTrace",

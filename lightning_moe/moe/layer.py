@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_moe import comm
-from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
+from lightning_moe.moe.capacity import capacity_keep_mask, expert_capacity
+from lightning_moe.moe.config import DISPATCHERS, LOAD_BALANCING, ROUTINGS, MoEConfig, check_dispatcher
 from lightning_moe.moe.dispatcher import Dispatcher, LocalDispatcher
 from lightning_moe.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher
-from lightning_moe.moe.exchange import check_wire
-from lightning_moe.moe.experts import ACTIVATIONS, GroupedExperts, SharedExpert, compute_dtype
+from lightning_moe.moe.experts import GroupedExperts, SharedExpert, compute_dtype
 from lightning_moe.moe.hierarchical import HierarchicalDispatcher
 from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
 from lightning_moe.moe.router import RouterOutput, TopKRouter
 
 __all__ = [
-    "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "ExpertOutputBias", "MoELayer", "RoutingHook", "build_dispatcher",
-    "update_expert_biases",
+    "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "ExpertOutputBias", "MoEConfig", "MoELayer", "RoutingHook",
+    "build_dispatcher", "update_expert_biases",
 ]
 
 class RoutingHook(Protocol):
@@ -32,11 +32,6 @@ class RoutingHook(Protocol):
 
     def observe(self, layer: MoELayer, x: torch.Tensor, routing: RouterOutput) -> None:
         """Called with the routing of ``x`` once the router ran."""
-
-
-LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
-ROUTINGS: tuple[str, ...] = ("topk", "expert_choice")
-DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "hierarchical")
 
 
 def build_dispatcher(
@@ -58,14 +53,7 @@ def build_dispatcher(
     ``node_groups``: ``(ep_node group, ep_local group)`` of ``ParallelDims.ep_node_mesh``, which
     ``"hierarchical"`` needs.
     """
-    if kind not in DISPATCHERS:
-        raise ValueError(f"dispatcher={kind!r} is unknown: choose one of {DISPATCHERS}")
-    check_wire(wire)
-    if kind == "allgather" and wire is not None:
-        raise ValueError(
-            f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher='alltoall' or"
-            " 'hierarchical', or dispatch_dtype=None"
-        )
+    check_dispatcher(kind, wire)
     if ep_group is None or dist.get_world_size(ep_group) == 1:
         return LocalDispatcher(num_experts)
     if kind == "allgather":
@@ -83,6 +71,11 @@ def build_dispatcher(
 
 class MoELayer(nn.Module):
     """A Mixture-of-Experts SwiGLU feed-forward layer: ``x [..., H] -> y [..., H]``.
+
+    Built from an :class:`~lightning_moe.moe.MoEConfig` (``MoELayer(config=cfg)``) or from its
+    arguments (``MoELayer(hidden_size, ffn_hidden_size, num_experts, top_k, **options)``, which builds
+    one); ``layer.config`` holds it, and its settings read as attributes (``layer.num_experts``,
+    ``layer.top_k``, ``layer.capacity_factor``, ...; ``layer.dispatcher_kind`` is ``config.dispatcher``).
 
     Each token goes to ``top_k`` of ``num_experts`` experts chosen by ``router`` (fp32 math);
     ``y = sum_k w_k * expert_{i_k}(x)`` (+ the shared expert). Parameters: ``router.weight [E, H]``,
@@ -154,115 +147,52 @@ class MoELayer(nn.Module):
         layer.stats["tokens_per_expert"]
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        ffn_hidden_size: int,
-        num_experts: int,
-        top_k: int = 2,
-        *,
-        score_func: str = "softmax",
-        topk_norm: bool = True,
-        load_balancing: str = "aux_loss",
-        aux_loss_coeff: float = 1e-2,
-        z_loss_coeff: float = 0.0,
-        expert_bias: bool = False,
-        bias_update_rate: float = 1e-3,
-        num_groups: int | None = None,
-        group_topk: int | None = None,
-        capacity_factor: float | None = None,
-        drop_policy: str = "probs",
-        shared_expert_hidden_size: int | None = None,
-        dispatcher: str = "alltoall",
-        routed_scaling_factor: float = 1.0,
-        shared_expert_gate: bool = False,
-        router_bias: bool = False,
-        expert_linear_bias: bool = False,
-        activation: str = "swiglu",
-        swiglu_alpha: float = 1.702,
-        swiglu_limit: float = 7.0,
-        max_nodes_per_token: int | None = None,
-        num_nodes: int | None = None,
-        dispatch_dtype: str | None = None,
-        dispatch_chunks: int = 1,
-        routing: str = "topk",
-    ) -> None:
+    def __init__(self, *args: Any, config: MoEConfig | None = None, **kwargs: Any) -> None:
+        """``MoELayer(config=MoEConfig(...))``, or the :class:`MoEConfig` arguments themselves:
+        ``MoELayer(hidden_size, ffn_hidden_size, num_experts, top_k=2, *, score_func=..., ...)`` builds
+        ``MoEConfig(hidden_size, ffn_hidden_size, num_experts, top_k=2, *, score_func=..., ...)``.
+
+        Giving both a config and arguments is a ``TypeError`` (no silent override): derive a changed
+        config with ``config.replace(name=value)``.
+        """
+        if config is None:
+            config = MoEConfig(*args, **kwargs)
+        elif args or kwargs:
+            raise TypeError(
+                "MoELayer takes config=MoEConfig(...) or the MoEConfig arguments, not both (got config and"
+                f" {len(args)} positional, {sorted(kwargs)} keyword arguments): build it from"
+                " config.replace(name=value, ...) to change settings"
+            )
+        elif not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be an MoEConfig, got {type(config).__name__}")
         super().__init__()
-        if hidden_size < 1 or ffn_hidden_size < 1:
-            raise ValueError(f"hidden_size and ffn_hidden_size must be >= 1, got {hidden_size} and {ffn_hidden_size}")
-        if load_balancing not in LOAD_BALANCING:
-            raise ValueError(f"load_balancing={load_balancing!r} is unknown: choose one of {LOAD_BALANCING}")
-        if load_balancing == "sinkhorn" and expert_bias:
-            raise ValueError("expert_bias=True and load_balancing='sinkhorn' both balance the load: pick one")
-        if aux_loss_coeff < 0 or z_loss_coeff < 0:
-            raise ValueError(f"aux_loss_coeff and z_loss_coeff must be >= 0, got {aux_loss_coeff} and {z_loss_coeff}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0 (or None for dropless routing), got {capacity_factor}")
-        if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy={drop_policy!r} is unknown: choose one of {DROP_POLICIES}")
-        if shared_expert_hidden_size is not None and shared_expert_hidden_size < 1:
-            raise ValueError(f"shared_expert_hidden_size must be >= 1 (or None), got {shared_expert_hidden_size}")
-        if shared_expert_gate and shared_expert_hidden_size is None:
-            raise ValueError("shared_expert_gate=True gates the shared expert: set shared_expert_hidden_size as well")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation={activation!r} is unknown: choose one of {ACTIVATIONS}")
-        if not routed_scaling_factor > 0:
-            raise ValueError(f"routed_scaling_factor must be > 0, got {routed_scaling_factor}")
-        if not isinstance(dispatch_chunks, int) or dispatch_chunks < 1:
-            raise ValueError(f"dispatch_chunks={dispatch_chunks!r} must be an integer >= 1 (1: no overlap)")
-        if routing not in ROUTINGS:
-            raise ValueError(f"routing={routing!r} is unknown: choose one of {ROUTINGS}")
-        if routing == "expert_choice":
-            if capacity_factor is None:
-                raise ValueError(
-                    "routing='expert_choice' needs capacity_factor: each expert picks capacity_factor * T * top_k / E tokens"
-                )
-            clashes = [name for name, on in (
-                ("expert_bias", expert_bias), ("num_groups", num_groups is not None),
-                ("max_nodes_per_token", max_nodes_per_token is not None), ("load_balancing='sinkhorn'", load_balancing == "sinkhorn"),
-            ) if on]  # fmt: skip
-            if clashes:
-                raise ValueError(f"routing='expert_choice' (experts pick tokens) cannot take {clashes}: use routing='topk'")
+        self.config = c = config  # the settings, read-only (the properties below read them)
         self.router = TopKRouter(
-            hidden_size,
-            num_experts,
-            top_k,
-            score_func=score_func,
-            topk_norm=topk_norm,
-            expert_bias=expert_bias,
-            bias_update_rate=bias_update_rate,
-            num_groups=num_groups,
-            group_topk=group_topk,
-            use_sinkhorn=load_balancing == "sinkhorn",
-            bias=router_bias,
-            routed_scaling_factor=routed_scaling_factor,
-            max_nodes_per_token=max_nodes_per_token,
-            num_nodes=num_nodes,
+            c.hidden_size,
+            c.num_experts,
+            c.top_k,
+            score_func=c.score_func,
+            topk_norm=c.topk_norm,
+            expert_bias=c.expert_bias,
+            bias_update_rate=c.bias_update_rate,
+            num_groups=c.num_groups,
+            group_topk=c.group_topk,
+            use_sinkhorn=c.load_balancing == "sinkhorn",
+            bias=c.router_bias,
+            routed_scaling_factor=c.routed_scaling_factor,
+            max_nodes_per_token=c.max_nodes_per_token,
+            num_nodes=c.num_nodes,
         )
         self.experts = GroupedExperts(
-            num_experts, hidden_size, ffn_hidden_size, activation=activation, bias=expert_linear_bias,
-            alpha=swiglu_alpha, limit=swiglu_limit,
+            c.num_experts, c.hidden_size, c.ffn_hidden_size, activation=c.activation, bias=c.expert_linear_bias,
+            alpha=c.swiglu_alpha, limit=c.swiglu_limit,
         )
         self.shared_expert = (
-            SharedExpert(hidden_size, shared_expert_hidden_size) if shared_expert_hidden_size is not None else None
+            SharedExpert(c.hidden_size, c.shared_expert_hidden_size) if c.shared_expert_hidden_size is not None else None
         )
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
-        self.expert_output_bias = ExpertOutputBias(num_experts, hidden_size) if expert_linear_bias else None
-        self.hidden_size = hidden_size
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.load_balancing = load_balancing
-        self.aux_loss_coeff = aux_loss_coeff
-        self.z_loss_coeff = z_loss_coeff
-        self.capacity_factor = capacity_factor
-        self.drop_policy = drop_policy
-        self.dispatcher_kind = dispatcher
-        self.dispatcher: Dispatcher = build_dispatcher(dispatcher, num_experts, wire=dispatch_dtype)
-        self.max_nodes_per_token = max_nodes_per_token
-        self.num_nodes = num_nodes  # as given: None follows the ep topology
-        self.dispatch_dtype = dispatch_dtype
-        self.dispatch_chunks = dispatch_chunks
-        self.routing = routing
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if c.shared_expert_gate else None
+        self.expert_output_bias = ExpertOutputBias(c.num_experts, c.hidden_size) if c.expert_linear_bias else None
+        self.dispatcher: Dispatcher = build_dispatcher(c.dispatcher, c.num_experts, wire=c.dispatch_dtype)
         # Set by lightning_moe.parallelize: the ep group (expert choice ranks its tokens together) and size.
         self.ep_group: dist.ProcessGroup | None = None
         self.ep_size = 1
@@ -272,6 +202,66 @@ class MoELayer(nn.Module):
         # Routing record/replay (lightning_moe.moe.replay sets it within record_routing / replay_routing):
         # ``replayed_choice(layer, x) -> [T, k] | None`` before routing, ``observe(layer, x, routing)`` after.
         self.routing_hook: RoutingHook | None = None
+
+    # The settings other code reads off the layer, from ``config`` (read-only: build a new layer from
+    # ``config.replace(...)`` to change them).
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
+
+    @property
+    def load_balancing(self) -> str:
+        return self.config.load_balancing
+
+    @property
+    def aux_loss_coeff(self) -> float:
+        return self.config.aux_loss_coeff
+
+    @property
+    def z_loss_coeff(self) -> float:
+        return self.config.z_loss_coeff
+
+    @property
+    def capacity_factor(self) -> float | None:
+        return self.config.capacity_factor
+
+    @property
+    def drop_policy(self) -> str:
+        return self.config.drop_policy
+
+    @property
+    def dispatcher_kind(self) -> str:
+        """``config.dispatcher`` (``dispatcher`` is the :class:`Dispatcher` object in use)."""
+        return self.config.dispatcher
+
+    @property
+    def max_nodes_per_token(self) -> int | None:
+        return self.config.max_nodes_per_token
+
+    @property
+    def num_nodes(self) -> int | None:
+        """As given: None follows the ep topology (the router holds the node count in use)."""
+        return self.config.num_nodes
+
+    @property
+    def dispatch_dtype(self) -> str | None:
+        return self.config.dispatch_dtype
+
+    @property
+    def dispatch_chunks(self) -> int:
+        return self.config.dispatch_chunks
+
+    @property
+    def routing(self) -> str:
+        return self.config.routing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:

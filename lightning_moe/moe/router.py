@@ -14,7 +14,7 @@ from lightning_moe import comm
 from lightning_moe._compat import Fp32BuffersModule
 from lightning_moe.moe.losses import sinkhorn
 
-__all__ = ["SCORE_FUNCS", "RouterOutput", "TopKRouter"]
+__all__ = ["SCORE_FUNCS", "RouterOutput", "TopKRouter", "check_node_limit", "check_routing"]
 
 SCORE_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")
 
@@ -86,7 +86,7 @@ class TopKRouter(Fp32BuffersModule):
         num_nodes: int | None = None,
     ) -> None:
         super().__init__()
-        _validate_routing(num_experts, top_k, score_func, num_groups, group_topk, bias_update_rate)
+        check_routing(num_experts, top_k, score_func, num_groups, group_topk, bias_update_rate)
         self.num_nodes: int | None = None
         self.max_nodes_per_token = max_nodes_per_token
         self.set_nodes(num_nodes, num_experts, top_k)
@@ -207,26 +207,7 @@ class TopKRouter(Fp32BuffersModule):
         """
         num_experts = self.num_experts if num_experts is None else num_experts
         top_k = self.top_k if top_k is None else top_k
-        limit = self.max_nodes_per_token
-        nodes = 1 if num_nodes is None else num_nodes
-        if not isinstance(nodes, int) or nodes < 1 or num_experts % nodes:
-            raise ValueError(
-                f"num_nodes={num_nodes!r} must be a positive divisor of num_experts={num_experts} (experts per node are"
-                " contiguous blocks)"
-            )
-        if limit is not None:
-            if not isinstance(limit, int) or limit < 1:
-                raise ValueError(f"max_nodes_per_token={limit!r} must be an integer >= 1 (or None: no node limit)")
-            if num_nodes is not None and limit > nodes:
-                raise ValueError(
-                    f"max_nodes_per_token={limit} exceeds the {nodes} node(s) the experts live on: lower it, or set"
-                    " num_nodes (on one device) / ranks_per_node (under ep) so that the experts span more nodes"
-                )
-            if limit * (num_experts // nodes) < top_k:
-                raise ValueError(
-                    f"max_nodes_per_token={limit} nodes of {num_experts // nodes} experts hold fewer than top_k={top_k}"
-                    " experts: raise max_nodes_per_token or lower top_k"
-                )
+        check_node_limit(num_nodes, self.max_nodes_per_token, num_experts, top_k)
         self.num_nodes = num_nodes
 
     def _keep_best_nodes(self, choice: torch.Tensor) -> torch.Tensor:
@@ -258,9 +239,35 @@ class TopKRouter(Fp32BuffersModule):
         self.expert_load.zero_()
 
 
-def _validate_routing(
+def check_node_limit(num_nodes: int | None, max_nodes_per_token: int | None, num_experts: int, top_k: int) -> None:
+    """``ValueError`` unless ``num_nodes`` (None: one node, not known yet) divides ``num_experts`` and
+    ``max_nodes_per_token`` (None: no limit) is a node count those nodes can serve with ``top_k`` experts."""
+    limit = max_nodes_per_token
+    nodes = 1 if num_nodes is None else num_nodes
+    if not isinstance(nodes, int) or nodes < 1 or num_experts % nodes:
+        raise ValueError(
+            f"num_nodes={num_nodes!r} must be a positive divisor of num_experts={num_experts} (experts per node are"
+            " contiguous blocks)"
+        )
+    if limit is not None:
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_nodes_per_token={limit!r} must be an integer >= 1 (or None: no node limit)")
+        if num_nodes is not None and limit > nodes:
+            raise ValueError(
+                f"max_nodes_per_token={limit} exceeds the {nodes} node(s) the experts live on: lower it, or set"
+                " num_nodes (on one device) / ranks_per_node (under ep) so that the experts span more nodes"
+            )
+        if limit * (num_experts // nodes) < top_k:
+            raise ValueError(
+                f"max_nodes_per_token={limit} nodes of {num_experts // nodes} experts hold fewer than top_k={top_k}"
+                " experts: raise max_nodes_per_token or lower top_k"
+            )
+
+
+def check_routing(
     num_experts: int, top_k: int, score_func: str, num_groups: int | None, group_topk: int | None, bias_update_rate: float
 ) -> None:
+    """``ValueError`` for routing settings a :class:`TopKRouter` cannot take (each names the argument and the fix)."""
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if top_k < 1:

@@ -8,14 +8,47 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from lightning_moe.moe.config import DEFAULT_NUM_EXPERTS, MoEConfig
+
+# The MoE settings the planner reads: ModelShape field -> the MoEConfig field it is. Their defaults are
+# MoEConfig's (num_experts: DEFAULT_NUM_EXPERTS, moe_ffn_hidden_size: the dense ffn_hidden_size, as
+# MoEGPT fills them in); ModelShape.from_config reads them from ``moe`` under the MoEConfig names.
+MOE_FIELDS: dict[str, str] = {
+    "num_experts": "num_experts",
+    "top_k": "top_k",
+    "moe_ffn_hidden_size": "ffn_hidden_size",
+    "shared_expert_hidden_size": "shared_expert_hidden_size",
+    "dispatcher": "dispatcher",
+    "load_balancing": "load_balancing",
+    "expert_bias": "expert_bias",
+    "capacity_factor": "capacity_factor",
+    "dispatch_chunks": "dispatch_chunks",
+}
+
+_CASTS: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _cast(annotation: str, value: Any) -> Any:
+    """``value`` as the type of a field annotated ``annotation`` (``"int"``, ``"float | None"``, ...)."""
+    if annotation.endswith(" | None") and value is None:
+        return None
+    return _CASTS[annotation.removesuffix(" | None")](value)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The shape of an :class:`~lightning_moe.models.MoEGPT` (its constructor's keyword arguments).
+
+    The MoE fields (``MOE_FIELDS``) are the planner's part of the MoE layers'
+    :class:`~lightning_moe.moe.MoEConfig`, with its defaults; :attr:`moe` gives them back as one, and
+    :meth:`from_moe_config` builds a shape around one.
 
     Example::
 
         shape = ModelShape.from_config({"hidden_size": 64, "num_layers": 2, "moe": {"num_experts": 8}})
         shape.total_parameters()
+        shape.moe                        # MoEConfig(hidden_size=64, ffn_hidden_size=192, num_experts=8, ...)
+        ModelShape.from_moe_config(MoEConfig(64, 256, num_experts=8, top_k=1), num_layers=2, num_heads=4)
     """
 
     vocab_size: int = 256
@@ -25,15 +58,16 @@ class ModelShape:
     num_kv_heads: int = 4
     ffn_hidden_size: int = 384
     moe_layer_freq: int = 1
-    num_experts: int = 8
-    top_k: int = 2
-    moe_ffn_hidden_size: int = 384
-    shared_expert_hidden_size: int | None = None
-    dispatcher: str = "alltoall"
-    load_balancing: str = "aux_loss"
-    expert_bias: bool = False
-    capacity_factor: float | None = None
-    dispatch_chunks: int = 1
+    # MoE layers: MOE_FIELDS
+    num_experts: int = DEFAULT_NUM_EXPERTS
+    top_k: int = MoEConfig.default("top_k")
+    moe_ffn_hidden_size: int = 384  # the dense ffn_hidden_size's default
+    shared_expert_hidden_size: int | None = MoEConfig.default("shared_expert_hidden_size")
+    dispatcher: str = MoEConfig.default("dispatcher")
+    load_balancing: str = MoEConfig.default("load_balancing")
+    expert_bias: bool = MoEConfig.default("expert_bias")
+    capacity_factor: float | None = MoEConfig.default("capacity_factor")
+    dispatch_chunks: int = MoEConfig.default("dispatch_chunks")
     name: str = "model"
 
     @classmethod
@@ -47,8 +81,11 @@ class ModelShape:
         ffn = cfg.get("ffn_hidden_size")
         ffn = 64 * math.ceil(8 * hidden / 3 / 64) if ffn is None else int(ffn)
         moe = dict(cfg.get("moe") or {})
-        shared = moe.get("shared_expert_hidden_size")
-        cf = moe.get("capacity_factor")
+        moe_defaults = {"num_experts": DEFAULT_NUM_EXPERTS, "ffn_hidden_size": ffn}  # MoEGPT's
+        moe_fields = {}
+        for field, key in MOE_FIELDS.items():
+            default = moe_defaults[key] if key in moe_defaults else MoEConfig.default(key)
+            moe_fields[field] = _cast(cls.__dataclass_fields__[field].type, moe.get(key, default))
         shape = cls(
             vocab_size=int(cfg.get("vocab_size", 256)),
             hidden_size=hidden,
@@ -57,19 +94,29 @@ class ModelShape:
             num_kv_heads=heads if kv is None else int(kv),
             ffn_hidden_size=ffn,
             moe_layer_freq=int(cfg.get("moe_layer_freq", 1)),
-            num_experts=int(moe.get("num_experts", 8)),
-            top_k=int(moe.get("top_k", 2)),
-            moe_ffn_hidden_size=int(moe.get("ffn_hidden_size", ffn)),
-            shared_expert_hidden_size=None if shared is None else int(shared),
-            dispatcher=str(moe.get("dispatcher", "alltoall")),
-            load_balancing=str(moe.get("load_balancing", "aux_loss")),
-            expert_bias=bool(moe.get("expert_bias", False)),
-            capacity_factor=None if cf is None else float(cf),
-            dispatch_chunks=int(moe.get("dispatch_chunks", 1)),
+            **moe_fields,
             name=name or str(cfg.get("name", "model")),
         )
         shape.check()
         return shape
+
+    @classmethod
+    def from_moe_config(cls, moe: MoEConfig, **fields: Any) -> ModelShape:
+        """The shape of a model whose MoE layers are ``moe`` (which gives ``hidden_size`` too);
+        ``fields``: the other fields (``num_layers``, ``num_heads``, ...), checked as :meth:`from_config`."""
+        taken = sorted(set(fields) & {"hidden_size", *MOE_FIELDS})
+        if taken:
+            raise ValueError(f"{taken} come from the MoEConfig: set them there (moe.replace(...)), not as fields")
+        moe_fields = {field: getattr(moe, name) for field, name in MOE_FIELDS.items()}
+        shape = cls(hidden_size=moe.hidden_size, **moe_fields, **fields)
+        shape.check()
+        return shape
+
+    @property
+    def moe(self) -> MoEConfig:
+        """The :class:`~lightning_moe.moe.MoEConfig` of the MoE layers as far as the shape knows it (the
+        ``MOE_FIELDS``; the other settings at their defaults). ``ValueError`` if those do not make one."""
+        return MoEConfig(self.hidden_size, **{name: getattr(self, field) for field, name in MOE_FIELDS.items()})
 
     def check(self) -> None:
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size"):
