@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
-from lightning_moe.moe.interleave import hand_off, run_interleaved
+from lightning_moe.comm.interleave import hand_off, run_interleaved
 from lightning_moe.parallel.accumulation import MicroBatchOverlap
 from tests.cli import train_in_pool
 from tests.dist_pool import get_pool

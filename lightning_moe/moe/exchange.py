@@ -6,7 +6,7 @@ computes (expert GEMMs of another chunk, the shared expert): that is the overlap
 ``MoELayer(dispatch_chunks=n)``. :func:`exchange` does both at once. The backward runs the reverse
 all-to-all, issued when the received rows' gradient arrives and waited for when the input's gradient
 is needed. Right after issuing one, forward or backward, control passes to the other micro-batch
-under :mod:`lightning_moe.moe.interleave`.
+under :mod:`lightning_moe.comm.interleave`.
 
 ``wire`` is what travels (``MoELayer(dispatch_dtype=...)``):
 
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe import comm
-from lightning_moe.moe.interleave import hand_off
+from lightning_moe.comm.interleave import hand_off
 
 __all__ = ["WIRES", "INTERNODE", "Exchange", "check_wire", "exchange", "exchange_splits", "exchange_start", "exchange_wait"]
 

@@ -4,7 +4,7 @@
 with FSDP2's one gather per optimizer step when asked
 (:class:`~lightning_moe.parallel.fsdp_accumulation.GatherOncePerStep`, ``gather_once_per_step``).
 :class:`OverlapEngine` (``overlap_ep_comm``) defers each micro-batch's backward into the next
-micro-batch's forward and runs the two interleaved (:func:`lightning_moe.moe.interleave.run_interleaved`),
+micro-batch's forward and runs the two interleaved (:func:`lightning_moe.comm.interleave.run_interleaved`),
 so that each one's expert all-to-alls are in flight while the other computes.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_moe._compat import optimizer_steps_after_this_batch
 from lightning_moe.moe import set_aux_loss_scale
-from lightning_moe.moe.interleave import run_interleaved
+from lightning_moe.comm.interleave import run_interleaved
 from lightning_moe.parallel.fsdp_accumulation import GatherOncePerStep
 from lightning_moe.parallel.step_engine import StepEngine
 
@@ -124,7 +124,7 @@ class OverlapEngine(AccumulationEngine):
 
 
 class MicroBatchOverlap:
-    """A training loop's side of :func:`~lightning_moe.moe.interleave.run_interleaved`: a micro-batch's
+    """A training loop's side of :func:`~lightning_moe.comm.interleave.run_interleaved`: a micro-batch's
     backward is deferred until the next micro-batch's forward, and run interleaved with it. The
     step's last backward runs at once (nothing follows it before the optimizer step).
 

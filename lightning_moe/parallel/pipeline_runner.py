@@ -27,7 +27,7 @@ from lightning_moe._compat import (
     skip_backward_actions,
 )
 from lightning_moe.layout import V_SCHEDULES
-from lightning_moe.moe.interleave import run_interleaved
+from lightning_moe.comm.interleave import run_interleaved
 from lightning_moe.parallel.pipeline import stage_rank
 
 __all__ = ["PipelineRunner", "is_inferring_shapes", "scale_gradient"]
@@ -137,7 +137,7 @@ class PipelineRunner:
         schedule: one of :data:`~lightning_moe.parallel.pipeline.PIPELINE_SCHEDULES`; microbatches: per step.
         loss_fn: ``loss_fn(output, target) -> scalar`` of one micro-batch on the last stage.
         overlap_ep_comm: DualPipeV runs each of its overlapped forward/backward pairs interleaved at the
-            expert all-to-alls (:mod:`lightning_moe.moe.interleave`), not one after the other.
+            expert all-to-alls (:mod:`lightning_moe.comm.interleave`), not one after the other.
 
     :meth:`step` runs forward and backward of ``microbatches`` micro-batches; the gradient of each
     micro-batch loss is multiplied by ``grad_scale`` (torch's own 1/n scaling is off: it would also
