@@ -23,7 +23,6 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import hydra
@@ -33,43 +32,19 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from lightning.pytorch.loggers import WandbLogger
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig, read_write
 
-from lightning_moe.conf import CONF_DIR
+import lightning_moe.conf  # noqa: F401  (registers the lmoe.devices resolver the configs use)
 from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
 from lightning_moe.data import resolve_batch_layout
-from lightning_moe.layout import PARALLEL_DIMS, layout_request, resolve_layout, size_problems
+from lightning_moe.layout import PARALLEL_DIMS, size_problems
 from lightning_moe.parallel.parallelize import check_layout
 from lightning_moe.parallel.arguments import resolve_world_size
 
 
 
-def devices_per_node(parallel: DictConfig, num_nodes: int = 1) -> int:
-    """Processes per node implied by the parallel sizes; ``dp="auto"`` counts as 1, and ep only its
-    part not folded over tp/cp (``fold_ep``).
-
-    Registered as the ``lmoe.devices`` resolver, which ``conf/trainer/default.yaml`` uses for
-    ``trainer.devices``. Example::
-
-        devices_per_node(OmegaConf.create({"ep": 2, "dp": 2}))  # 4
-    """
-    # dp="auto" counts as 1; HSDP's split of dp changes no process count.
-    request = {k: v for k, v in layout_request(parallel).items() if k in ("fold_ep", "etp") or isinstance(v, int)}
-    request.setdefault("dp", 1)
-    request.pop("dp_replicate", None), request.pop("dp_shard", None)
-    world_size = resolve_layout(None, **request).world_size
-    if world_size % num_nodes:
-        raise ValueError(
-            f"the parallel sizes give {world_size} processes, not divisible by trainer.num_nodes={num_nodes}: "
-            "set trainer.devices (processes per node) yourself or change the sizes"
-        )
-    return world_size // num_nodes
-
-
-# Registered at import so that configs composed elsewhere (tests, notebooks) resolve too.
-OmegaConf.register_new_resolver("lmoe.devices", devices_per_node, replace=True)
 
 
 def _launch_children_for_this_job_only() -> None:

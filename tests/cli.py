@@ -88,7 +88,7 @@ def compose_train_config(run_dir: Path, overrides: Sequence[str]) -> Any:
     """The config ``python -m lightning_moe.train`` composes, its output directory ``run_dir``."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_moe.train import CONF_DIR
+    from lightning_moe.conf import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("train", overrides=[*overrides, f"trainer.default_root_dir={run_dir}"])

@@ -16,7 +16,7 @@ def presets_this_torch_builds(options: list[str]) -> list:
     """Config options (``name`` or ``group=name``) as pytest params, a parallel preset that runs a V
     schedule marked to skip where this torch refuses it."""
     from lightning_moe.layout import V_SCHEDULES
-    from lightning_moe.train import CONF_DIR
+    from lightning_moe.conf import CONF_DIR
 
     def runs_v_schedule(option: str) -> bool:
         path = CONF_DIR / "parallel" / f"{option.split('=')[-1]}.yaml"

@@ -27,7 +27,8 @@ from lightning_moe.data import ByteTextDataModule
 from lightning_moe.hf import HFMoEModule
 from lightning_moe.models import MoEGPT
 from lightning_moe.moe import MoELayer
-from lightning_moe.train import CONF_DIR, build
+from lightning_moe.conf import CONF_DIR
+from lightning_moe.train import build
 from tests.dist_pool import close_pools
 from tests.presets import presets_this_torch_builds
 

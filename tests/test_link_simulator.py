@@ -185,7 +185,8 @@ def test_link_config_group(tmp_path):
     from hydra import compose, initialize_config_dir
 
     from lightning_moe.comm.link_simulator import LinkSimulatorCallback
-    from lightning_moe.train import CONF_DIR, build
+    from lightning_moe.conf import CONF_DIR
+    from lightning_moe.train import build
 
     def callbacks(*overrides: str) -> list:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

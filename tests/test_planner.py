@@ -40,7 +40,10 @@ from lightning_moe.planner import (
     plan,
     rank_parameters,
 )
-from lightning_moe.plan import CONF_DIR, dry_run, layout_from_parallel, model_shape, plan_json, run_plan
+from lightning_moe.conf import CONF_DIR
+from lightning_moe.plan import dry_run, model_shape, run_plan
+from lightning_moe.planner.presets import layout_from_parallel
+from lightning_moe.planner.report import plan_json
 from tests.cli import ROOT, TINY_RUN
 from tests.dist_pool import close_pools, get_pool
 from tests.dist_pool import layout as pool_layout
@@ -652,7 +655,7 @@ def test_auto_layout_without_a_micro_batch_ranks_the_data_modules_default():
 def test_auto_layout_preset_hands_the_run_config_to_the_planner():
     import hydra
 
-    from lightning_moe.train import CONF_DIR as TRAIN_CONF
+    from lightning_moe.conf import CONF_DIR as TRAIN_CONF
 
     with initialize_config_dir(str(TRAIN_CONF), version_base="1.3"):
         cfg = compose("train", overrides=["parallel=auto", "trainer.default_root_dir=/tmp/unused"])

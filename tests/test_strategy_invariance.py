@@ -7,7 +7,7 @@ import torch
 
 from omegaconf import OmegaConf
 
-from lightning_moe.train import devices_per_node
+from lightning_moe.conf import devices_per_node
 from tests.cli import TINY_RUN, compose_train_config, run_cli, run_cli_error, train_in_pool
 
 REL = 1e-5
@@ -66,14 +66,15 @@ def _preset_processes(preset: str) -> int:
     import yaml
     from omegaconf import OmegaConf
 
-    from lightning_moe.train import CONF_DIR, devices_per_node
+    from lightning_moe.conf import CONF_DIR
+    from lightning_moe.conf import devices_per_node
 
     return devices_per_node(OmegaConf.create(yaml.safe_load((CONF_DIR / "parallel" / f"{preset}.yaml").read_text())))
 
 
 def _presets_up_to_8_processes() -> list[str]:
     """By process count: the runs of one count share a test pool, which starts once."""
-    from lightning_moe.train import CONF_DIR
+    from lightning_moe.conf import CONF_DIR
 
     names = sorted(path.stem for path in (CONF_DIR / "parallel").glob("*.yaml"))
     names = [name for name in names if name not in ("single", "auto") and _preset_processes(name) <= 8]

@@ -22,7 +22,6 @@ rank's parameters, under their names in the whole model (``layers.3.attention.wq
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 

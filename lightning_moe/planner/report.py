@@ -1,0 +1,152 @@
+"""What the planner's results look like to a person: the ranked tables, the layouts that do not fit,
+``plan.png``, ``plan.json``'s text and a dry run's table."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lightning_moe.layout import MESH_DIMS, PARALLEL_DIMS
+from lightning_moe.planner.candidate import Layout
+from lightning_moe.planner.memory import CHECKPOINT_MODES
+from lightning_moe.planner.search import Plan
+from lightning_moe.planner.step_time import Estimate
+
+if TYPE_CHECKING:
+    from lightning_moe.parallel.dry_run import RankView
+
+__all__ = ["GIB", "format_dry_run", "format_rejected", "format_same_sizes", "format_table", "plan_json", "plot_plan"]
+
+GIB = 2**30
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f}" if x >= 5e6 else ("0" if x == 0 else f"{x / 1e9:.3f}")
+
+
+def format_table(estimates: Sequence[Estimate], checkpointing: str = "none") -> str:
+    """Two markdown tables for the given estimates: time and memory, then bytes per step per dim."""
+    head = (
+        "| # | layout | step s | MFU | tokens/s/GPU | bubble | mem GiB | params | grads | optim | act none/sel/full | fits |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    for i, e in enumerate(estimates, 1):
+        mem = e.memory
+        acts = "/".join(_gib(mem.activations[m]) for m in CHECKPOINT_MODES)
+        rows.append(
+            f"| {i} | {e.layout.label()} | {e.step_time:.3g} | {e.mfu:.1%} | {e.tokens_per_second / e.layout.world_size:,.0f}"
+            f" | {e.bubble_fraction:.1%} | {_gib(mem.total(checkpointing))} | {_gib(mem.parameters)} | {_gib(mem.gradients)}"
+            f" | {_gib(mem.optimizer)} | {acts} | {'yes' if e.fits else 'no'} |"
+        )
+    # A column a dim, and ep's inter-node share after ep's.
+    columns = [c for d in PARALLEL_DIMS for c in ((d, "ep inter-node") if d == "ep" else (d,))]
+    comm_head = (
+        "\nBytes per step and GPU (GB), intra-node / inter-node:\n\n"
+        f"| # | layout | {' | '.join(columns)} |\n|---|---|{'---|' * len(columns)}"
+    )
+    rows.append(comm_head)
+    for i, e in enumerate(estimates, 1):
+        cells = [
+            _gb(e.ep_internode_bytes) if c == "ep inter-node" else f"{_gb(e.comm[c]['intra'])} / {_gb(e.comm[c]['inter'])}"
+            for c in columns
+        ]
+        rows.append(f"| {i} | {e.layout.label()} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def format_rejected(rejected: Sequence[Estimate], limit: int = 10) -> str:
+    if not rejected:
+        return "Every valid layout fits in memory."
+    lines = [f"{len(rejected)} layouts do not fit in memory (smallest first):"]
+    for e in rejected[:limit]:
+        lines.append(f"  {e.layout.label()}: {e.reason}")
+    if len(rejected) > limit:
+        lines.append(f"  ... and {len(rejected) - limit} more (all in plan.json)")
+    return "\n".join(lines)
+
+
+def plot_plan(result: Plan, path: Path, checkpointing: str = "none") -> Path:
+    """``plan.png``: estimated step time vs memory per GPU for every layout, the chosen one marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for group, color, label in ((result.ranked, "tab:blue", "fits"), (result.rejected, "tab:gray", "does not fit")):
+        if group:
+            ax.scatter([e.memory.total(checkpointing) / GIB for e in group], [e.step_time for e in group], s=10, c=color, label=label, alpha=0.6)
+    if result.ranked:
+        best = result.ranked[0]
+        ax.scatter([best.memory.total(checkpointing) / GIB], [best.step_time], s=120, marker="*", c="tab:red", label=f"chosen: {best.layout.label()}")
+    ax.axvline(result.cluster.memory_budget / GIB, color="tab:red", linestyle=":", linewidth=1, label="memory budget")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("memory per GPU (GiB, estimated)")
+    ax.set_ylabel("step time (s, estimated)")
+    ax.set_title(f"{result.model.name} on {result.world_size} x {result.cluster.name}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _sizes(layout: Layout) -> tuple[Any, ...]:
+    return (*layout.parallel_sizes().values(), layout.etp, layout.fold_ep, layout.dp_replicate)
+
+
+def format_same_sizes(requested: Estimate, result: Plan) -> str:
+    """Where the ranking stands on the requested layout's sizes: the same layout (same label, the
+    same estimate) or the fastest variant of its sizes, with the settings that run that variant."""
+    same = [(i, e) for i, e in enumerate(result.ranked, 1) if _sizes(e.layout) == _sizes(requested.layout)]
+    label = requested.layout.label()
+    if not same:
+        return f"The ranking has no fitting layout with the sizes of {label}."
+    exact = next(((i, e) for i, e in same if e.layout.label() == label), None)
+    if exact is not None:
+        return f"Ranked #{exact[0]} of {len(result.ranked)} (the same layout and estimate)."
+    i, best = same[0]
+    lay, req = best.layout, requested.layout
+    settings = []
+    if lay.micro_batch_size != req.micro_batch_size:
+        settings.append(f"data.micro_batch_size={lay.micro_batch_size}")
+    if lay.pp > 1:
+        if lay.pipeline_microbatches != req.pipeline_microbatches:
+            settings.append(f"parallel.pp_microbatches={lay.pipeline_microbatches}")
+        if (lay.pp_schedule, lay.pp_stages_per_rank) != (req.pp_schedule, req.pp_stages_per_rank):
+            settings += [f"parallel.pp_schedule={lay.pp_schedule}", f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}"]
+    return (
+        f"Not ranked as requested; the ranking's fastest with these sizes is #{i}, {lay.label()}:"
+        f" {best.step_time:.3g} s, {best.mfu:.1%} MFU (requested: {requested.step_time:.3g} s, {requested.mfu:.1%})."
+        f" To train it: {' '.join(settings)}."
+    )
+
+
+def plan_json(out: Mapping[str, Any]) -> str:
+    """``plan.json``'s text: a top-level key a line, and each layout of a list on a line of its own.
+
+    ``json.dumps(indent=...)`` runs the pure-Python encoder, seconds for the tens of thousands of
+    layouts of a large world; without an indent the C encoder writes each line.
+    """
+    def value(v: Any) -> str:
+        return "[\n" + ",\n".join(json.dumps(x) for x in v) + "\n]" if isinstance(v, list) and v else json.dumps(v)
+
+    return "{\n" + ",\n".join(f"{json.dumps(k)}: {value(v)}" for k, v in out.items()) + "\n}\n"
+
+
+def format_dry_run(views: Sequence[RankView], seconds: float) -> str:
+    lines = [f"Dry run on the fake process group ({seconds:.1f} s):", f"| rank | coordinates ({','.join(MESH_DIMS)}) | parameters | bytes | model bytes | padded (FSDP2) | match |", "|---|---|---|---|---|---|---|"]
+    for v in views:
+        coords = ",".join(str(v.coordinates[d]) for d in MESH_DIMS)
+        lines.append(f"| {v.rank} | {coords} | {v.parameters:,} | {v.parameter_bytes:,} | {v.model_bytes:,} | {v.model_padded_bytes:,} | {'yes' if v.matches else 'NO'} |")
+        for m in v.mismatches[:10]:
+            lines.append(f"    mismatch {m}")
+    return "\n".join(lines)
