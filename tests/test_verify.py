@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.cli import ROOT
-from tests.conftest import close_pools
+from tests.dist_pool import close_pools
 
 # The default data config (global_batch_size 16, micro_batch_size unset), shorter and smaller. Clipping
 # is active at this size: a mis-scaled gradient changes the steps after the first.
@@ -78,7 +78,7 @@ def _verify_in_process(run_dir: Path, overrides: tuple[str, ...]) -> tuple[int, 
     """
     from hydra import compose, initialize_config_dir
 
-    from lightning_moe.train import CONF_DIR
+    from lightning_moe.conf import CONF_DIR
     from lightning_moe.verify.__main__ import verify_config
     from lightning_moe.verify.runner import VerifyConfigError
 
@@ -116,7 +116,7 @@ def _moegpt_parameter_names() -> set[str]:
     import hydra
     from hydra import compose, initialize_config_dir
 
-    from lightning_moe.train import CONF_DIR
+    from lightning_moe.conf import CONF_DIR
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("verify", overrides=[*DATA, *MOEGPT])
@@ -262,6 +262,151 @@ def test_verify_layout_api_passes_with_the_layouts_micro_batches_and_turns_dropo
     assert json.loads((tmp_path / "verify.json").read_text())["passed"] is True
 
 
+@pytest.mark.slow
+def test_verify_layout_takes_every_layout_the_strategy_takes(tmp_path):
+    """A folded layout (tp2 and ep2 over the same 2 processes) and HSDP, resolved as the strategy
+    resolves them; the folded one with noise control (the reference again with another thread count)."""
+    import lightning_moe
+    from lightning_moe.data import ByteTextDataModule
+    from lightning_moe.models import MoEGPT
+
+    close_pools()
+    model = partial(MoEGPT, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32,
+                    moe={"num_experts": 4, "ffn_hidden_size": 32})
+    data = partial(ByteTextDataModule, seq_len=32, global_batch_size=8, max_corpus_bytes=200000)
+    common = {"devices": 2, "steps": 2, "cache_dir": tmp_path / "cache", "trainer_kwargs": {"accelerator": "cpu"},
+              "verbose": False}
+    folded = lightning_moe.verify_layout(model, data, {"tp": 2, "ep": 2, "fold_ep": "tp"}, out_dir=tmp_path / "folded",
+                                         noise_control=True, **common)
+    assert folded.passed and not folded.within_noise_floor, str(folded)
+    assert folded.layout == {"tp": 2, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1, "fold_ep": "tp"}
+    assert folded.model == "MoEGPT"
+    saved = json.loads((tmp_path / "folded" / "verify.json").read_text())
+    control = saved["noise_control"]
+    assert control["threads"]["control"] != control["threads"]["reference"]
+    assert len(control["losses"]) == 2 and all(rel <= 1e-5 for rel in control["loss_rel"])
+    assert all("control_rel" in row for row in saved["losses"])
+    assert any(note.startswith("noise control: one process with") for note in folded.notes)
+    # HSDP: 2 replica groups of 1 rank; the reference (FSDP on one process) is the folded one's, from the cache.
+    hsdp = lightning_moe.verify_layout(model, data, {"data_parallel": "hsdp", "dp_replicate": 2},
+                                       out_dir=tmp_path / "hsdp", **common)
+    assert hsdp.passed, str(hsdp)
+    assert hsdp.layout == {"tp": 1, "cp": 1, "ep": 1, "dp": 2, "pp": 1, "etp": 1}
+    assert hsdp.noise_control is None and "control_rel" not in hsdp.losses[0]
+
+
+def test_layouts_are_resolved_as_the_strategy_resolves_them(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    import lightning_moe
+    from lightning_moe.conf import CONF_DIR
+    from lightning_moe.verify.__main__ import job_from_config
+    from lightning_moe.verify.localise import layout_dependent_statistics
+    from lightning_moe.verify.runner import VerifyConfigError, one_process_options
+
+    def job(preset: str):
+        cfg = compose("verify", overrides=[*DATA, *MOEGPT, "model.num_layers=4", f"parallel={preset}"],
+                      return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return job_from_config(cfg, tmp_path)
+
+    expected = {
+        "tp2_ep2_folded": (2, {"tp": 2, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1, "fold_ep": "tp"}),
+        "dp2_ep2_hsdp": (4, {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1}),
+        "ep2_overlap": (2, {"tp": 1, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1}),
+        "pp2_ep2_dualpipev": (4, {"tp": 1, "cp": 1, "ep": 2, "dp": 1, "pp": 2, "etp": 1}),
+    }
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        jobs = {preset: job(preset) for preset in expected}
+    for preset, (devices, layout) in expected.items():
+        assert (jobs[preset].layout_devices, jobs[preset].layout) == (devices, layout), preset
+        # The reference runs on one process without the layout's own options, which one process refuses.
+        single = jobs[preset].single_body["config"]["parallel"]
+        assert {k: single[k] for k in ("tp", "ep", "dp", "pp", "fold_ep", "dp_replicate", "overlap_ep_comm")} == {
+            "tp": 1, "ep": 1, "dp": 1, "pp": 1, "fold_ep": None, "dp_replicate": None, "overlap_ep_comm": False}
+        assert single["data_parallel"] == "fsdp" and jobs[preset].single_body["config"]["trainer"]["devices"] == 1
+    # Every layout of a module from Python shares one reference.
+    assert one_process_options({"tp": 2, "ep": 2, "fold_ep": "tp"}, complete=True) == one_process_options(
+        {"ep": 2, "data_parallel": "hsdp", "dp_replicate": 2, "overlap_ep_comm": True}, complete=True)
+    # A layout that does not fit: the strategy's message, before any process starts.
+    with pytest.raises(VerifyConfigError, match=r"^devices=3: world_size 3 is not divisible by tp\*cp\*ep\*pp"):
+        lightning_moe.verify_layout(partial(torch.nn.Linear, 2, 2), dict, {"ep": 2}, devices=3)
+    with pytest.raises(VerifyConfigError, match=r"^devices=2: .*dp_replicate"):
+        lightning_moe.verify_layout(partial(torch.nn.Linear, 2, 2), dict, {"dp_replicate": 2, "data_parallel": "ddp"},
+                                    devices=2)
+    # Folded over tp, ep's ranks hold the same samples: one micro-batch per micro-step, as on one process.
+    routing = {"layers.0.feed_forward": {"load_balancing": "global_aux_loss", "aux_loss_coeff": 0.01}}
+    assert layout_dependent_statistics(routing, expected["tp2_ep2_folded"][1]) == []
+    assert "dp x ep = 4 micro-batches" in layout_dependent_statistics(routing, expected["dp2_ep2_hsdp"][1])[0]
+
+
+# -- noise control (no processes: synthetic runs) ----------------------------------------------------
+def _run(losses: list[float], final: dict[str, torch.Tensor], grad_scale: float = 1.0, threads: int = 1):
+    """A one-rank RunData with these losses and final parameters (initial zeros, step-1 gradients ones)."""
+    from lightning_moe.layout import MESH_DIMS as MESH
+    from lightning_moe.verify.runs import RunData
+
+    rank = {"rank": 0, "coords": dict.fromkeys(MESH, 0), "sizes": dict.fromkeys(MESH, 1), "start_order": ["", "w"],
+            "types": {"": "Model", "w": "Linear"}, "losses": losses, "threads": threads,
+            "initial": {n: torch.zeros_like(t) for n, t in final.items()},
+            "grads": {n: torch.full_like(t, grad_scale) for n, t in final.items()}, "final": final}
+    return RunData(Path("."), [rank], [])
+
+
+def _drifting_losses(start: int, rel: float, steps: int = 6) -> list[float]:
+    """Losses of 5.0 that differ by ``rel`` (relative) from step ``start`` on (1-based)."""
+    return [5.0 * (1 + rel) if step >= start else 5.0 for step in range(1, steps + 1)]
+
+
+def test_noise_control_passes_a_drift_within_the_noise_floor_and_fails_beyond_it():
+    from lightning_moe.verify.numerics import NOISE_FLOOR_FACTOR, compare_runs, loss_noise_floors
+    from lightning_moe.verify.runner import control_threads
+
+    assert control_threads(1) == 2 and control_threads(4) == 1
+    assert loss_noise_floors([0.0, 2e-4, 1e-4], factor=4.0) == [0.0, 8e-4, 8e-4]  # the drift so far
+    weights = {"w.weight": torch.ones(4, 4)}
+    single = _run(_drifting_losses(99, 0.0), weights)
+    control = _run(_drifting_losses(4, 1e-3), {"w.weight": torch.ones(4, 4) * (1 + 1e-3)}, threads=2)
+    # The layout drifts as the control does, from the same step: PASS within the noise floor.
+    layout = _run(_drifting_losses(4, 2e-3), {"w.weight": torch.ones(4, 4) * (1 + 2e-3)})
+    plain = compare_runs(single, layout, 1e-5)
+    assert not plain.passed and plain.noise_control is None  # without the control: FAIL, as before
+    report = compare_runs(single, layout, 1e-5, control)
+    assert report.passed and report.within_noise_floor, str(report)
+    assert [row["within_noise_floor"] for row in report.losses] == [False] * 3 + [True] * 3
+    assert report.parameters[0].noise_floor == pytest.approx(NOISE_FLOOR_FACTOR * 1e-3, rel=1e-4)
+    text = str(report)
+    assert "within the noise floor (one process vs itself with 2 threads: rel 1.0e-03)" in text
+    assert ("PASS within the noise floor: 1 step-1 gradients within rtol 1e-05; 3 losses (steps 4-6) and 1 final"
+            " parameter differ by more, by at most 2.0x what one process differs from itself with 2 threads instead"
+            " of 1 (the noise floor: 4x)") in text
+    assert report.noise_control["threads"] == {"reference": 1, "control": 2}
+    assert report.noise_control["losses"] == pytest.approx(control.losses)
+    assert report.noise_control["loss_floor"] == pytest.approx([0.0] * 3 + [NOISE_FLOOR_FACTOR * 1e-3] * 3)
+    # Beyond the factor, or before the control drifts at all: FAIL, and the note says what is more than noise.
+    far = compare_runs(single, _run(_drifting_losses(4, 1e-2), weights), 1e-5, control)
+    assert not far.passed and not far.within_noise_floor
+    assert far.notes[-1] == ("noise control: one process with 2 threads instead of 1 differs from itself by loss rel"
+                             " 1.0e-03 at most, beyond rtol from step 4; the losses at steps 4, 5, 6 differ beyond 4x"
+                             " the control's difference: more than the noise it measured")
+    assert "<-- differs beyond the noise floor 4.0e-03" in str(far)
+    early = compare_runs(single, _run(_drifting_losses(2, 1e-3), weights), 1e-5, control)
+    assert not early.passed and [r["within_noise_floor"] for r in early.losses][:3] == [False] * 3
+    # A final parameter beyond 4x the control's: FAIL.
+    moved = compare_runs(single, _run(_drifting_losses(4, 1e-3), {"w.weight": torch.ones(4, 4) * 1.01}), 1e-5, control)
+    assert not moved.passed and moved.parameters[0].noise_floor is None
+    # A control that computes the same numbers bit for bit gives no floor, and says so.
+    same = compare_runs(single, layout, 1e-5, _run(_drifting_losses(99, 0.0), weights, threads=2))
+    assert not same.passed and "computed the same losses and parameters bit for bit" in same.notes[-1]
+    # Step-1 gradients get no floor, however far the control drifts later.
+    grads = compare_runs(single, _run(_drifting_losses(4, 1e-3), weights, grad_scale=1.01), 1e-5, control)
+    assert not grads.passed and grads.parameters[0].diverges(1e-5) == 0
+
+
 # -- bad input -------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_nondeterministic_configure_model_is_refused(tmp_path, cache):
@@ -283,7 +428,7 @@ def test_too_many_processes_is_refused(tmp_path, cache):
 
 # -- the comparison itself (no processes) ----------------------------------------------------------
 def test_uniform_ratio_and_its_explanation():
-    from lightning_moe.verify.compare import describe_ratio, rel_diff, uniform_ratio
+    from lightning_moe.verify.numerics import describe_ratio, rel_diff, uniform_ratio
 
     b = torch.randn(64, 8)
     assert uniform_ratio(2 * b, b) == pytest.approx(2.0)
@@ -300,7 +445,7 @@ def test_the_reference_gets_the_layouts_micro_batch_size_where_the_data_module_t
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig, open_dict
 
-    from lightning_moe.train import CONF_DIR
+    from lightning_moe.conf import CONF_DIR
     from lightning_moe.verify.__main__ import job_from_config
     from lightning_moe.verify.runner import accepts_micro_batch_size, pinned_single_body
     from tests.scripts.verify_models import LayoutBatchDataModule, UnsizedLayoutBatchDataModule
@@ -329,7 +474,7 @@ def test_the_reference_gets_the_layouts_micro_batch_size_where_the_data_module_t
 
 
 def test_optimizer_noise_explains_only_near_zero_gradients():
-    from lightning_moe.verify.compare import optimizer_noise
+    from lightning_moe.verify.numerics import optimizer_noise
 
     torch.manual_seed(0)
     initial = torch.randn(64)
@@ -347,7 +492,8 @@ def test_optimizer_noise_explains_only_near_zero_gradients():
 
 
 def test_micro_batching_explanation_names_the_statistics_and_the_fix():
-    from lightning_moe.verify.compare import VerifyReport, explain_micro_batching
+    from lightning_moe.verify.localise import explain_micro_batching
+    from lightning_moe.verify.report import VerifyReport
 
     mismatch = {"step": 1, "single": "1 micro-batch of 16 samples", "layout": "2 data-parallel ranks x 1 micro-batch of 8 samples",
                 "single_micro_batch_size": 16, "layout_micro_batch_size": 8}
@@ -377,7 +523,8 @@ def test_micro_batching_explanation_names_the_statistics_and_the_fix():
 
 
 def test_statistics_over_several_ranks_explain_the_fail_by_design():
-    from lightning_moe.verify.compare import VerifyReport, explain_batch_statistics
+    from lightning_moe.verify.localise import explain_batch_statistics
+    from lightning_moe.verify.report import VerifyReport
 
     routing = {f"layers.{i}.feed_forward": {"load_balancing": "global_aux_loss", "aux_loss_coeff": 0.01, "routing": "topk"}
                for i in range(2)}
@@ -398,16 +545,16 @@ def test_statistics_over_several_ranks_explain_the_fail_by_design():
 
 
 def test_tensor_parallel_pieces_are_reassembled_on_the_sharded_dim():
-    from lightning_moe.verify.compare import _merge_tp
+    from lightning_moe.verify.assembly import merge_tp
 
     full = torch.randn(2, 8, 6)  # [batch, seq, hidden]
     seq_shards = list(full.chunk(2, dim=1))
-    merged, _, _ = _merge_tp(seq_shards, (8, 6))
+    merged, _, _ = merge_tp(seq_shards, (8, 6))
     torch.testing.assert_close(merged, full)
     hidden_shards = list(full.chunk(2, dim=2))
-    merged, _, _ = _merge_tp(hidden_shards, (8, 6))
+    merged, _, _ = merge_tp(hidden_shards, (8, 6))
     torch.testing.assert_close(merged, full)
-    _, disagreement, _ = _merge_tp([full, full + 1.0], (8, 6))  # "replicated" values that differ: a partial sum
+    _, disagreement, _ = merge_tp([full, full + 1.0], (8, 6))  # "replicated" values that differ: a partial sum
     assert disagreement > 0.1
-    merged, _, why = _merge_tp([full[:, :, :4], full[:, :, :4]], (8, 6))
+    merged, _, why = merge_tp([full[:, :, :4], full[:, :, :4]], (8, 6))
     assert merged is None and "expected [8, 6]" in why

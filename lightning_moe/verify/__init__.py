@@ -11,9 +11,15 @@ last step (less the part that step-1 gradient rounding explains through the opti
 that micro-batching or statistics spanning several ranks explain says so and names the fix. On failure, step 1 is run again with forward hooks
 on every module, whose outputs are reassembled to full tensors (DTensor, tensor-parallel shards,
 context-parallel zigzag, pipeline stages) and compared in execution order.
+
+The modules, in the order a verification uses them: ``runner`` (checks, the two runs in their own
+processes, the job), ``worker`` (one run, recording what is compared), ``runs`` (a run as its ranks
+wrote it), ``numerics`` (relative differences, optimizer noise, the comparison of losses, gradients
+and final parameters), ``assembly`` (full tensors from the ranks' pieces), ``localise`` (the first
+difference and what explains it) and ``report`` (:class:`VerifyReport` and its table).
 """
 
-from lightning_moe.verify.compare import VerifyReport
+from lightning_moe.verify.report import VerifyReport
 from lightning_moe.verify.runner import VerifyConfigError, verify_layout
 
 __all__ = ["VerifyConfigError", "VerifyReport", "verify_layout"]

@@ -15,7 +15,6 @@ Examples::
 from __future__ import annotations
 
 import copy
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,9 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_moe.train  # noqa: F401  (registers the lmoe.devices resolver)
-from lightning_moe.layout import NON_DP_DIMS, PARALLEL_DIMS
-from lightning_moe.verify.compare import VerifyReport
+import lightning_moe.conf  # noqa: F401  (registers the lmoe.devices resolver)
+from lightning_moe.verify.report import VerifyReport
 from lightning_moe.verify.runner import (
     LOCALIZE_MODES,
     Job,
@@ -36,6 +34,9 @@ from lightning_moe.verify.runner import (
     check_deterministic_build,
     check_processes,
     fingerprint,
+    layout_record,
+    one_process_options,
+    resolved_layout,
     run_job,
 )
 
@@ -60,9 +61,7 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
     devices = _as_int(trainer.get("devices", 1), "trainer.devices")
     num_nodes = _as_int(trainer.get("num_nodes", 1), "trainer.num_nodes")
     check_processes(devices * num_nodes, int(verify.max_processes), num_nodes)
-    sizes = {k: _as_int(parallel.get(k, 1), f"parallel.{k}") for k in NON_DP_DIMS}
-    sizes["dp"] = devices // max(math.prod(sizes.values()), 1)
-    layout = {k: sizes[k] for k in PARALLEL_DIMS} | {"etp": parallel.get("etp") or sizes["tp"]}
+    layout = layout_record(resolved_layout(devices * num_nodes, parallel))
     if int(verify.steps) < 1:
         raise VerifyConfigError(f"verify.steps={verify.steps} must be >= 1")
     notes = []
@@ -77,7 +76,7 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
         print(f"verify: warning: {message}", file=sys.stderr)
         notes.append(message)
     single = copy.deepcopy(config)
-    single["parallel"].update({k: 1 for k in PARALLEL_DIMS}, etp=None)
+    single["parallel"] = one_process_options(single["parallel"])
     single["trainer"].update(devices=1, num_nodes=1)
     try:
         model_class = hydra.utils.get_class(target) if target else None
@@ -105,6 +104,7 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
         fingerprint=fingerprint(model_class),
         micro_batch_pin="config" if data_class is not None and accepts_micro_batch_size(data_class) else None,
         data_setting="data.micro_batch_size",
+        noise_control=bool(verify.get("noise_control", False)),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -12,9 +13,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,20 +22,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_moe.layout import LAYOUT_KEYS, NON_DP_DIMS, world_size_problem
-from lightning_moe.verify.compare import (
-    RunData,
-    VerifyReport,
+from lightning_moe.layout import LAYOUT_KEYS, ResolvedLayout, layout_request, resolve_layout
+from lightning_moe.verify.localise import (
     check_same_samples,
     compare_micro_batching,
     compare_module_outputs,
-    compare_runs,
     describe_error,
     explain_batch_statistics,
     explain_micro_batching,
     first_gradient_difference,
     localise,
 )
+from lightning_moe.verify.numerics import compare_runs
+from lightning_moe.verify.report import VerifyReport
+from lightning_moe.verify.runs import RunData
 from lightning_moe.verify.worker import SPEC_ENV, disable_dropout, dump_spec
 
 LOCALIZE_MODES = ("on_failure", "always", "never")
@@ -71,6 +71,53 @@ class Job:
     # "factory" (datamodule_factory(micro_batch_size=...)) or None (the data module has no such argument).
     micro_batch_pin: str | None = None
     data_setting: str = "data.micro_batch_size"  # how the user sets the micro-batch size (named in fixes)
+    # Run the one-process reference again with another intra-op thread count, and count differences
+    # within the noise floor it gives as agreeing (numerics.apply_noise_floor).
+    noise_control: bool = False
+
+
+# -- the layout -------------------------------------------------------------------------------------
+def resolved_layout(devices: int, options: Mapping[str, Any]) -> ResolvedLayout:
+    """The layout that ``options`` (a strategy's keyword arguments or a ``parallel`` config) request on
+    ``devices`` processes, as the strategy resolves it (:func:`~lightning_moe.layout.resolve_layout`:
+    inferred dp, folding, HSDP); :class:`VerifyConfigError` naming the fix when it does not fit."""
+    try:
+        return resolve_layout(devices, **layout_request(options))
+    except ValueError as err:
+        raise VerifyConfigError(f"devices={devices}: {err}") from None
+
+
+def layout_record(layout: ResolvedLayout) -> dict[str, Any]:
+    """The layout as a report records it, as ``summary.json`` does: the sizes of
+    :data:`~lightning_moe.layout.LAYOUT_KEYS` (``ep`` the whole expert-parallel size), and ``fold_ep``
+    (``"cp,tp"``) when ep folds over attention dims."""
+    record: dict[str, Any] = layout.as_dict()
+    if layout.fold_ep:
+        record["fold_ep"] = ",".join(layout.fold_ep)
+    return record
+
+
+# Strategy arguments that only shape a layout, and the value each takes in the one-process reference
+# (ep folded over nothing, no HSDP split, no expert all-to-all to overlap, no pipeline schedule).
+ONE_PROCESS_OPTIONS: dict[str, Any] = {
+    **dict.fromkeys(LAYOUT_KEYS, 1), "etp": None, "fold_ep": None, "dp_replicate": None, "dp_shard": None,
+    "overlap_ep_comm": False, "pp_schedule": "1F1B", "pp_microbatches": None, "pp_stages_per_rank": 1,
+}
+
+
+def one_process_options(options: Mapping[str, Any], *, complete: bool = False) -> dict[str, Any]:
+    """``options`` (a strategy's keyword arguments or a ``parallel`` config) for the one-process
+    reference: every layout option set as :data:`ONE_PROCESS_OPTIONS` says, HSDP turned into FSDP.
+    ``complete`` sets the options that ``options`` leaves out as well, so that every layout of one
+    model shares one (cacheable) reference; otherwise only those present change (a config whose
+    strategy class may not take the others)."""
+    out = dict(options)
+    for key, value in ONE_PROCESS_OPTIONS.items():
+        if complete or key in out:
+            out[key] = value
+    if out.get("data_parallel") == "hsdp" or (complete and "data_parallel" not in out):
+        out["data_parallel"] = "fsdp"
+    return out
 
 
 # -- checks before any process starts --------------------------------------------------------------
@@ -133,10 +180,14 @@ def check_deterministic_build(build: Callable[[], nn.Module], seed: int, what: s
 
 
 # -- running ---------------------------------------------------------------------------------------
-def _worker_env(devices: int) -> dict[str, str]:
+def _worker_env(devices: int, threads: int | None = None) -> dict[str, str]:
+    """The environment of a run's processes; ``threads``: their intra-op thread count (default: the
+    caller's ``OMP_NUM_THREADS``, else the cores shared out among the processes)."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     env[SPEC_ENV] = "1"
-    if "OMP_NUM_THREADS" not in env:
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    elif "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, devices)))
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     if os.getcwd() not in paths:
@@ -145,7 +196,8 @@ def _worker_env(devices: int) -> dict[str, str]:
     return env
 
 
-def _launch(job: Job, body: dict[str, Any], devices: int, run_dir: Path, steps: int, record: bool) -> RunData:
+def _launch(job: Job, body: dict[str, Any], devices: int, run_dir: Path, steps: int, record: bool,
+            threads: int | None = None) -> RunData:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
@@ -155,7 +207,7 @@ def _launch(job: Job, body: dict[str, Any], devices: int, run_dir: Path, steps: 
     dump_spec(spec_path, header, body)
     cmd = [sys.executable, "-m", "lightning_moe.verify.worker", str(spec_path)]
     with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(devices),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(devices, threads),
                                 start_new_session=True)
         try:
             proc.wait(timeout=job.timeout_s)
@@ -174,21 +226,35 @@ def _log_tail(run_dir: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
-def _single(job: Job, steps: int, record: bool) -> RunData:
-    """The single-process run, from the cache when an identical one is there."""
+def _single(job: Job, steps: int, record: bool, threads: int | None = None) -> RunData:
+    """The single-process run, from the cache when an identical one is there; ``threads``: an intra-op
+    thread count of its own (the noise control's run)."""
+    what = "single-process" if threads is None else f"single-process control ({threads} threads)"
     if job.cache_dir is None:
         main_run = steps == job.steps and record == (job.localize == "always")
-        run_dir = job.out_dir / ("single" if main_run else "single_step1")
-        return _checked(_launch(job, job.single_body, 1, run_dir, steps, record), "single-process")
-    key = hashlib.sha256(
-        pickle.dumps((job.fingerprint, job.seed, steps, record, job.main_file)) + pickle.dumps(job.single_body)
-    ).hexdigest()[:20]
+        name = ("single" if main_run else "single_step1") + (f"_threads{threads}" if threads is not None else "")
+        return _checked(_launch(job, job.single_body, 1, job.out_dir / name, steps, record, threads), what)
+    inputs = (job.fingerprint, job.seed, steps, record, job.main_file) + ((threads,) if threads is not None else ())
+    key = hashlib.sha256(pickle.dumps(inputs) + pickle.dumps(job.single_body)).hexdigest()[:20]
     run_dir = job.cache_dir / f"single-{key}"
     if (run_dir / "complete").exists():
         return RunData.load(run_dir)
-    data = _checked(_launch(job, job.single_body, 1, run_dir, steps, record), "single-process")
+    data = _checked(_launch(job, job.single_body, 1, run_dir, steps, record, threads), what)
     (run_dir / "complete").write_text("")
     return data
+
+
+def control_threads(reference: int | None) -> int:
+    """The noise control's intra-op thread count: 2 against a reference run on 1 thread, else 1."""
+    return 2 if reference == 1 else 1
+
+
+def _reference_threads() -> int | None:
+    """The thread count a one-process run gets from :func:`_worker_env` (None: not a plain number)."""
+    try:
+        return int(_worker_env(1)["OMP_NUM_THREADS"].split(",")[0])
+    except ValueError:
+        return None
 
 
 def accepts_micro_batch_size(factory: Any) -> bool:
@@ -230,7 +296,11 @@ def run_job(job: Job) -> VerifyReport:
     single = _single(job, job.steps, record)
     layout = _launch(job, job.layout_body, job.layout_devices, job.out_dir / "layout", job.steps, record)
     single = _same_micro_batching(job, single, layout, record)
-    report = _report(job, single, layout)
+    control = None
+    if job.noise_control and not layout.errors and layout.ranks:
+        reference = single.threads if single.threads is not None else _reference_threads()
+        control = _single(job, job.steps, False, control_threads(reference))
+    report = _report(job, single, layout, control)
     if not report.passed and job.localize != "never" and report.error is None and report.first_difference is None:
         if not record:
             single = _single(job, 1, True)
@@ -274,8 +344,10 @@ def _same_micro_batching(job: Job, single: RunData, layout: RunData, record: boo
     return _single(job, job.steps, record)
 
 
-def _report(job: Job, single: RunData, layout: RunData) -> VerifyReport:
+def _report(job: Job, single: RunData, layout: RunData, control: RunData | None = None) -> VerifyReport:
     run_dirs = {"single": str(single.path), "layout": str(layout.path)}
+    if control is not None:
+        run_dirs["control"] = str(control.path)
     if layout.errors or getattr(layout, "returncode", 0) != 0 or len(layout.ranks) < job.layout_devices:
         report = VerifyReport(passed=False, layout=job.layout, steps=job.steps, rtol=job.rtol, run_dirs=run_dirs,
                               model=job.model_name, notes=list(job.notes))
@@ -287,7 +359,7 @@ def _report(job: Job, single: RunData, layout: RunData) -> VerifyReport:
                                        f"{_log_tail(layout.path)}"}
         report.first_difference = report.error["summary"]
         return report
-    report = compare_runs(single, layout, job.rtol)
+    report = compare_runs(single, layout, job.rtol, control)
     report.layout = job.layout
     report.model = job.model_name
     report.run_dirs = run_dirs
@@ -320,6 +392,13 @@ def fingerprint(*objects: Any) -> str:
 
 
 # -- the Python API ---------------------------------------------------------------------------------
+def _factory_name(factory: Any) -> str:
+    """A factory's name for the report: a class's or function's qualified name, a partial's function's."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return getattr(factory, "__qualname__", type(factory).__name__)
+
+
 def verify_layout(
     module_factory: Callable[[], Any],
     datamodule_factory: Callable[[], Any],
@@ -336,9 +415,17 @@ def verify_layout(
     cache_dir: str | os.PathLike[str] | None = None,
     timeout_s: float = 1800.0,
     verbose: bool = True,
+    noise_control: bool = False,
 ) -> VerifyReport:
     """Train ``module_factory()`` for ``steps`` optimizer steps on one process and on
     ``MoE5DStrategy(**strategy_kwargs)`` over ``devices`` processes, and compare them in fp32.
+
+    ``strategy_kwargs`` takes every layout the strategy takes (folded ep, HSDP, ``overlap_ep_comm``,
+    the V pipeline schedules, ...), resolved as the strategy resolves it; the one-process reference
+    runs the same arguments less the layout's own (:data:`ONE_PROCESS_OPTIONS`; HSDP becomes FSDP).
+    ``noise_control=True`` also runs the reference with another intra-op thread count and counts a
+    loss or final parameter beyond ``rtol`` but within the noise floor that gives as agreeing
+    (``report.within_noise_floor``).
 
     Both runs start in their own processes (Lightning re-executes the command line of each, so
     notebooks and pytest work). The factories must be picklable: classes, module-level functions
@@ -376,11 +463,7 @@ def verify_layout(
         raise VerifyConfigError(f"localize={localize!r} must be one of {LOCALIZE_MODES}")
     if steps < 1:
         raise VerifyConfigError(f"steps={steps} must be >= 1")
-    sizes = {k: int(strategy_kwargs.get(k, 1) or 1) for k in NON_DP_DIMS}
-    dp = strategy_kwargs.get("dp", "auto")
-    problem = world_size_problem(devices, **sizes, dp=-1 if dp in (None, "auto") else int(dp))
-    if problem:
-        raise VerifyConfigError(f"devices={devices}: {problem}")
+    resolved = resolved_layout(devices, strategy_kwargs)
     check_processes(devices, max_processes)
     for name, obj in (("module_factory", module_factory), ("datamodule_factory", datamodule_factory)):
         try:
@@ -399,7 +482,7 @@ def verify_layout(
     trainer_kwargs = dict(trainer_kwargs or {})
     trainer_kwargs.setdefault("accelerator", "auto")
     trainer_kwargs.setdefault("use_distributed_sampler", False)
-    single_kwargs = {k: v for k, v in strategy_kwargs.items() if k not in LAYOUT_KEYS}
+    single_kwargs = one_process_options(strategy_kwargs, complete=True)
     main_file = None
     if any(getattr(f, "__module__", None) == "__main__" or getattr(getattr(f, "func", None), "__module__", None) == "__main__"
            for f in (module_factory, datamodule_factory)):
@@ -409,17 +492,17 @@ def verify_layout(
             raise VerifyConfigError("the factories are defined in an interactive session: define them in an importable module")
     common = {"kind": "factories", "module_factory": module_factory, "datamodule_factory": datamodule_factory,
               "trainer_kwargs": trainer_kwargs}
-    layout = {**sizes, "dp": devices // math.prod(sizes.values()), "etp": strategy_kwargs.get("etp") or sizes["tp"]}
     job = Job(
         single_body={**common, "strategy_kwargs": single_kwargs, "devices": 1},
         layout_body={**common, "strategy_kwargs": dict(strategy_kwargs), "devices": devices},
-        layout_devices=devices, layout=layout, seed=seed, steps=steps, rtol=rtol, localize=localize,
+        layout_devices=devices, layout=layout_record(resolved), seed=seed, steps=steps, rtol=rtol, localize=localize,
         out_dir=Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="lightning_moe_verify_")),
         cache_dir=Path(cache_dir) if cache_dir is not None else None, timeout_s=timeout_s, main_file=main_file,
-        model_name=getattr(module_factory, "__qualname__", type(module_factory).__name__), notes=notes,
+        model_name=_factory_name(module_factory), notes=notes,
         fingerprint=fingerprint(module_factory),
         micro_batch_pin="factory" if accepts_micro_batch_size(datamodule_factory) else None,
         data_setting="micro_batch_size of datamodule_factory",
+        noise_control=noise_control,
     )
     report = run_job(job)
     if verbose:
@@ -427,5 +510,6 @@ def verify_layout(
     return report
 
 
-__all__ = ["LOCALIZE_MODES", "VerifyConfigError", "accepts_micro_batch_size", "check_deterministic_build", "check_processes",
-           "pinned_single_body", "run_job", "verify_layout"]
+__all__ = ["LOCALIZE_MODES", "ONE_PROCESS_OPTIONS", "VerifyConfigError", "accepts_micro_batch_size", "check_deterministic_build",
+           "check_processes", "layout_record", "one_process_options", "pinned_single_body", "resolved_layout", "run_job",
+           "verify_layout"]

@@ -2,10 +2,10 @@
 
 Lightning's process launcher re-executes this command line for ranks 1..N-1, so every rank reads
 the same spec. Each rank writes ``rank<r>.pt`` into the run directory at the end of training: its
-mesh coordinates, the input ids of its batches, the module order of step 1 and, on the rank that
-leads its pipeline stage (coordinate 0 in dp, ep, cp and tp), the initial parameters, the step-1
-gradients and the final parameters gathered to full tensors, and the routing settings of its MoE
-layers. With ``record_forward`` every rank also keeps each module's
+mesh coordinates, its intra-op thread count, the input ids of its batches, the module order of
+step 1 and, on the rank that leads its pipeline stage (coordinate 0 in dp, ep, cp and tp), the
+initial parameters, the step-1 gradients and the final parameters gathered to full tensors, and the
+routing settings of its MoE layers. With ``record_forward`` every rank also keeps each module's
 output and first input at step 1. A rank that fails writes ``error_rank<r>.json`` with the modules
 it was inside.
 """
@@ -173,7 +173,7 @@ def _recorder_class() -> type:
             self.dropout = disable_dropout(pl_module)
             self.coords, self.sizes = mesh_coordinates(trainer)
             # The starting point: the comparison of the final parameters needs each element's
-            # update, to tell optimizer rounding noise from a real difference (compare.py).
+            # update, to tell optimizer rounding noise from a real difference (numerics.optimizer_noise).
             keep = self._leads_stage()
             initial = {}
             with torch.no_grad():
@@ -253,6 +253,7 @@ def _recorder_class() -> type:
                 "final": final if keep else None,
                 "forward": dict(self.calls) if self.record_forward else None,
                 "global_steps": trainer.global_step,
+                "threads": torch.get_num_threads(),
             }
             torch.save(data, self.out_dir / f"rank{trainer.global_rank}.pt")
 
