@@ -283,10 +283,11 @@ def test_verify_layout_takes_every_layout_the_strategy_takes(tmp_path):
     assert folded.model == "MoEGPT"
     saved = json.loads((tmp_path / "folded" / "verify.json").read_text())
     control = saved["noise_control"]
-    assert control["threads"]["control"] != control["threads"]["reference"]
+    assert control["control"] == "every initial parameter one rounding unit higher"
     assert len(control["losses"]) == 2 and all(rel <= 1e-5 for rel in control["loss_rel"])
+    assert any(rel > 0 for rel in control["final_rel"].values())  # the nudge reaches the parameters
     assert all("control_rel" in row for row in saved["losses"])
-    assert any(note.startswith("noise control: one process with") for note in folded.notes)
+    assert any(note.startswith("noise control: one process with every initial parameter") for note in folded.notes)
     # HSDP: 2 replica groups of 1 rank; the reference (FSDP on one process) is the folded one's, from the cache.
     hsdp = lightning_moe.verify_layout(model, data, {"data_parallel": "hsdp", "dp_replicate": 2},
                                        out_dir=tmp_path / "hsdp", **common)
@@ -345,13 +346,13 @@ def test_layouts_are_resolved_as_the_strategy_resolves_them(tmp_path):
 
 
 # -- noise control (no processes: synthetic runs) ----------------------------------------------------
-def _run(losses: list[float], final: dict[str, torch.Tensor], grad_scale: float = 1.0, threads: int = 1):
+def _run(losses: list[float], final: dict[str, torch.Tensor], grad_scale: float = 1.0):
     """A one-rank RunData with these losses and final parameters (initial zeros, step-1 gradients ones)."""
     from lightning_moe.layout import MESH_DIMS as MESH
     from lightning_moe.verify.runs import RunData
 
     rank = {"rank": 0, "coords": dict.fromkeys(MESH, 0), "sizes": dict.fromkeys(MESH, 1), "start_order": ["", "w"],
-            "types": {"": "Model", "w": "Linear"}, "losses": losses, "threads": threads,
+            "types": {"": "Model", "w": "Linear"}, "losses": losses,
             "initial": {n: torch.zeros_like(t) for n, t in final.items()},
             "grads": {n: torch.full_like(t, grad_scale) for n, t in final.items()}, "final": final}
     return RunData(Path("."), [rank], [])
@@ -364,13 +365,11 @@ def _drifting_losses(start: int, rel: float, steps: int = 6) -> list[float]:
 
 def test_noise_control_passes_a_drift_within_the_noise_floor_and_fails_beyond_it():
     from lightning_moe.verify.numerics import NOISE_FLOOR_FACTOR, compare_runs, loss_noise_floors
-    from lightning_moe.verify.runner import control_threads
 
-    assert control_threads(1) == 2 and control_threads(4) == 1
     assert loss_noise_floors([0.0, 2e-4, 1e-4], factor=4.0) == [0.0, 8e-4, 8e-4]  # the drift so far
     weights = {"w.weight": torch.ones(4, 4)}
     single = _run(_drifting_losses(99, 0.0), weights)
-    control = _run(_drifting_losses(4, 1e-3), {"w.weight": torch.ones(4, 4) * (1 + 1e-3)}, threads=2)
+    control = _run(_drifting_losses(4, 1e-3), {"w.weight": torch.ones(4, 4) * (1 + 1e-3)})
     # The layout drifts as the control does, from the same step: PASS within the noise floor.
     layout = _run(_drifting_losses(4, 2e-3), {"w.weight": torch.ones(4, 4) * (1 + 2e-3)})
     plain = compare_runs(single, layout, 1e-5)
@@ -380,17 +379,18 @@ def test_noise_control_passes_a_drift_within_the_noise_floor_and_fails_beyond_it
     assert [row["within_noise_floor"] for row in report.losses] == [False] * 3 + [True] * 3
     assert report.parameters[0].noise_floor == pytest.approx(NOISE_FLOOR_FACTOR * 1e-3, rel=1e-4)
     text = str(report)
-    assert "within the noise floor (one process vs itself with 2 threads: rel 1.0e-03)" in text
+    assert "within the noise floor (one process vs itself with every initial parameter one rounding unit higher: rel 1.0e-03)" in text
     assert ("PASS within the noise floor: 1 step-1 gradients within rtol 1e-05; 3 losses (steps 4-6) and 1 final"
-            " parameter differ by more, by at most 2.0x what one process differs from itself with 2 threads instead"
-            " of 1 (the noise floor: 4x)") in text
-    assert report.noise_control["threads"] == {"reference": 1, "control": 2}
+            " parameter differ by more, by at most 2.0x what one process differs from itself with every initial"
+            " parameter one rounding unit higher (the noise floor: 4x)") in text
+    assert report.noise_control["control"] == "every initial parameter one rounding unit higher"
     assert report.noise_control["losses"] == pytest.approx(control.losses)
     assert report.noise_control["loss_floor"] == pytest.approx([0.0] * 3 + [NOISE_FLOOR_FACTOR * 1e-3] * 3)
     # Beyond the factor, or before the control drifts at all: FAIL, and the note says what is more than noise.
     far = compare_runs(single, _run(_drifting_losses(4, 1e-2), weights), 1e-5, control)
     assert not far.passed and not far.within_noise_floor
-    assert far.notes[-1] == ("noise control: one process with 2 threads instead of 1 differs from itself by loss rel"
+    assert far.notes[-1] == ("noise control: one process with every initial parameter one rounding unit higher differs"
+                             " from itself by loss rel"
                              " 1.0e-03 at most, beyond rtol from step 4; the losses at steps 4, 5, 6 differ beyond 4x"
                              " the control's difference: more than the noise it measured")
     assert "<-- differs beyond the noise floor 4.0e-03" in str(far)
@@ -400,7 +400,7 @@ def test_noise_control_passes_a_drift_within_the_noise_floor_and_fails_beyond_it
     moved = compare_runs(single, _run(_drifting_losses(4, 1e-3), {"w.weight": torch.ones(4, 4) * 1.01}), 1e-5, control)
     assert not moved.passed and moved.parameters[0].noise_floor is None
     # A control that computes the same numbers bit for bit gives no floor, and says so.
-    same = compare_runs(single, layout, 1e-5, _run(_drifting_losses(99, 0.0), weights, threads=2))
+    same = compare_runs(single, layout, 1e-5, _run(_drifting_losses(99, 0.0), weights))
     assert not same.passed and "computed the same losses and parameters bit for bit" in same.notes[-1]
     # Step-1 gradients get no floor, however far the control drifts later.
     grads = compare_runs(single, _run(_drifting_losses(4, 1e-3), weights, grad_scale=1.01), 1e-5, control)

@@ -163,7 +163,7 @@ def compare_runs(single: RunData, layout: RunData, rtol: float, control: RunData
 
     report.parameters = rows
     if control is not None:
-        apply_noise_floor(report, compare_runs(single, control, rtol), (single.threads, control.threads))
+        apply_noise_floor(report, compare_runs(single, control, rtol))
     rows.sort(key=lambda r: (r.diverges(rtol), module_rank(r)))
     bad_losses = [r for r in report.losses if not r["rel"] <= rtol and not r.get("within_noise_floor")]
     bad_params = [r for r in rows if r.diverges(rtol) < 2]
@@ -178,11 +178,13 @@ def compare_runs(single: RunData, layout: RunData, rtol: float, control: RunData
 
 
 # -- noise control ------------------------------------------------------------------------------------
-# One process against itself with another intra-op thread count sums in another order, and its losses
-# drift apart once a near-tie in routing flips: the same noise a layout's other reduction order gives.
-# A layout's loss or final parameter beyond rtol counts as noise while its difference is at most this
-# many times that control's.
+# One process against itself with every initial parameter one rounding unit higher carries rounding
+# noise of the size a layout's other summation order gives, and drifts apart as a layout does once a
+# near-tie in routing flips. A layout's loss or final parameter beyond rtol counts as noise while its
+# difference is at most this many times that control's.
 NOISE_FLOOR_FACTOR = 4.0
+# What the control run changes, as the report names it.
+NOISE_CONTROL = "every initial parameter one rounding unit higher"
 
 
 def loss_noise_floors(control_rel: list[float], factor: float = NOISE_FLOOR_FACTOR) -> list[float]:
@@ -195,12 +197,10 @@ def loss_noise_floors(control_rel: list[float], factor: float = NOISE_FLOOR_FACT
     return floors
 
 
-def apply_noise_floor(
-    report: VerifyReport, control: VerifyReport, threads: tuple[int | None, int | None], factor: float = NOISE_FLOOR_FACTOR
-) -> None:
+def apply_noise_floor(report: VerifyReport, control: VerifyReport, factor: float = NOISE_FLOOR_FACTOR) -> None:
     """Mark in ``report`` (layout vs one process) what differs beyond rtol but within the noise floor
-    that ``control`` (one process vs itself with the other thread count of ``threads``) gives, and
-    record the control in ``report.noise_control``.
+    that ``control`` (one process vs itself with :data:`NOISE_CONTROL`) gives, and record the control
+    in ``report.noise_control``.
 
     A loss at step s lies within the floor when its difference is at most ``factor`` x the control's
     largest up to s (:func:`loss_noise_floors`); a final parameter when it is at most ``factor`` x the
@@ -218,10 +218,10 @@ def apply_noise_floor(
         floor = factor * control_final.get(row.name, 0.0)
         if row.diverges(rtol) == 1 and row.final_counted <= floor:
             row.noise_floor = floor
-            note = f"within the noise floor (one process vs itself with {threads[1]} threads: rel {fmt_rel(floor / factor)})"
+            note = f"within the noise floor (one process vs itself with {NOISE_CONTROL}: rel {fmt_rel(floor / factor)})"
             row.note = f"{row.note}; {note}" if row.note else note
     report.noise_control = {
-        "threads": {"reference": threads[0], "control": threads[1]},
+        "control": NOISE_CONTROL,
         "factor": factor,
         "losses": [row["layout"] for row in control.losses],
         "loss_rel": control_rel,
@@ -234,12 +234,11 @@ def apply_noise_floor(
 def noise_control_note(report: VerifyReport) -> str:
     """What the control measured, and what of the layout's differences lies beyond its floor."""
     control = report.noise_control or {}
-    threads = control.get("threads", {})
     loss_rel = control.get("loss_rel") or [0.0]
-    other = f"one process with {threads.get('control')} threads instead of {threads.get('reference')}"
+    other = f"one process with {control.get('control', NOISE_CONTROL)}"
     if max(loss_rel) == 0.0 and not any((control.get("final_rel") or {}).values()):
-        text = (f"noise control: {other} computed the same losses and parameters bit for bit (its kernels sum in the"
-                " same order with either thread count), so the noise floor is 0 and nothing beyond rtol counts as noise")
+        text = (f"noise control: {other} computed the same losses and parameters bit for bit, so the noise floor is 0"
+                " and nothing beyond rtol counts as noise")
     else:
         first = next((i + 1 for i, rel in enumerate(loss_rel) if not rel <= report.rtol), None)
         text = (f"noise control: {other} differs from itself by loss rel {fmt_rel(max(loss_rel))} at most"

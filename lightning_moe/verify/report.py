@@ -142,18 +142,16 @@ def layout_str(layout: dict[str, Any]) -> str:
 
 
 def noise_floor_note(report: VerifyReport, floor: float) -> str:
-    """``within the noise floor (one process vs itself with 2 threads: rel 3.1e-04)``: the control's
-    difference that the floor ``floor`` allows a multiple of."""
+    """``within the noise floor (one process vs itself with every initial parameter one rounding unit
+    higher: rel 3.1e-04)``: the control's difference that the floor ``floor`` allows a multiple of."""
     control = report.noise_control or {}
     factor = float(control.get("factor", 1.0))
-    return (f"within the noise floor (one process vs itself with {control.get('threads', {}).get('control', '?')} threads:"
-            f" rel {fmt_rel(floor / factor)})")
+    return f"within the noise floor (one process vs itself with {control.get('control', '?')}: rel {fmt_rel(floor / factor)})"
 
 
 def pass_within_noise_floor(report: VerifyReport) -> str:
     """The PASS line of a verification whose differences beyond rtol lie within the noise floor."""
     control = report.noise_control or {}
-    threads = control.get("threads", {})
     factor = float(control.get("factor", 1.0))
     steps = [row["step"] for row in report.losses if row.get("within_noise_floor")]
     finals = [p for p in report.parameters if p.noise_floor is not None]
@@ -167,8 +165,7 @@ def pass_within_noise_floor(report: VerifyReport) -> str:
     return (
         f"PASS within the noise floor: {len(report.parameters)} step-1 gradients within rtol {report.rtol:g};"
         f" {' and '.join(beyond)} differ by more, by at most {max(ratios, default=0.0):.1f}x what one process"
-        f" differs from itself with {threads.get('control', '?')} threads instead of {threads.get('reference', '?')}"
-        f" (the noise floor: {factor:g}x)"
+        f" differs from itself with {control.get('control', '?')} (the noise floor: {factor:g}x)"
     )
 
 

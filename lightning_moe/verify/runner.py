@@ -71,8 +71,8 @@ class Job:
     # "factory" (datamodule_factory(micro_batch_size=...)) or None (the data module has no such argument).
     micro_batch_pin: str | None = None
     data_setting: str = "data.micro_batch_size"  # how the user sets the micro-batch size (named in fixes)
-    # Run the one-process reference again with another intra-op thread count, and count differences
-    # within the noise floor it gives as agreeing (numerics.apply_noise_floor).
+    # Run the one-process reference again with every initial parameter one rounding unit higher, and
+    # count differences within the noise floor it gives as agreeing (numerics.apply_noise_floor).
     noise_control: bool = False
 
 
@@ -180,14 +180,12 @@ def check_deterministic_build(build: Callable[[], nn.Module], seed: int, what: s
 
 
 # -- running ---------------------------------------------------------------------------------------
-def _worker_env(devices: int, threads: int | None = None) -> dict[str, str]:
-    """The environment of a run's processes; ``threads``: their intra-op thread count (default: the
-    caller's ``OMP_NUM_THREADS``, else the cores shared out among the processes)."""
+def _worker_env(devices: int) -> dict[str, str]:
+    """The environment of a run's processes: the caller's ``OMP_NUM_THREADS``, else the cores shared
+    out among the processes."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     env[SPEC_ENV] = "1"
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
-    elif "OMP_NUM_THREADS" not in env:
+    if "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // max(1, devices)))
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     if os.getcwd() not in paths:
@@ -197,17 +195,17 @@ def _worker_env(devices: int, threads: int | None = None) -> dict[str, str]:
 
 
 def _launch(job: Job, body: dict[str, Any], devices: int, run_dir: Path, steps: int, record: bool,
-            threads: int | None = None) -> RunData:
+            perturb_initial: bool = False) -> RunData:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     header = {"out_dir": str(run_dir), "seed": job.seed, "steps": steps, "record_forward": record,
-              "devices": devices, "main_file": job.main_file}
+              "devices": devices, "main_file": job.main_file, "perturb_initial": perturb_initial}
     spec_path = run_dir / "spec.pkl"
     dump_spec(spec_path, header, body)
     cmd = [sys.executable, "-m", "lightning_moe.verify.worker", str(spec_path)]
     with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(devices, threads),
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(devices),
                                 start_new_session=True)
         try:
             proc.wait(timeout=job.timeout_s)
@@ -226,35 +224,22 @@ def _log_tail(run_dir: Path, chars: int = 3000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
-def _single(job: Job, steps: int, record: bool, threads: int | None = None) -> RunData:
-    """The single-process run, from the cache when an identical one is there; ``threads``: an intra-op
-    thread count of its own (the noise control's run)."""
-    what = "single-process" if threads is None else f"single-process control ({threads} threads)"
+def _single(job: Job, steps: int, record: bool, control: bool = False) -> RunData:
+    """The single-process run, from the cache when an identical one is there; ``control``: the noise
+    control's run (every initial parameter one rounding unit higher)."""
+    what = "single-process control" if control else "single-process"
     if job.cache_dir is None:
         main_run = steps == job.steps and record == (job.localize == "always")
-        name = ("single" if main_run else "single_step1") + (f"_threads{threads}" if threads is not None else "")
-        return _checked(_launch(job, job.single_body, 1, job.out_dir / name, steps, record, threads), what)
-    inputs = (job.fingerprint, job.seed, steps, record, job.main_file) + ((threads,) if threads is not None else ())
+        name = ("single" if main_run else "single_step1") + ("_control" if control else "")
+        return _checked(_launch(job, job.single_body, 1, job.out_dir / name, steps, record, control), what)
+    inputs = (job.fingerprint, job.seed, steps, record, job.main_file) + (("control",) if control else ())
     key = hashlib.sha256(pickle.dumps(inputs) + pickle.dumps(job.single_body)).hexdigest()[:20]
     run_dir = job.cache_dir / f"single-{key}"
     if (run_dir / "complete").exists():
         return RunData.load(run_dir)
-    data = _checked(_launch(job, job.single_body, 1, run_dir, steps, record, threads), what)
+    data = _checked(_launch(job, job.single_body, 1, run_dir, steps, record, control), what)
     (run_dir / "complete").write_text("")
     return data
-
-
-def control_threads(reference: int | None) -> int:
-    """The noise control's intra-op thread count: 2 against a reference run on 1 thread, else 1."""
-    return 2 if reference == 1 else 1
-
-
-def _reference_threads() -> int | None:
-    """The thread count a one-process run gets from :func:`_worker_env` (None: not a plain number)."""
-    try:
-        return int(_worker_env(1)["OMP_NUM_THREADS"].split(",")[0])
-    except ValueError:
-        return None
 
 
 def accepts_micro_batch_size(factory: Any) -> bool:
@@ -298,8 +283,7 @@ def run_job(job: Job) -> VerifyReport:
     single = _same_micro_batching(job, single, layout, record)
     control = None
     if job.noise_control and not layout.errors and layout.ranks:
-        reference = single.threads if single.threads is not None else _reference_threads()
-        control = _single(job, job.steps, False, control_threads(reference))
+        control = _single(job, job.steps, False, control=True)
     report = _report(job, single, layout, control)
     if not report.passed and job.localize != "never" and report.error is None and report.first_difference is None:
         if not record:
@@ -423,7 +407,8 @@ def verify_layout(
     ``strategy_kwargs`` takes every layout the strategy takes (folded ep, HSDP, ``overlap_ep_comm``,
     the V pipeline schedules, ...), resolved as the strategy resolves it; the one-process reference
     runs the same arguments less the layout's own (:data:`ONE_PROCESS_OPTIONS`; HSDP becomes FSDP).
-    ``noise_control=True`` also runs the reference with another intra-op thread count and counts a
+    ``noise_control=True`` also runs the reference with every initial parameter one rounding unit
+    higher (a control of rounding noise, as a layout's other summation order has) and counts a
     loss or final parameter beyond ``rtol`` but within the noise floor that gives as agreeing
     (``report.within_noise_floor``).
 

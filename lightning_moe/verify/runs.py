@@ -82,11 +82,6 @@ class RunData:
                 seen.setdefault(name, None)
         return list(seen)
 
-    @property
-    def threads(self) -> int | None:
-        """The intra-op thread count the run's rank 0 computed with (None: not recorded)."""
-        return self.ranks[0].get("threads") if self.ranks else None
-
     def dropout(self) -> list[str]:
         return self.ranks[0]["dropout"] if self.ranks else []
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import runpy
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_moe._compat import is_dropout_module, non_persistent_buffer_names
 from lightning_moe.layout import MESH_DIMS
@@ -85,8 +87,6 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered to its full tensor (a collective over its mesh), else the tensor; detached fp32 on CPU."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         t = t.full_tensor()
     t = t.detach()
@@ -110,6 +110,16 @@ def disable_dropout(module: nn.Module) -> list[str]:
     return changed
 
 
+def nudge_parameters(module: nn.Module) -> None:
+    """Every floating-point parameter of ``module`` one rounding unit higher (the noise control's run):
+    a difference of the size another summation order makes."""
+    with torch.no_grad():
+        for param in module.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if local.is_floating_point():
+                local.copy_(torch.nextafter(local, torch.full_like(local, math.inf)))
+
+
 def mesh_coordinates(trainer: Any) -> tuple[dict[str, int], dict[str, int]]:
     """``({pp, dp, ep, cp, tp}: coordinate, {...}: size)`` of this rank (all 0 / 1 without a 5D mesh)."""
     mesh = getattr(trainer.strategy, "device_mesh", None)
@@ -127,8 +137,9 @@ def _recorder_class() -> type:
     class VerifyRecorder(pl.Callback):
         """Records what verification compares; see the module docstring."""
 
-        def __init__(self, out_dir: Path, record_forward: bool, summary: Any) -> None:
+        def __init__(self, out_dir: Path, record_forward: bool, summary: Any, perturb_initial: bool = False) -> None:
             self.out_dir = Path(out_dir)
+            self.perturb_initial = perturb_initial
             self.record_forward = record_forward
             self.summary = summary
             self.batches: dict[int, list[torch.Tensor]] = defaultdict(list)
@@ -172,6 +183,8 @@ def _recorder_class() -> type:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.dropout = disable_dropout(pl_module)
             self.coords, self.sizes = mesh_coordinates(trainer)
+            if self.perturb_initial:
+                nudge_parameters(pl_module)
             # The starting point: the comparison of the final parameters needs each element's
             # update, to tell optimizer rounding noise from a real difference (numerics.optimizer_noise).
             keep = self._leads_stage()
@@ -253,7 +266,6 @@ def _recorder_class() -> type:
                 "final": final if keep else None,
                 "forward": dict(self.calls) if self.record_forward else None,
                 "global_steps": trainer.global_step,
-                "threads": torch.get_num_threads(),
             }
             torch.save(data, self.out_dir / f"rank{trainer.global_rank}.pt")
 
@@ -361,7 +373,7 @@ def main(spec_path: str) -> None:
     spec = load_spec(spec_path)
     out_dir = Path(spec["out_dir"])
     summary = SummaryCallback(dirpath=out_dir)
-    recorder = _recorder_class()(out_dir, spec["record_forward"], summary)
+    recorder = _recorder_class()(out_dir, spec["record_forward"], summary, bool(spec.get("perturb_initial")))
     trainer, model, datamodule = _build(spec, [summary, recorder])
     trainer.fit(model, datamodule=datamodule)
 
