@@ -3,7 +3,7 @@ transformers (the optional ``hf`` extra) is never imported here: these read and 
 of objects it made.
 
 No floor is stated here: pyproject.toml's ``hf`` extra asks for transformers >= 5, and the names
-below were checked on 5.24 only.
+below were checked on 5.24 and 5.25 only.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Any
 def attention_implementation(config: Any) -> str | None:
     """The attention implementation a transformers config selects (``"sdpa"``, ``"eager"``, a name
     registered with ``AttentionInterface``): its private ``_attn_implementation``; None for an
-    object without one. Checked on: transformers 5.24-5.24."""
+    object without one. Checked on: transformers 5.24-5.25."""
     return getattr(config, "_attn_implementation", None)
 
 
 def set_attention_implementation(config: Any, name: str) -> None:
     """Make a transformers config select attention implementation ``name`` without the model-level
     checks of ``PreTrainedModel.set_attn_implementation``: the setter of the private
-    ``_attn_implementation`` (which also sets its sub-configs'). Checked on: transformers 5.24-5.24."""
+    ``_attn_implementation`` (which also sets its sub-configs'). Checked on: transformers 5.24-5.25."""
     config._attn_implementation = name
 
 
@@ -30,5 +30,5 @@ def tied_weights_keys(model: Any) -> Any:
     ``state_dict`` may lack: the private ``PreTrainedModel._tied_weights_keys`` (in transformers 5 a
     dict from each tied parameter to the one it shares, iterated for the tied names; a list before);
     ``[]`` for a model without one or with None.
-    Checked on: transformers 5.24-5.24."""
+    Checked on: transformers 5.24-5.25."""
     return getattr(model, "_tied_weights_keys", None) or []
