@@ -146,13 +146,6 @@ class ParallelDims:
         self._check_nodes()
 
     @property
-    def layout(self) -> ResolvedLayout:
-        """The resolved layout (``validate`` must have run: dp known)."""
-        if self.dp == -1:
-            raise RuntimeError("ParallelDims.validate(world_size) must run before the layout is resolved")
-        return resolve_layout(None, **self.requested())
-
-    @property
     def world_size(self) -> int:
         return self.non_dp_size * self.dp
 
