@@ -5,6 +5,9 @@ PY := $(VENV)/bin/python
 # A GPU user picks another build, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
+# Test-only outside references for the corpus formats, installed without their dependencies (the
+# parts the tests use run on CPU with what is already installed).
+TEST_READERS := megatron-core==0.16.1 litdata==0.2.76
 
 .PHONY: install train test test-fast test-floor bench sweep clean
 
@@ -12,7 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
-	$(PY) -m pip install --quiet -e ".[dev,hf]"
+	$(PY) -m pip install --quiet -e ".[dev,hf,data]"
+	$(PY) -m pip install --quiet --no-deps $(TEST_READERS)
 	touch $@
 
 install: $(VENV)/.installed
@@ -37,7 +41,8 @@ $(FLOOR_VENV)/.installed: pyproject.toml
 	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(FLOOR_VENV)/bin/python -m pip install --quiet $(FLOOR_TORCH)
-	$(FLOOR_VENV)/bin/python -m pip install --quiet -e ".[dev,hf]"
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -e ".[dev,hf,data]"
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --no-deps $(TEST_READERS)
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed

@@ -69,7 +69,8 @@ def test_every_group_has_options():
 def test_every_option_composes_and_builds(tmp_path, override):
     cfg = _compose(tmp_path, override)
     assert {"seed", "parallel", "trainer", "model", "data", "logger", "callbacks"} <= set(cfg)
-    mandatory = {"model=hf": "model.pretrained", "data=text": "data.tokenizer", "model=custom": "model._target_"}
+    mandatory = {"model=hf": "model.pretrained", "data=text": "data.tokenizer", "model=custom": "model._target_",
+                 "data=tokens": "data.blend"}
     if override in mandatory:
         # A local folder or a class is the user's to give: the option says so instead of guessing one.
         missing = mandatory[override]

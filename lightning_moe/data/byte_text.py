@@ -17,13 +17,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_moe.data.sampler import LayoutInvariantSampler, ResumableDataLoader, resolve_batch_layout
-from lightning_moe.parallel.engines import step_engine_of
+from lightning_moe.data.module import LayoutInvariantDataModule
 
 __all__ = [
     "ByteTextDataModule",
@@ -224,7 +222,7 @@ class ByteWindowDataset(Dataset):
         return np.memmap(self.corpus, dtype=np.uint8, mode="r")
 
 
-class ByteTextDataModule(pl.LightningDataModule):
+class ByteTextDataModule(LayoutInvariantDataModule):
     """Byte-level language-modelling data whose optimizer steps do not depend on the layout.
 
     Args:
@@ -242,10 +240,8 @@ class ByteTextDataModule(pl.LightningDataModule):
         seed: seed of the per-epoch permutation (`seed + epoch`).
         num_workers: DataLoader workers.
 
-    `num_replicas`/`rank` come from `trainer.strategy.distributed_sampler_kwargs` (the strategy's
-    `dp_ep` group) and are 1/0 without a distributed strategy. `setup()` asks the strategy's step
-    engine (plain gradient accumulation for another strategy) for the batch plan, and the engine
-    has the trainer accumulate `global_batch_size // (micro_batch_size * num_replicas)` micro-batches.
+    The loaders are :class:`~lightning_moe.data.module.LayoutInvariantDataModule`'s: the same samples
+    per optimizer step on every layout, resumable mid-epoch.
 
     Example:
         >>> dm = ByteTextDataModule(seq_len=128, global_batch_size=16, micro_batch_size=4)
@@ -265,50 +261,23 @@ class ByteTextDataModule(pl.LightningDataModule):
         seed: int = 1234,
         num_workers: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(global_batch_size, micro_batch_size, seed, num_workers)
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if not 0.0 <= val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-        resolve_batch_layout(global_batch_size, micro_batch_size, 1)
         self.save_hyperparameters()
         self.path = path
         self.seq_len = seq_len
-        self.global_batch_size = global_batch_size
         self.max_corpus_bytes = max_corpus_bytes
         self.val_fraction = val_fraction
         self.cache_dir = cache_dir
-        self.seed = seed
-        self.num_workers = num_workers
-        self.requested_micro_batch_size = micro_batch_size
-        # Resolved by setup() from the attached strategy's data-parallel layout.
-        self.micro_batch_size: int | None = micro_batch_size
-        self.num_replicas = 1
-        self.rank = 0
-        self.accumulate_grad_batches = 1
         self.corpus: Path | None = None
-        self.train_dataset: ByteWindowDataset | None = None
-        self.val_dataset: ByteWindowDataset | None = None
-
-    def _replica_layout(self) -> tuple[int, int]:
-        """(data-parallel replicas, this rank among them)."""
-        # Single-device strategies have no distributed_sampler_kwargs at all.
-        kwargs = getattr(getattr(self.trainer, "strategy", None), "distributed_sampler_kwargs", None)
-        if not kwargs:
-            return 1, 0
-        return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
     def prepare_data(self) -> None:
         build_corpus(self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir)
 
-    def setup(self, stage: str | None = None) -> None:
-        self.num_replicas, self.rank = self._replica_layout()
-        # The step engine plans the batches and has the trainer accumulate them (one owner).
-        engine = step_engine_of(self.trainer)
-        self.microbatches_per_step = engine.loader_batches_per_step
-        self.micro_batch_size, self.accumulate_grad_batches = engine.plan_batches(
-            self.trainer, self.global_batch_size, self.requested_micro_batch_size, self.num_replicas
-        )
+    def build_datasets(self) -> None:
         # Every rank builds (or finds) the corpus: the build is atomic, so racing is harmless.
         self.corpus = build_corpus(
             self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir
@@ -336,43 +305,3 @@ class ByteTextDataModule(pl.LightningDataModule):
                 " lower seq_len or global_batch_size, raise max_corpus_bytes or use a larger path"
             )
         return num_train, num_val
-
-    def _loader(self, dataset: ByteWindowDataset | None, shuffle: bool) -> DataLoader:
-        if dataset is None or self.micro_batch_size is None:
-            raise RuntimeError("call ByteTextDataModule.setup() before asking for a dataloader")
-        sampler = LayoutInvariantSampler(
-            dataset,
-            global_batch_size=self.global_batch_size,
-            micro_batch_size=self.micro_batch_size,
-            num_replicas=self.num_replicas,
-            rank=self.rank,
-            shuffle=shuffle,
-            seed=self.seed,
-        )
-        kwargs: dict[str, Any] = dict(
-            batch_size=self.micro_batch_size,
-            sampler=sampler,
-            drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-        if shuffle:  # the training loader: resumable mid-epoch from a checkpoint
-            return ResumableDataLoader(
-                dataset, progress=self._train_progress, microbatches_per_step=self.microbatches_per_step, **kwargs
-            )
-        return DataLoader(dataset, **kwargs)
-
-    def _train_progress(self) -> tuple[int, int]:
-        """(epoch, micro-batches this rank finished in it), read from the trainer's fit loop."""
-        if self.trainer is None:
-            return 0, 0
-        # `processed` counts the batch whose on_train_batch_end is running (where checkpoints are saved).
-        return self.trainer.current_epoch, self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_dataset is not None and len(self.val_dataset) == 0:
-            return []  # val_fraction=0: Lightning skips validation for an empty list
-        return self._loader(self.val_dataset, shuffle=False)

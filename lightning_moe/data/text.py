@@ -99,9 +99,9 @@ class TextDataModule(ByteTextDataModule):
         self.vocab_size: int = load_tokenizer(tokenizer).get_vocab_size()
         self.tokens: Path | None = None
 
-    def setup(self, stage: str | None = None) -> None:
-        # The byte module resolves the layout and builds the byte corpus (and checks it in bytes).
-        super().setup(stage)
+    def build_datasets(self) -> None:
+        # The byte module builds the byte corpus (and checks it in bytes).
+        super().build_datasets()
         assert self.corpus is not None
         cache = Path(self.cache_dir).expanduser() if self.cache_dir is not None else self.corpus.parent
         self.tokens = tokenize_corpus(self.corpus, self.tokenizer_path, cache)

@@ -11,7 +11,7 @@ from lightning_moe.cp import check_seq_len, zigzag_shard
 from lightning_moe.parallel.dims import ParallelDims
 
 # Sequence-shaped batch entries sharded by default (DESIGN §6); users add their own keys.
-SEQUENCE_KEYS: tuple[str, ...] = ("input_ids", "labels", "loss_mask", "position_ids")
+SEQUENCE_KEYS: tuple[str, ...] = ("input_ids", "labels", "loss_mask", "position_ids", "document_ids")
 LOSS_TOKEN_COUNT_KEY = "loss_token_count"
 
 

@@ -1,0 +1,207 @@
+"""data=tokens: prepared corpora blended, split by documents, with document positions and masks; the
+same losses on every layout, a resume on another layout continuing the sample order, bad input refused."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_moe.data import IndexedCorpusWriter, TokenDataModule, blend_schedule, parse_blend, stdlib_source_files
+from tests.cli import TINY_MODEL, compose_train_config, train_in_pool
+
+REL = 1e-5
+
+
+def write_corpus(prefix: Path, documents: list[np.ndarray], vocab_size: int = 256) -> Path:
+    with IndexedCorpusWriter(prefix, vocab_size=vocab_size) as writer:
+        for document in documents:
+            writer.add_document(document)
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> tuple[Path, Path]:
+    """Two byte-token sources: standard-library files, one document each."""
+    root = tmp_path_factory.mktemp("corpora")
+    files = stdlib_source_files()[:160]
+    documents = [np.frombuffer(f.read_bytes()[:6000], dtype=np.uint8) for f in files]
+    return write_corpus(root / "py_a", documents[:80]), write_corpus(root / "py_b", documents[80:])
+
+
+# --- the blend rule -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [[0.7, 0.3], [0.5, 0.25, 0.25], [0.05, 0.9, 0.05], [1 / 3, 1 / 3, 1 / 3]])
+def test_blend_is_exact_at_every_prefix(weights):
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    source, index = blend_schedule(weights, 5000)
+    counts = np.stack([np.cumsum(source == d) for d in range(len(weights))], axis=1)  # [n, D]: after n+1 samples
+    expected = np.arange(1, 5001)[:, None] * np.asarray(weights)[None, :]
+    assert np.abs(counts - expected).max() < 1.0
+    for d in range(len(weights)):  # each source's samples are taken in order 0, 1, 2, ...
+        np.testing.assert_array_equal(index[source == d], np.arange((source == d).sum()))
+
+
+def test_blend_syntax():
+    assert parse_blend("data/a") == [(1.0, "data/a")]
+    assert parse_blend([0.7, "a", 0.3, "b"]) == [(0.7, "a"), (0.3, "b")]
+    assert parse_blend({"a": 3, "b": 1}) == [(0.75, "a"), (0.25, "b")]
+    assert parse_blend(["a", "b"]) == [(0.5, "a"), (0.5, "b")]
+    with pytest.raises(ValueError, match=r"blend weight 0 of b must be > 0"):
+        parse_blend([1, "a", 0, "b"])
+    with pytest.raises(ValueError, match=r"blend weight -1 of a must be > 0"):
+        parse_blend({"a": -1})
+    with pytest.raises(ValueError, match=r"weights and sources alternating"):
+        parse_blend([0.5, "a", "b"])
+
+
+# --- samples ----------------------------------------------------------------------------------------
+
+
+def test_samples_are_windows_over_the_shuffled_documents(tmp_path):
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(0, 250, size=n).astype(np.uint8) for n in rng.integers(1, 40, size=60)]
+    prefix = write_corpus(tmp_path / "c", documents)
+    dm = TokenDataModule(prefix, seq_len=8, global_batch_size=2, split="1", document_mask=True, eod_mask_loss=True)
+    order = dm.train_dataset.windows[0].documents
+    assert sorted(order.tolist()) == list(range(60)), "split=1: every document is in train, shuffled"
+    stream = np.concatenate([documents[d] for d in order]).astype(np.int64)
+    owner = np.concatenate([np.full(len(documents[d]), k) for k, d in enumerate(order)])
+    assert len(dm.train_dataset) == (len(stream) - 1) // 8
+    for i in range(len(dm.train_dataset)):
+        sample = dm.train_dataset[i]
+        window = stream[i * 8 : i * 8 + 9]
+        np.testing.assert_array_equal(sample["input_ids"].numpy(), window[:-1])
+        np.testing.assert_array_equal(sample["labels"].numpy(), window[1:])
+        docs = owner[i * 8 : i * 8 + 9]
+        same = (docs[:, None] == docs[None, :])[:-1, :-1]
+        assert torch.equal(sample["document_ids"][:, None] == sample["document_ids"][None, :], torch.from_numpy(same))
+        # Positions restart at 0 at every document start inside the sample (and at the sample's start).
+        for t in range(8):
+            expected = 0 if t == 0 or docs[t] != docs[t - 1] else int(sample["position_ids"][t - 1]) + 1
+            assert int(sample["position_ids"][t]) == expected
+        np.testing.assert_array_equal(sample["loss_mask"].numpy(), (docs[1:] == docs[:-1]).astype(np.float32))
+        assert int(sample["sample_index"]) == i
+
+
+def test_split_is_by_documents_seeded_and_disjoint(corpora):
+    a = TokenDataModule(corpora[0], seq_len=16, global_batch_size=4, split="80,20", seed=3)
+    b = TokenDataModule(corpora[0], seq_len=16, global_batch_size=4, split="80,20", seed=3)
+    c = TokenDataModule(corpora[0], seq_len=16, global_batch_size=4, split="80,20", seed=4)
+    train, val = a.train_dataset.windows[0].documents, a.val_dataset.windows[0].documents
+    assert (len(train), len(val)) == (64, 16) and not set(train) & set(val)
+    np.testing.assert_array_equal(train, b.train_dataset.windows[0].documents)
+    assert not np.array_equal(train, c.train_dataset.windows[0].documents)
+
+
+def test_blend_mixes_the_sources_by_weight(corpora):
+    dm = TokenDataModule([0.75, corpora[0], 0.25, corpora[1]], seq_len=16, global_batch_size=4)
+    source = dm.train_dataset.schedule[0]
+    assert abs((source[:400] == 0).sum() - 300) < 1
+    first_b = dm.train_dataset[int(np.flatnonzero(source == 1)[0])]
+    np.testing.assert_array_equal(first_b["input_ids"].numpy(), dm.train_dataset.windows[1].window(0)[0][:-1])
+    assert dm.vocab_size == 256
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_sources_are_refused_naming_the_file_and_fix(tmp_path, corpora):
+    with pytest.raises(FileNotFoundError, match=r"missing.*prepare"):
+        TokenDataModule(str(tmp_path / "missing"))
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"notes.txt.*unknown kind"):
+        TokenDataModule(str(tmp_path / "notes.txt"))
+    (tmp_path / "plain_dir").mkdir()
+    with pytest.raises(ValueError, match=r"plain_dir.*not a litdata"):
+        TokenDataModule(str(tmp_path / "plain_dir"))
+    with pytest.raises(ValueError, match=r"must be > 0"):
+        TokenDataModule([1.0, str(corpora[0]), 0.0, str(corpora[1])])
+    source = Path(str(corpora[0]))
+    for name, damage, message in [
+        ("magic", lambda idx, bin_: idx.write_bytes(b"NOTANIDX\x00" + idx.read_bytes()[9:]), r"not a Megatron index"),
+        ("version", lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]),
+         r"index version 2"),
+        ("bin_size", lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-3]), r"bytes, but .* indexes"),
+        ("no_bin", lambda idx, bin_: bin_.unlink(), r"no such file"),
+    ]:
+        prefix = tmp_path / name
+        for suffix in (".bin", ".idx"):
+            prefix.with_suffix(suffix).write_bytes(source.with_suffix(suffix).read_bytes())
+        damage(prefix.with_suffix(".idx"), prefix.with_suffix(".bin"))
+        with pytest.raises((ValueError, FileNotFoundError), match=message) as error:
+            TokenDataModule(str(prefix))
+        assert str(prefix) in str(error.value)
+
+
+def test_too_few_samples_for_a_global_batch(tmp_path):
+    prefix = write_corpus(tmp_path / "small", [np.arange(50, dtype=np.uint8)])
+    with pytest.raises(ValueError, match=r"gives 6 samples .* global_batch_size is 16"):
+        TokenDataModule(str(prefix), seq_len=8, split="1")
+
+
+def test_ids_beyond_the_models_vocab_are_refused_before_training(corpora):
+    from lightning_moe.models import MoEGPT
+
+    dm = TokenDataModule(corpora[0], seq_len=16, global_batch_size=4)
+    dm.trainer = SimpleNamespace(lightning_module=MoEGPT(vocab_size=100, hidden_size=16, num_layers=1, num_heads=2))
+    with pytest.raises(ValueError, match=r"py_a: token id \d+ is >= the model's vocab_size 100.*model.vocab_size="):
+        dm.build_datasets()
+
+
+def test_hydra_group_composes(corpora, tmp_path):
+    cfg = compose_train_config(tmp_path, ["data=tokens", f"data.blend={corpora[0]}", "parallel=ep2"])
+    from hydra.utils import instantiate
+
+    dm = instantiate(cfg.data)
+    assert isinstance(dm, TokenDataModule) and dm.seq_len == 128 and dm.global_batch_size == 16
+
+
+# --- every layout ---------------------------------------------------------------------------------
+
+
+def token_run(corpora: tuple[Path, Path]) -> list[str]:
+    """The tiny model on a 2-source blend with document positions and the EOD loss mask."""
+    model = [o for o in TINY_MODEL if not o.startswith("data.")]
+    return [
+        "logger=none", "trainer.max_steps=4", "++trainer.gradient_clip_val=0.05", "trainer.val_check_interval=null",
+        "trainer.limit_val_batches=0", "~callbacks.progress_bar", "data=tokens", f"data.blend=[0.6,{corpora[0]},0.4,{corpora[1]}]",
+        "data.seq_len=32", "data.global_batch_size=16", "data.document_mask=true", "data.eod_mask_loss=true", *model,
+    ]
+
+
+def _presets() -> list:
+    from tests.presets import presets_this_torch_builds
+    from tests.test_strategy_invariance import _presets_up_to_8_processes
+
+    return presets_this_torch_builds(_presets_up_to_8_processes())
+
+
+@pytest.fixture(scope="module")
+def single_token_losses(tmp_path_factory, corpora):
+    cache: dict[int, list[float]] = {}
+
+    def losses(num_layers: int) -> list[float]:
+        if num_layers not in cache:
+            run = tmp_path_factory.mktemp(f"single_tokens_{num_layers}") / "run"
+            cache[num_layers] = train_in_pool(run, "parallel=single", f"model.num_layers={num_layers}", base=token_run(corpora))["losses"]
+            assert len(cache[num_layers]) == 4
+        return cache[num_layers]
+
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", _presets())
+def test_preset_with_token_data_matches_single_process(tmp_path, corpora, single_token_losses, preset):
+    from tests.test_strategy_invariance import PRESET_LAYERS
+
+    num_layers = PRESET_LAYERS.get(preset, 2)
+    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=token_run(corpora))
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single_token_losses(num_layers)), rtol=REL, atol=0.0)
