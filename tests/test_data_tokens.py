@@ -109,6 +109,50 @@ def test_blend_mixes_the_sources_by_weight(corpora):
     assert dm.vocab_size == 256
 
 
+# --- outside references: corpora written by megatron-core and litdata ------------------------------
+
+
+def test_a_corpus_written_by_megatron_core_reads_back_token_for_token(tmp_path):
+    """megatron-core's own builder (int32 ids, empty documents too) read here by memory map."""
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    from lightning_moe.data import IndexedTokens
+
+    rng = np.random.default_rng(1)
+    documents = [rng.integers(0, 200_000, size=n).astype(np.int32) for n in [7, 0, 31, 1, 12]]
+    builder = indexed.IndexedDatasetBuilder(str(tmp_path / "meg.bin"), dtype=np.int32)
+    for document in documents:
+        builder.add_document(document, [len(document)])
+    builder.finalize(str(tmp_path / "meg.idx"))
+    corpus = IndexedTokens(tmp_path / "meg")
+    assert (corpus.num_documents, corpus.dtype) == (5, np.dtype(np.int32))
+    for k, document in enumerate(documents):
+        np.testing.assert_array_equal(corpus.document(k), document)
+    # And megatron-core reads what the writer here writes.
+    write_corpus(tmp_path / "ours", documents, vocab_size=200_000)
+    theirs = indexed.IndexedDataset(str(tmp_path / "ours"))
+    assert len(theirs) == 5 and all(np.array_equal(theirs[k], d) for k, d in enumerate(documents))
+    assert TokenDataModule(str(tmp_path / "meg"), seq_len=4, global_batch_size=2, split="1").vocab_size is None
+
+
+def _token_items(documents):
+    yield from documents
+
+
+def test_a_litdata_directory_is_a_source(tmp_path, corpora):
+    """A litdata TokensLoader directory blended with a Megatron prefix: its samples are its documents' tokens."""
+    pytest.importorskip("litdata")
+    from tests.test_data_litdata import _optimize
+
+    rng = np.random.default_rng(2)
+    documents = [torch.from_numpy(rng.integers(0, 256, size=n).astype(np.int32)) for n in rng.integers(5, 60, size=40)]
+    folder = _optimize(tmp_path / "lit", documents)
+    dm = TokenDataModule([0.5, str(folder), 0.5, str(corpora[0])], seq_len=8, global_batch_size=4, split="1")
+    windows = dm.train_dataset.windows[0]
+    stream = np.concatenate([documents[d].numpy() for d in windows.documents])
+    first = int(np.flatnonzero(dm.train_dataset.schedule[0] == 0)[3])
+    np.testing.assert_array_equal(dm.train_dataset[first]["input_ids"].numpy(), stream[3 * 8 : 3 * 8 + 8])
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 
@@ -152,6 +196,20 @@ def test_ids_beyond_the_models_vocab_are_refused_before_training(corpora):
     dm = TokenDataModule(corpora[0], seq_len=16, global_batch_size=4)
     dm.trainer = SimpleNamespace(lightning_module=MoEGPT(vocab_size=100, hidden_size=16, num_layers=1, num_heads=2))
     with pytest.raises(ValueError, match=r"py_a: token id \d+ is >= the model's vocab_size 100.*model.vocab_size="):
+        dm.build_datasets()
+
+
+def test_hf_model_refuses_a_tokenizer_larger_than_its_embeddings(tmp_path):
+    from lightning_moe.hf import TINY_CONFIGS, HFMoEModule
+
+    prefix = write_corpus(tmp_path / "big_vocab", [np.arange(300, dtype=np.uint16)], vocab_size=32000)
+    module = HFMoEModule({"model_type": "qwen3_moe", **TINY_CONFIGS["qwen3_moe"]})
+    dm = TokenDataModule(str(prefix), seq_len=8, global_batch_size=2, split="1")
+    module._trainer = SimpleNamespace(datamodule=dm, strategy=None)
+    with pytest.raises(ValueError, match="tokenizer has 32000 tokens but the model's embeddings hold 256"):
+        module.setup("fit")
+    dm.trainer = SimpleNamespace(lightning_module=module)
+    with pytest.raises(ValueError, match=r"big_vocab: token id 299 is >= the model's vocab_size 256"):
         dm.build_datasets()
 
 
@@ -205,3 +263,15 @@ def test_preset_with_token_data_matches_single_process(tmp_path, corpora, single
     num_layers = PRESET_LAYERS.get(preset, 2)
     summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=token_run(corpora))
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single_token_losses(num_layers)), rtol=REL, atol=0.0)
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_on_another_layout_continues_the_sample_order(tmp_path, corpora, single_token_losses):
+    """2 of 4 steps on ep2, resumed on tp2: steps 3-4 are the uninterrupted one-process steps."""
+    first = tmp_path / "ep2"
+    train_in_pool(first, "parallel=ep2", "trainer.max_steps=2", "model.max_steps=4", "callbacks=checkpoint",
+                  "callbacks.checkpoint.every_n_train_steps=2", base=token_run(corpora))
+    resumed = train_in_pool(tmp_path / "tp2", "parallel=tp2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+                            base=token_run(corpora))
+    assert len(resumed["losses"]) == 2, "the resumed run starts at step 3"
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single_token_losses(2)[2:]), rtol=REL, atol=0.0)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 
 from lightning_moe.data.blend import blend_schedule, parse_blend
@@ -234,6 +235,9 @@ class TokenDataModule(LayoutInvariantDataModule):
         super().__init__(global_batch_size, micro_batch_size, seed, num_workers)
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        # Hydra passes lists as ListConfig: checkpoints keep plain Python (they load with weights_only).
+        blend = OmegaConf.to_container(blend) if OmegaConf.is_config(blend) else blend
+        split = OmegaConf.to_container(split) if OmegaConf.is_config(split) else split
         self.save_hyperparameters()
         self.seq_len = seq_len
         self.blend = parse_blend(blend)
