@@ -160,6 +160,13 @@ def run_train(command: str, comment: str, tmp_path: Path, state: dict) -> None:
         pytest.fail("resuming needs the checkpoint of the README's `callbacks=checkpoint` command, which did not run")
     run_dir = tmp_path / "run"
     shrink = [o.replace(f"max_steps={STEPS}", f"max_steps={STEPS + 2}") if resume else o for o in SHRINK_TRAIN]
+    if "data=tokens" in overrides:
+        # The corpus the README's prepare command wrote, at the relative path it names.
+        if "prepared" not in state:
+            pytest.fail("data=tokens needs the corpus of the README's prepare command, which did not run")
+        tmp_path = state["prepared"]
+        run_dir = tmp_path / "run_tokens"
+        shrink = [o for o in shrink if not o.startswith("data.max_corpus_bytes")]
     proc = _run([sys.executable, *words[1:], *shrink, f"hydra.run.dir={run_dir}"], tmp_path)
     summary = _check_train_run(proc.stdout + proc.stderr, run_dir, overrides)
     if "callbacks=checkpoint" in overrides:
@@ -178,9 +185,26 @@ def run_train(command: str, comment: str, tmp_path: Path, state: dict) -> None:
     if "losses of parallel=single" in comment:
         # With the default micro-batch: nothing but the layout differs from the reference run.
         single_dir = tmp_path / "single"
-        _run([sys.executable, "-m", "lightning_moe.train", *shrink, f"hydra.run.dir={single_dir}"], tmp_path)
+        same_data = [o for o in overrides if not o.startswith("parallel")]
+        _run([sys.executable, "-m", "lightning_moe.train", *same_data, *shrink, f"hydra.run.dir={single_dir}"], tmp_path)
         single = json.loads((single_dir / "summary.json").read_text())
         assert _rel(summary["losses"], single["losses"]) < 1e-5, (summary["losses"], single["losses"])
+
+
+def run_prepare(command: str, comment: str, tmp_path: Path, state: dict) -> None:
+    """`python -m lightning_moe.data.prepare input=docs ...`: from a folder holding the repository's docs,
+    a Megatron pair holding one document per page, byte for byte; the next command trains on it."""
+    from lightning_moe.data import IndexedTokens
+
+    (tmp_path / "docs").symlink_to(ROOT / "docs")
+    words = shlex.split(command)
+    _run([sys.executable, *words[1:]], tmp_path)
+    output = next(w.split("=", 1)[1] for w in words if w.startswith("output="))
+    corpus = IndexedTokens(tmp_path / output)
+    assert corpus.num_documents == len(list((ROOT / "docs").glob("*.md")))
+    np_tokens = corpus.read(0, corpus.num_tokens)
+    assert bytes(np_tokens[: corpus.document_offsets[1]].tolist()) == sorted((ROOT / "docs").glob("*.md"))[0].read_bytes()
+    state["prepared"] = tmp_path
 
 
 def run_checkpoint_inspect(command: str, comment: str, tmp_path: Path, state: dict) -> None:
@@ -220,6 +244,7 @@ def run_plan(command: str, comment: str, tmp_path: Path, state: dict) -> None:
 HANDLERS: list[tuple[str, Callable[[str, str, Path, dict], None]]] = [
     (r"^make train\b", run_make_train),
     (r"^python -m lightning_moe\.train\b", run_train),
+    (r"^python -m lightning_moe\.data\.prepare\b", run_prepare),
     (r"^python -m lightning_moe\.checkpoint inspect\b", run_checkpoint_inspect),
     (r"^python -m lightning_moe\.verify\b", run_verify),
     (r"^python -m lightning_moe\.plan\b", run_plan),

@@ -22,6 +22,7 @@ import json
 import os
 import struct
 import uuid
+from array import array as _array
 from pathlib import Path
 
 import numpy as np
@@ -177,7 +178,8 @@ class IndexedCorpusWriter:
         self._bin = open(self._bin_tmp, "wb")
         # Set once close() or abort() has run: the `with` block must not finish the writer a second time.
         self._finished = False
-        self._lengths: list[int] = []
+        # A C array, 4 bytes a document (a list of ints costs ~36): a corpus of 1e8 documents holds 0.4 GB, not 3.6.
+        self._lengths = _array("i")
         self.num_tokens = 0
         self.max_token_id = -1
 
@@ -216,7 +218,7 @@ class IndexedCorpusWriter:
         self._bin.flush()
         os.fsync(self._bin.fileno())
         self._bin.close()
-        lengths = np.asarray(self._lengths, dtype=np.int32)
+        lengths = np.frombuffer(self._lengths, dtype=np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths):
             np.cumsum(lengths[:-1], out=pointers[1:])
