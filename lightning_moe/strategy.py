@@ -35,12 +35,13 @@ from lightning_moe.checkpoint.state import (
     restore_strategy_state,
     save_atomically,
 )
-from lightning_moe.cp import context_parallel_attention
+from lightning_moe.cp import all_to_all_attention, context_parallel_attention, document_attention
 from lightning_moe.moe import update_expert_biases
 from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, resolve_world_size
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.documents import batch_document_ids, packed_documents
 from lightning_moe.parallel.engines import choose_step_engine
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
 from lightning_moe.parallel.host_memory import return_large_blocks_to_the_system
@@ -104,6 +105,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids``.
         cp_head_chunks: ring attention passes per attention call under cp > 1, each over an equal share
             of the key/value heads: K/V blocks in flight shrink by this factor, P2P messages grow by it.
+        cp_comm: how attention crosses the cp ranks: ``"ring"`` (ring attention, K/V blocks passed around
+            the cp ring) or ``"a2a"`` (all-to-all from sequence shards to head shards, attention on the
+            full sequence, and back; DeepSpeed Ulysses; needs the heads per tp rank divisible by cp).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: process-group timeout (a ``timedelta`` or seconds).
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
@@ -142,6 +146,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         sequence_parallel: bool = True,
         context_parallel_keys: Sequence[str] = (),
         cp_head_chunks: int = 1,
+        cp_comm: Literal["ring", "a2a"] = "ring",
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         save_distributed_checkpoint: bool = True,
@@ -156,7 +161,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             timeout = timedelta(seconds=timeout)  # as a YAML config gives it
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, dp=dp, pp=pp,
+        check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, cp_comm=cp_comm, dp=dp, pp=pp,
                                  save_distributed_checkpoint=save_distributed_checkpoint,
                                  activation_checkpointing=activation_checkpointing, compile=compile,
                                  gather_once_per_step=gather_once_per_step, dp_replicate=dp_replicate, dp_shard=dp_shard,
@@ -165,7 +170,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self._set_layout(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, etp=etp, fold_ep=fold_ep, ranks_per_node=ranks_per_node,
                          pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
                          data_parallel=data_parallel, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                         gather_once_per_step=gather_once_per_step, overlap_ep_comm=overlap_ep_comm)
+                         gather_once_per_step=gather_once_per_step, overlap_ep_comm=overlap_ep_comm, cp_comm=cp_comm)
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
         self.deterministic = bool(deterministic)
@@ -179,7 +184,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         dp: int | str = "auto", pp: int = 1, etp: int | None = None, fold_ep: str | Sequence[str] | None = None,
         pp_schedule: str = "1F1B", pp_microbatches: int | None = None, pp_stages_per_rank: int = 1,
         dp_replicate: int | None = None, dp_shard: int | None = None, gather_once_per_step: bool = False,
-        overlap_ep_comm: bool = False,
+        overlap_ep_comm: bool = False, cp_comm: str = "ring",
     ) -> None:
         """The sizes and their options, from the constructor or (``layout="auto"``) the planner, whose
         choice leaves out what keeps the constructor's default."""
@@ -196,6 +201,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.pp_microbatches = pp if pp_microbatches is None else pp_microbatches
         self.data_parallel, self.dp_replicate, self.dp_shard = data_parallel, dp_replicate, dp_shard
         self.gather_once_per_step, self.overlap_ep_comm = gather_once_per_step, overlap_ep_comm
+        self.cp_comm = cp_comm
 
     @override
     def before_launch(self) -> None:
@@ -254,7 +260,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        check_context_parallel_support(self.model, self.parallel_dims)
+        check_context_parallel_support(self.model, self.parallel_dims, self.cp_comm)
         if trainer.state.fn == TrainerFn.FITTING:
             self.step_engine.setup(trainer, self.lightning_module, self.precision_plugin)
         if not is_parallelized(self.model):
@@ -326,11 +332,23 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             batch = shard_batch_for_context_parallel(batch, self.parallel_dims, self.context_parallel_keys)
         return batch
 
-    def _step_context(self) -> AbstractContextManager:
-        """Inside a step under cp > 1, ``F.scaled_dot_product_attention`` becomes ring attention."""
-        if self.parallel_dims.cp > 1:
-            return context_parallel_attention(self.parallel_dims.cp_group, head_chunks=self.cp_head_chunks)
-        return nullcontext()
+    def _step_context(self, batch: Any = None) -> AbstractContextManager:
+        """Inside a step, causal ``F.scaled_dot_product_attention`` becomes what the layout and the batch ask:
+        under cp > 1 ring attention (``cp_comm="ring"``) or all-to-all attention (``"a2a"``), masked by
+        the batch's ``document_ids`` when it carries them; on one cp rank document-causal attention
+        when it does, else itself."""
+        dims = self.parallel_dims
+        documents = batch_document_ids(batch)
+        if dims.cp > 1:
+            attention = (
+                all_to_all_attention(dims.cp_group, document_ids=documents) if self.cp_comm == "a2a"
+                else context_parallel_attention(dims.cp_group, head_chunks=self.cp_head_chunks, document_ids=documents)
+            )
+        elif documents is not None:
+            attention = document_attention(documents)
+        else:
+            return nullcontext()
+        return packed_documents(attention, documents, dims.tp_mesh.get_local_rank(), dims.tp)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -338,17 +356,17 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         assert module is not None
         batch = args[0] if args else kwargs.get("batch")
         return self.step_engine.training_step(partial(super().training_step, *args, **kwargs), batch, module.trainer,
-                                              self.optimizers, module, self._step_context)
+                                              self.optimizers, module, partial(self._step_context, batch))
 
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         """The module's own evaluation step: under pp > 1 ``self(...)`` runs the whole model through the
         stages (output on every rank); under cp > 1 ``predict_step`` outputs come back whole, in token order."""
         assert self.lightning_module is not None
         step = getattr(super(), hook)
-        with self._step_context(), self.step_engine.eval_context(self.lightning_module):
+        batch = args[0] if args else kwargs.get("batch")
+        with self._step_context(batch), self.step_engine.eval_context(self.lightning_module):
             output = step(*args, **kwargs)
         if hook == "predict_step" and self.parallel_dims.cp > 1:
-            batch = args[0] if args else kwargs.get("batch")
             if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
                 output = gather_sequence_outputs(output, batch["input_ids"].shape[1], self.parallel_dims.cp_group)
         return output

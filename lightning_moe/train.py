@@ -42,6 +42,7 @@ from lightning_moe.data import resolve_batch_layout
 from lightning_moe.layout import PARALLEL_DIMS, size_problems
 from lightning_moe.parallel.parallelize import check_layout
 from lightning_moe.parallel.arguments import resolve_world_size
+from lightning_moe.parallel.context_parallel import check_context_parallel_support
 
 
 
@@ -198,6 +199,7 @@ def check_config(cfg: DictConfig) -> None:
     except Exception:  # noqa: BLE001 - a model that reads files at construction cannot be built on meta;
         return  # the strategy runs the same checks (lightning_moe.parallelize) before training
     check_layout(model, dims, strategy.pp_stages_per_rank)
+    check_context_parallel_support(model, dims, strategy.cp_comm)
 
 
 def fit(cfg: DictConfig) -> tuple[TrainingRun, list[Any]]:

@@ -41,6 +41,10 @@ LAYOUTS = [
      {"tp": 2, "dp": 2, "etp": 2}),
     ("pp2_dp2", ["parallel=pp2", "parallel.dp=2"], {"pp": 2, "dp": 2}),
     ("pp2_cp2", ["parallel=pp2", "parallel.cp=2"], {"pp": 2, "cp": 2}),
+    # Context parallel by all-to-all (sequence shards to head shards and back) instead of the ring.
+    ("cp2_a2a", ["parallel=cp2", "parallel.cp_comm=a2a"], {"cp": 2}),
+    ("cp4_a2a", ["parallel=cp4", "parallel.cp_comm=a2a"], {"cp": 4}),
+    ("cp2_tp2_a2a", ["parallel=cp2_tp2", "parallel.cp_comm=a2a"], {"cp": 2, "tp": 2}),
 ]
 
 # What a user types: the default data layout (global_batch_size 16, micro_batch_size unset), only

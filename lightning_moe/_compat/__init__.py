@@ -88,6 +88,7 @@ from lightning_moe._compat.modules import (
     non_persistent_buffer_names,
     shallow_copy_module,
     tensor_is_view,
+    torch_function_disabled,
 )
 from lightning_moe._compat.pipelining import (
     PIPELINE_MIN_TORCH,
@@ -160,6 +161,7 @@ __all__ = [
     "trainer_logging_step",
     "trainer_should_update_logs",
     "wrap_distributed_functions",
+    "torch_function_disabled",
 ]
 
 

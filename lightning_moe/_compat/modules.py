@@ -1,5 +1,5 @@
 """torch.nn internals: ``nn.Module``'s child, parameter and buffer tables, its ``_apply``, the
-dropout base class, and the autograd view base of a tensor.
+dropout base class, the autograd view base of a tensor, and switching torch-function handling off.
 
 Floors: torch >= 2.11.
 """
@@ -7,6 +7,7 @@ Floors: torch >= 2.11.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,3 +74,9 @@ def tensor_is_view(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is an autograd view of another tensor: ``tensor._base is not None``.
     Checked on: torch 2.11-2.13."""
     return tensor._base is not None
+
+
+def torch_function_disabled() -> Any:
+    """``torch._C.DisableTorchFunction()``: a context in which no torch-function mode (nor subclass
+    ``__torch_function__``) sees the calls made. Checked on: torch 2.11-2.13."""
+    return torch._C.DisableTorchFunction()

@@ -1,5 +1,8 @@
 """Context parallelism: sequence sharding and exact ring attention (pure torch, no Lightning).
 
+Packed documents (``document_ids``): :func:`document_attention` makes causal SDPA attend within
+documents on one process; ring attention takes the same ids under cp.
+
 Example::
 
     from lightning_moe.cp import ring_attention, zigzag_shard, context_parallel_attention
@@ -10,8 +13,16 @@ Example::
         y = model(zigzag_shard(x, cp_rank, cp_size))
 """
 
+from lightning_moe.cp.documents import (
+    DocumentAttentionMode,
+    check_document_ids,
+    document_attention,
+    document_causal_mask,
+    set_document_ids,
+)
 from lightning_moe.cp.ring_attention import AttentionTrace, BlockRecord, ring_attention, trace_ring_attention
 from lightning_moe.cp.sdpa_dispatch import RingAttentionMode, context_parallel_attention
+from lightning_moe.cp.ulysses import UlyssesAttentionMode, all_to_all_attention, ulysses_attention
 from lightning_moe.cp.sharding import (
     LAYOUTS,
     Layout,
@@ -31,17 +42,25 @@ __all__ = [
     "LAYOUTS",
     "AttentionTrace",
     "BlockRecord",
+    "DocumentAttentionMode",
+    "UlyssesAttentionMode",
+    "all_to_all_attention",
     "Layout",
     "RingAttentionMode",
+    "check_document_ids",
     "check_seq_len",
     "chunk_ids",
     "context_parallel_attention",
     "contiguous_shard",
     "contiguous_unshard",
+    "document_attention",
+    "document_causal_mask",
     "num_chunks",
     "ring_attention",
+    "set_document_ids",
     "shard_sequence",
     "trace_ring_attention",
+    "ulysses_attention",
     "unshard_sequence",
     "zigzag_position_ids",
     "zigzag_shard",

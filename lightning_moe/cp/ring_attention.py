@@ -22,11 +22,31 @@ from rank ``s`` covers key chunks ``(s, 2c-1-s)``. Then
   second half of the queries attends, to the whole block.
 
 Every step therefore costs every rank the same half block, and fully masked work is never done.
+
+Documents (``document_ids``, packed rows): query ``i`` sees key ``j`` when ``j <= i`` in sequence
+order and both are in the same document. The ids are all-gathered over the cp group once (a
+``[batch, seq]`` integer tensor), and every rank plans, from the documents alone, which rectangles
+of which K/V block its queries need (:class:`DocumentPlan`). Its query rows are cut into *pieces*
+at chunk borders and document starts:
+
+- a piece of document ``d`` (global rows ``[u, v)``, ``d`` starting at ``s <= u``) sees keys
+  ``[s, u)`` completely (one unmasked rectangle per K/V block holding some of them, found by the
+  block's global positions) and itself causally (a causal square on the own block);
+- documents shorter than ``document_tile`` that start in the same chunk are packed, consecutive,
+  into one piece of at most ``document_tile`` rows: one square on the own block, masked
+  block-diagonally and causally (the explicit-scores kernel, with a boolean mask).
+
+No block, and no part of one, without a visible pair is computed, in the forward and the backward
+alike; the only pairs computed but not visible are those in the masked squares of packed short
+documents (:func:`trace_ring_attention` records both counts: ``AttentionTrace.pairs`` and
+``visible_pairs``). The K/V blocks (and dK/dV) still travel the whole ring, as later ranks may need
+them.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, NamedTuple
@@ -36,12 +56,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_moe import _compat
-from lightning_moe.cp.sharding import LAYOUTS, Layout
+from lightning_moe.cp.documents import check_document_ids
+from lightning_moe.cp.sharding import LAYOUTS, Layout, chunk_ids, num_chunks, unshard_sequence
 
 KERNELS = ("auto", "flash", "efficient", "torch")
 # Distinct P2P tags: the K/V transfer of step i+1 and the dK/dV transfer of step i are in flight together.
 _KV_TAG, _DKV_TAG = 0, 1
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+DOCUMENT_TILE = 128  # the default ``document_tile``: the largest piece that packs short documents
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,12 +112,19 @@ class BlockRecord:
     kv_rows: int
     causal: bool
     batch_heads: int  # batch * query heads
+    masked: bool = False  # a document tile computed with a boolean mask (all its pairs computed)
+    visible: int | None = None  # visible (query, key) pairs in it, over batch and heads (documents only)
 
     @property
     def pairs(self) -> int:
         """(query, key) pairs attended, summed over batch and heads (causal blocks count the visible triangle)."""
         per_head = self.q_rows * (self.q_rows + 1) // 2 if self.causal else self.q_rows * self.kv_rows
         return per_head * self.batch_heads
+
+    @property
+    def visible_pairs(self) -> int:
+        """(query, key) pairs the mask lets through (without documents: every pair computed is visible)."""
+        return self.pairs if self.visible is None else self.visible
 
 
 @dataclass
@@ -114,6 +143,13 @@ class AttentionTrace:
     def pairs(self, phase: str = "forward") -> int:
         """Attended (query, key) pairs of ``phase`` (FLOPs = 4 * pairs * head_dim in the forward)."""
         return sum(b.pairs for b in self.blocks if b.phase == phase)
+
+    def visible_pairs(self, phase: str = "forward") -> int:
+        """Visible (query, key) pairs among those computed in ``phase``. With ``document_ids`` every
+        visible pair is computed exactly once, so over all cp ranks this is the ideal,
+        ``document_causal_mask(ids, ids).sum() * heads``; ``pairs(phase) / visible_pairs(phase)``
+        is the cost of the masked tiles of packed short documents."""
+        return sum(b.visible_pairs for b in self.blocks if b.phase == phase)
 
 
 _ACTIVE_TRACES: list[AttentionTrace] = []
@@ -149,31 +185,51 @@ class _Kernel(NamedTuple):
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
-def _block_scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)
+def _wide(t: Tensor, mask: Tensor | None) -> Tensor:
+    """fp32 (fp64 for fp64 inputs under a mask: the document path keeps fp64 exact)."""
+    return t.float() if mask is None else t.to(_acc_dtype(t.dtype))
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _block_scores(q: Tensor, k: Tensor, causal: bool, scale: float, mask: Tensor | None = None) -> Tensor:
+    scores = torch.matmul(_wide(q, mask), _wide(k, mask).transpose(-1, -2)).mul_(scale)
     if causal:
         rows, cols = scores.shape[-2:]
         scores.masked_fill_(torch.ones(rows, cols, dtype=torch.bool, device=q.device).triu_(1), float("-inf"))
+    if mask is not None:  # boolean [rows, cols] (or broadcastable): True where the query sees the key
+        scores.masked_fill_(~mask, float("-inf"))
     return scores
 
 
-def _torch_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
-    scores = _block_scores(q, k, causal, scale)
+def _finite_lse(lse: Tensor, mask: Tensor | None) -> Tensor:
+    """The log-sum-exp to subtract from a row's scores. Under a mask a row may see no key of the tile
+    (lse = -inf); subtracting 0 there makes its probabilities exp(-inf) = 0 instead of NaN."""
+    return lse if mask is None else lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+def _torch_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, tuple]:
+    scores = _block_scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = scores.sub_(lse.unsqueeze(-1)).exp_()
-    return torch.matmul(probs, v.float()), lse, ()
+    probs = scores.sub_(_finite_lse(lse, mask).unsqueeze(-1)).exp_()
+    return torch.matmul(probs, _wide(v, mask)), lse, ()  # rows that see nothing: output 0, lse -inf
 
 
 def _torch_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dout = dout.float()
-    probs = _block_scores(q, k, causal, scale).sub_(lse.unsqueeze(-1)).exp_()
+    dout = _wide(dout, mask)
+    probs = _block_scores(q, k, causal, scale, mask).sub_(_finite_lse(lse, mask).unsqueeze(-1)).exp_()
     dv = torch.matmul(probs.transpose(-1, -2), dout)
     # softmax backward: dS = P * (dP - rowsum(dO * O)), with O the final output of the rows
-    delta = (dout * out.float()).sum(-1, keepdim=True)
-    dscores = probs.mul_(torch.matmul(dout, v.float().transpose(-1, -2)).sub_(delta)).mul_(scale)
-    return torch.matmul(dscores, k.float()), torch.matmul(dscores.transpose(-1, -2), q.float()), dv
+    delta = (dout * _wide(out, mask)).sum(-1, keepdim=True)
+    dscores = probs.mul_(torch.matmul(dout, _wide(v, mask).transpose(-1, -2)).sub_(delta)).mul_(scale)
+    return torch.matmul(dscores, _wide(k, mask)), torch.matmul(dscores.transpose(-1, -2), _wide(q, mask)), dv
 
 
 def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
@@ -345,6 +401,7 @@ class _Config:
     kernel: _Kernel
     groups: int  # query heads per K/V head
     head_chunks: int  # ring passes, each over an equal share of the K/V heads
+    documents: DocumentPlan | None = None  # document-causal attention: what this rank computes of each block
 
 
 def _head_slices(cfg: _Config, kv_heads: int) -> Iterator[tuple[slice, slice]]:
@@ -442,6 +499,310 @@ def _backward_block(
     return _reduce_kv(dk_blk, cfg.groups), _reduce_kv(dv_blk, cfg.groups)
 
 
+# --------------------------------------------------------------------------------------------------
+# Documents: which rectangles of which K/V block each rank's queries see
+
+
+@dataclass(frozen=True)
+class _DocItem:
+    """One kernel call of the document path: query rows ``q`` against rows ``kv`` of one K/V block."""
+
+    rows: slice  # batch rows (all, when every row packs its documents alike; else one)
+    q: slice  # local query rows
+    kv: slice  # rows of the K/V block
+    causal: bool  # the piece's own square (``q == kv`` on the own block), causally masked
+    mask: Tensor | None  # [q, kv] bool for packed short documents (block-diagonal, causal); else None
+    visible: int  # visible (query, key) pairs per batch row and head
+
+
+@dataclass(frozen=True)
+class DocumentPlan:
+    """What one cp rank computes of every K/V block under document-causal attention.
+
+    Built by :func:`document_plan` (one all-gather of the ids over the cp group) and reusable by every
+    attention call over the same documents (:class:`~lightning_moe.cp.RingAttentionMode` builds it
+    once per micro-batch and passes it to :func:`ring_attention` as ``document_ids``).
+
+    Example::
+
+        plan = document_plan(zigzag_shard(document_ids, cp_rank, cp), cp_group, document_tile=64)
+        plan.computed_pairs / plan.visible_pairs    # 1.0 unless short documents were packed
+        out = ring_attention(q, k, v, cp_group, document_ids=plan)
+    """
+
+    shape: tuple[int, int]  # this rank's [batch, seq_local]
+    layout: str
+    cp_rank: int
+    cp_size: int
+    document_tile: int
+    items: tuple[tuple[_DocItem, ...], ...]  # by source cp rank of the K/V block
+
+    @property
+    def visible_pairs(self) -> int:
+        """(query, key) pairs this rank's queries may attend to, per head (summed over the batch)."""
+        return sum(it.visible * _rows(it.rows, self.shape[0]) for items in self.items for it in items)
+
+    @property
+    def computed_pairs(self) -> int:
+        """(query, key) pairs this rank computes per head in the forward (= visible + masked-tile waste)."""
+        return sum(_item_pairs(it) * _rows(it.rows, self.shape[0]) for items in self.items for it in items)
+
+
+def _rows(rows: slice, batch: int) -> int:
+    return len(range(batch)[rows])
+
+
+def _item_pairs(item: _DocItem) -> int:
+    n_q, n_kv = item.q.stop - item.q.start, item.kv.stop - item.kv.start
+    return n_q * (n_q + 1) // 2 if item.causal else n_q * n_kv
+
+
+def _key_rows(spans: list[tuple[int, int]], chunk: int, lo: int, hi: int) -> slice | None:
+    """The local rows of a rank holding global keys ``[lo, hi)`` (contiguous: local order follows the
+    global one), or None. ``spans``: the rank's chunks as (global start, local start)."""
+    first = last = None
+    for g0, l0 in spans:
+        a, b = max(lo, g0), min(hi, g0 + chunk)
+        if a < b:
+            first = l0 + a - g0 if first is None else first
+            last = l0 + b - g0
+    return None if first is None else slice(first, last)
+
+
+def _pieces(starts: list[int], lo: int, hi: int, tile: int) -> list[tuple[int, int, int, tuple[int, ...] | None]]:
+    """Cut global rows ``[lo, hi)`` (one chunk) into ``(u, v, doc_start, packed)`` pieces: one per
+    document run, except that consecutive documents shorter than ``tile`` starting in the chunk are
+    packed into pieces of at most ``tile`` rows (``packed``: their lengths; None for one document)."""
+    pieces: list[tuple[int, int, int, tuple[int, ...] | None]] = []
+    group: list[int] = []  # lengths of the short documents being packed
+    group_start = lo
+
+    def flush() -> None:
+        if len(group) == 1:
+            pieces.append((group_start, group_start + group[0], group_start, None))
+        elif group:
+            pieces.append((group_start, group_start + sum(group), group_start, tuple(group)))
+        group.clear()
+
+    i = bisect_right(starts, lo) - 1
+    u = lo
+    while u < hi:
+        start = starts[i]
+        v = min(starts[i + 1], hi) if i + 1 < len(starts) else hi
+        if start < u or v - u >= tile:  # a document begun before the chunk, or a long one: its own piece
+            flush()
+            pieces.append((u, v, start, None))
+        else:
+            if group and sum(group) + v - u > tile:
+                flush()
+            if not group:
+                group_start = u
+            group.append(v - u)
+        u, i = v, i + 1
+    flush()
+    return pieces
+
+
+def _packed_mask(lengths: tuple[int, ...], device: torch.device) -> Tensor:
+    """Block-diagonal causal ``[n, n]`` mask of consecutive documents of ``lengths``."""
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    n = doc.shape[0]
+    return (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+
+
+def _plan_documents(
+    documents: Tensor, rank: int, cp: int, layout: str, tile: int, device: torch.device
+) -> tuple[tuple[_DocItem, ...], ...]:
+    """The kernel calls of ``rank`` for each K/V block, from the full-sequence ``documents [B, S]``."""
+    batch, seq = documents.shape
+    chunk = seq // num_chunks(cp, layout)
+    tile = max(1, min(tile, chunk))
+    spans = [[(cid * chunk, i * chunk) for i, cid in enumerate(chunk_ids(s, cp, layout))] for s in range(cp)]
+    documents = documents.cpu()
+    changes = documents[:, 1:] != documents[:, :-1]  # a document starts at the next token
+    if batch == 1 or bool((changes == changes[:1]).all()):
+        row_sets = [(slice(None), changes[0])]  # every row packs alike: one call covers the batch
+    else:
+        row_sets = [(slice(b, b + 1), changes[b]) for b in range(batch)]
+    items: list[list[_DocItem]] = [[] for _ in range(cp)]
+    for rows, row_changes in row_sets:
+        starts = [0] + (torch.nonzero(row_changes).flatten() + 1).tolist()
+        for g0, l0 in spans[rank]:
+            for u, v, start, packed in _pieces(starts, g0, g0 + chunk, tile):
+                q = slice(l0 + u - g0, l0 + v - g0)
+                n = v - u
+                if packed is not None:
+                    visible = sum(length * (length + 1) // 2 for length in packed)
+                    items[rank].append(_DocItem(rows, q, q, False, _packed_mask(packed, device), visible))
+                    continue
+                for src in range(cp):  # the earlier part of the document: seen by every row of the piece
+                    kv = _key_rows(spans[src], chunk, start, u)
+                    if kv is not None:
+                        items[src].append(_DocItem(rows, q, kv, False, None, n * (kv.stop - kv.start)))
+                items[rank].append(_DocItem(rows, q, q, n > 1, None, n * (n + 1) // 2))
+    return tuple(tuple(block) for block in items)
+
+
+def _check_document_args(document_ids: Tensor, shape: tuple[int, int] | None, layout: str, document_tile: int) -> None:
+    """Local checks of :func:`document_plan`'s arguments (before any communication)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
+    if isinstance(document_tile, bool) or not isinstance(document_tile, int) or document_tile < 1:
+        raise ValueError(f"document_tile must be a positive number of tokens, got {document_tile!r}")
+    if shape is not None and isinstance(document_ids, Tensor) and tuple(document_ids.shape) != shape:
+        raise ValueError(
+            f"document_ids of shape {tuple(document_ids.shape)} do not match this rank's queries [batch, seq_local] ="
+            f" {shape}: pass this rank's shard of the ids, in the layout of q, k and v"
+            " (e.g. zigzag_shard(document_ids, cp_rank, cp_size))"
+        )
+    check_document_ids(document_ids)
+
+
+def _gather_documents(document_ids: Tensor, ring: _Ring, layout: str) -> Tensor:
+    """The full-sequence ``[batch, seq]`` ids from every rank's shard (one all-gather)."""
+    local = document_ids.to(torch.int64).contiguous()
+    parts = [local]
+    if ring.size > 1:
+        parts = [torch.empty_like(local) for _ in range(ring.size)]
+        dist.all_gather(parts, local, group=ring.group)
+    documents = unshard_sequence(parts, dim=1, layout=layout)  # type: ignore[arg-type]
+    check_document_ids(documents)  # every rank sees the same ids: a decrease between shards fails everywhere
+    return documents
+
+
+def _document_plan(document_ids: Tensor, ring: _Ring, layout: str, document_tile: int) -> DocumentPlan:
+    documents = _gather_documents(document_ids, ring, layout)
+    items = _plan_documents(documents, ring.rank, ring.size, layout, document_tile, document_ids.device)
+    shape = (int(document_ids.shape[0]), int(document_ids.shape[1]))
+    return DocumentPlan(shape, layout, ring.rank, ring.size, document_tile, items)
+
+
+def document_plan(
+    document_ids: Tensor,
+    group: dist.ProcessGroup | None,
+    layout: Layout = "zigzag",
+    *,
+    document_tile: int = DOCUMENT_TILE,
+) -> DocumentPlan:
+    """Plan document-causal ring attention over ``group`` for this rank's ``document_ids [batch, seq_local]``.
+
+    Checks the ids locally (integer ``[batch, seq]``, not decreasing), all-gathers them over
+    ``group`` (a collective: every rank of the group must call it), checks the whole rows and plans
+    which part of every K/V block this rank's queries see (see the module docstring). The masks of
+    packed short documents are made on ``document_ids.device``. Pass the plan to
+    :func:`ring_attention` as ``document_ids`` to reuse it across layers.
+
+    Example::
+
+        plan = document_plan(local_ids, cp_group, document_tile=64)
+        for layer in layers:
+            x = layer(x, attention=lambda q, k, v: ring_attention(q, k, v, cp_group, document_ids=plan))
+    """
+    _check_document_args(document_ids, None, layout, document_tile)
+    ring = _Ring(group)
+    if layout == "zigzag" and document_ids.shape[1] % 2:
+        raise ValueError(
+            f"zigzag local sequence length {document_ids.shape[1]} is odd: each rank holds two equal chunks"
+        )
+    return _document_plan(document_ids, ring, layout, document_tile)
+
+
+def _record_item(phase: str, src: int, item: _DocItem, q: Tensor) -> None:
+    if _ACTIVE_TRACES:
+        batch_heads = _rows(item.rows, q.shape[0]) * q.shape[1]
+        record = BlockRecord(
+            phase, src, item.q.stop - item.q.start, item.kv.stop - item.kv.start, item.causal, batch_heads,
+            masked=item.mask is not None, visible=item.visible * batch_heads,
+        )
+        for trace in _ACTIVE_TRACES:
+            trace.blocks.append(record)
+
+
+def _merge_documents(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
+    """:func:`_merge` for rows that may have seen no key yet (lse = -inf on either side): they keep
+    output 0 and lse -inf until a block with a visible key arrives, without NaNs."""
+    top = torch.maximum(lse, blk_lse)
+    top = top.masked_fill(torch.isneginf(top), 0.0)
+    w_old, w_blk = torch.exp(lse - top), torch.exp(blk_lse - top)
+    total = w_old + w_blk  # 0 where neither side saw a key
+    norm = total.masked_fill(total == 0, 1.0)
+    out.mul_((w_old / norm).unsqueeze(-1)).add_(blk_out.to(out.dtype) * (w_blk / norm).unsqueeze(-1))
+    lse.copy_(top + torch.log(total))
+
+
+def _item_kv(kv: list[Tensor], item: _DocItem, groups: int) -> tuple[Tensor, Tensor]:
+    return (_expand_kv(kv[0][item.rows, :, item.kv], groups), _expand_kv(kv[1][item.rows, :, item.kv], groups))
+
+
+def _document_ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor, Tensor, tuple]:
+    ring, plan = cfg.ring, cfg.documents
+    assert plan is not None
+    acc = _acc_dtype(q.dtype)  # fp32; fp64 for fp64 inputs
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    aux: tuple = ()  # of a fused kernel call, for the fused backward calls (masked tiles need none)
+    kv = [k, v]
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        pending = ring.shift(kv, _KV_TAG) if step + 1 < ring.size else None
+        for item in plan.items[src]:  # empty: this rank sees nothing of the block, it only passes it on
+            _record_item("forward", src, item, q)
+            q_rows, (k_rows, v_rows) = q[item.rows, :, item.q], _item_kv(kv, item, cfg.groups)
+            if item.mask is not None:
+                blk_out, blk_lse, _ = _torch_forward(q_rows, k_rows, v_rows, False, cfg.scale, mask=item.mask)
+            else:
+                blk_out, blk_lse, blk_aux = cfg.kernel.forward(q_rows, k_rows, v_rows, item.causal, cfg.scale)
+                aux = blk_aux or aux
+            _merge_documents(out[item.rows, :, item.q], lse[item.rows, :, item.q], blk_out, blk_lse)
+        if pending is not None:
+            kv = pending.wait()
+    return out.to(q.dtype), lse, aux
+
+
+def _document_ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: tuple, cfg: _Config,
+) -> tuple[Tensor, Tensor, Tensor]:
+    ring, plan = cfg.ring, cfg.documents
+    assert plan is not None
+    acc_dtype = _acc_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=acc_dtype)
+    kv = [k, v]
+    incoming: _Pending | None = None  # dK/dV of the block in hand, accumulated by the ranks before
+    for step in range(ring.size):
+        src = (ring.rank - step) % ring.size
+        pending_kv = ring.shift(kv, _KV_TAG) if step + 1 < ring.size else None
+        items = plan.items[src]
+        own = [torch.zeros_like(t, dtype=acc_dtype) for t in kv] if items else None
+        for item in items:
+            _record_item("backward", src, item, q)
+            rows, q_part = item.rows, item.q
+            args = (dout[rows, :, q_part], q[rows, :, q_part], *_item_kv(kv, item, cfg.groups), out[rows, :, q_part],
+                    lse[rows, :, q_part].contiguous())
+            if item.mask is not None:
+                dq_blk, dk_blk, dv_blk = _torch_backward(*args, False, cfg.scale, (), mask=item.mask)
+            else:
+                dq_blk, dk_blk, dv_blk = cfg.kernel.backward(*args, item.causal, cfg.scale, aux)
+            dq[rows, :, q_part] += dq_blk
+            assert own is not None
+            own[0][rows, :, item.kv] += _reduce_kv(dk_blk, cfg.groups)
+            own[1][rows, :, item.kv] += _reduce_kv(dv_blk, cfg.groups)
+        # Wait for the earlier ranks' share only now, so it travelled while this rank computed.
+        if incoming is not None:
+            acc = incoming.wait()
+            if own is not None:
+                for total, part in zip(acc, own):
+                    total += part
+        else:
+            acc = own if own is not None else [torch.zeros_like(t, dtype=acc_dtype) for t in kv]
+        del own
+        incoming = ring.shift(acc, _DKV_TAG)
+        if pending_kv is not None:
+            kv = pending_kv.wait()
+    assert incoming is not None
+    dk, dv = incoming.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     """The ring over all heads at once, or one pass per head chunk into preallocated results.
 
@@ -452,15 +813,17 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> Tensor:
         k, v = k.contiguous(), v.contiguous()  # P2P sends need dense buffers
+        ring_forward = _ring_forward if cfg.documents is None else _document_ring_forward
         with torch.autocast(q.device.type, enabled=False):  # fp32 statistics must stay fp32
             if cfg.head_chunks == 1:
-                out, lse, aux = _ring_forward(q, k, v, cfg)
+                out, lse, aux = ring_forward(q, k, v, cfg)
             else:
                 out = torch.empty_like(q)
-                lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+                lse_dtype = torch.float32 if cfg.documents is None else _acc_dtype(q.dtype)
+                lse = q.new_empty(q.shape[:3], dtype=lse_dtype)
                 for q_heads, kv_heads in _head_slices(cfg, k.shape[1]):
                     kv = (k[:, kv_heads].contiguous(), v[:, kv_heads].contiguous())
-                    out[:, q_heads], lse[:, q_heads], aux = _ring_forward(q[:, q_heads], *kv, cfg)
+                    out[:, q_heads], lse[:, q_heads], aux = ring_forward(q[:, q_heads], *kv, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg, ctx.aux = cfg, aux
         return out
@@ -469,15 +832,16 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         cfg, dout = ctx.cfg, dout.contiguous()
+        ring_backward = _ring_backward if cfg.documents is None else _document_ring_backward
         with torch.autocast(q.device.type, enabled=False):
             if cfg.head_chunks == 1:
-                dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.aux, cfg)
+                dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.aux, cfg)
             else:
                 dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
                 for q_heads, kv_heads in _head_slices(cfg, k.shape[1]):
                     kv = (k[:, kv_heads].contiguous(), v[:, kv_heads].contiguous())
                     q_part = (dout[:, q_heads], q[:, q_heads])
-                    dq[:, q_heads], dk[:, kv_heads], dv[:, kv_heads] = _ring_backward(
+                    dq[:, q_heads], dk[:, kv_heads], dv[:, kv_heads] = ring_backward(
                         *q_part, *kv, out[:, q_heads], lse[:, q_heads], ctx.aux, cfg
                     )
         return dq, dk, dv, None
@@ -494,6 +858,8 @@ def ring_attention(
     scale: float | None = None,
     kernel: str = "auto",
     head_chunks: int = 1,
+    document_ids: Tensor | DocumentPlan | None = None,
+    document_tile: int = DOCUMENT_TILE,
 ) -> Tensor:
     """Attention of the local queries over the whole sequence sharded across ``group``.
 
@@ -509,14 +875,28 @@ def ring_attention(
     (flash, else efficient, else torch). The CUDA kernels have not yet run on a GPU in this project. ``head_chunks``: run the ring once per
     equal share of the K/V heads (a divisor of ``kv_heads``): the K/V and dK/dV blocks in flight
     shrink by that factor, for ``head_chunks`` times as many (smaller) P2P messages. Softmax
-    statistics and accumulation are fp32 for every input dtype; under autocast the inputs are cast to the autocast dtype, as SDPA
+    statistics and accumulation are fp32 for every input dtype (with ``document_ids``, fp64 for fp64
+    inputs); under autocast the inputs are cast to the autocast dtype, as SDPA
     does. ``group=None`` is the default process group.
+
+    ``document_ids``: this rank's ``[batch, seq_local]`` document ids of packed rows, sharded like
+    the sequence of ``q``, ``k`` and ``v`` (``zigzag_shard(document_ids, cp_rank, cp_size)``), or a
+    :class:`DocumentPlan` made from them by :func:`document_plan`. The result is then this rank's
+    part of ``SDPA(Q, K, V, attn_mask=document_causal_mask(ids, ids))``: query ``i`` sees key ``j <=
+    i`` of its own document only. Needs ``causal=True``. The ids are all-gathered over ``group`` on
+    each call with a tensor (a plan is gathered once); every pair that no document spans is skipped,
+    and documents shorter than ``document_tile`` tokens are packed into masked tiles of at most that
+    many rows (smaller: closer to the visible pairs, more kernel calls; see the module docstring and
+    :meth:`AttentionTrace.visible_pairs`). Bad ids (wrong shape, decreasing along a row, float)
+    raise ``ValueError`` before any communication; ids that only decrease across the shards of a row
+    raise it on every rank after the gather.
 
     Example::
 
         cp_group = mesh.get_group("cp")
         q, k, v = (zigzag_shard(t, cp_rank, cp_size, dim=2) for t in (Q, K, V))
         out = ring_attention(q, k, v, cp_group, causal=True)   # == zigzag_shard(SDPA(Q, K, V), ..., dim=2)
+        out = ring_attention(q, k, v, cp_group, document_ids=zigzag_shard(ids, cp_rank, cp_size))   # packed documents
     """
     if layout not in LAYOUTS:
         raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
@@ -533,18 +913,43 @@ def ring_attention(
         raise ValueError(f"head_chunks={head_chunks} must divide the {k.shape[1]} key/value heads")
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"zigzag local sequence length {q.shape[2]} is odd: each rank holds two equal chunks")
+    if document_ids is not None:
+        if not causal:
+            raise ValueError(
+                "document_ids make attention document-causal (query i sees key j <= i of its own document):"
+                " pass causal=True, or no document_ids for full attention"
+            )
+        local_shape = (q.shape[0], q.shape[2])
+        if isinstance(document_ids, DocumentPlan):
+            if document_ids.shape != local_shape or document_ids.layout != layout:
+                raise ValueError(
+                    f"the document plan is for [batch, seq_local] = {document_ids.shape} in layout"
+                    f" {document_ids.layout!r}, the queries are {local_shape} in {layout!r}: plan these documents again"
+                )
+        else:
+            _check_document_args(document_ids, local_shape, layout, document_tile)
     if torch.is_autocast_enabled(q.device.type):
         # As SDPA does under autocast: attention runs in the autocast dtype.
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     block_kernel = _select_kernel(kernel, q)
+    ring = _Ring(group)
+    plan = document_ids
+    if isinstance(plan, DocumentPlan) and (plan.cp_rank, plan.cp_size) != (ring.rank, ring.size):
+        raise ValueError(
+            f"the document plan is for cp rank {plan.cp_rank} of {plan.cp_size},"
+            f" this is rank {ring.rank} of {ring.size}"
+        )
+    if isinstance(plan, Tensor):
+        plan = _document_plan(plan.to(q.device), ring, layout, document_tile)
     cfg = _Config(
-        ring=_Ring(group),
+        ring=ring,
         causal=causal,
         scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else scale,
         layout=layout,
         kernel=block_kernel,
         groups=q.shape[1] // k.shape[1],
         head_chunks=head_chunks,
+        documents=plan,
     )
     return _RingAttention.apply(q, k, v, cfg)

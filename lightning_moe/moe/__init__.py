@@ -9,11 +9,21 @@ Example::
     update_expert_biases(model)            # once per optimizer step (expert_bias=True layers)
 
 Routing record/replay (docs/routing-replay.md): ``record_routing(model)``, ``replay_routing(model, trace)``.
+
+Packed documents (:mod:`lightning_moe.moe.documents`): inside ``routing_documents(document_ids)``
+``seq_aux_loss`` takes each document as a sequence and replay keys tokens by (sample, document, position).
 """
 
 from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
 from lightning_moe.moe.config import MoEConfig
 from lightning_moe.moe.dispatcher import DispatchContext, Dispatcher, LocalDispatcher
+from lightning_moe.moe.documents import (
+    current_routing_documents,
+    recompute_with_routing_documents,
+    routing_documents,
+    seq_aux_loss_per_document,
+    set_routing_documents,
+)
 from lightning_moe.moe.experts import GroupedExperts, SharedExpert
 from lightning_moe.moe.layer import DISPATCHERS, LOAD_BALANCING, MoELayer, build_dispatcher, update_expert_biases
 from lightning_moe.moe.losses import (
@@ -27,9 +37,11 @@ from lightning_moe.moe.losses import (
     z_loss,
 )
 from lightning_moe.moe.replay import (
+    DOCUMENT_KEY_BOUND,
     RoutingTrace,
     TokenKeys,
     current_token_keys,
+    document_sample_key,
     record_routing,
     replay_routing,
     token_keys,
@@ -38,6 +50,7 @@ from lightning_moe.moe.router import SCORE_FUNCS, RouterOutput, TopKRouter
 
 __all__ = [
     "DISPATCHERS",
+    "DOCUMENT_KEY_BOUND",
     "DROP_POLICIES",
     "LOAD_BALANCING",
     "SCORE_FUNCS",
@@ -55,14 +68,20 @@ __all__ = [
     "TopKRouter",
     "build_dispatcher",
     "capacity_keep_mask",
+    "current_routing_documents",
     "current_token_keys",
+    "document_sample_key",
     "expert_capacity",
     "global_aux_loss",
     "load_balancing_loss",
+    "recompute_with_routing_documents",
     "record_routing",
     "replay_routing",
+    "routing_documents",
     "seq_aux_loss",
+    "seq_aux_loss_per_document",
     "set_aux_loss_scale",
+    "set_routing_documents",
     "sinkhorn",
     "switch_aux_loss",
     "token_keys",

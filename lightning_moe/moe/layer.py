@@ -13,6 +13,12 @@ from lightning_moe import comm
 from lightning_moe.moe.capacity import capacity_keep_mask, expert_capacity
 from lightning_moe.moe.config import DISPATCHERS, LOAD_BALANCING, ROUTINGS, MoEConfig, check_dispatcher
 from lightning_moe.moe.dispatcher import Dispatcher, LocalDispatcher
+from lightning_moe.moe.documents import (
+    agreed_documents_per_row,
+    current_routing_documents,
+    document_balance_loss,
+    document_balance_statistics,
+)
 from lightning_moe.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from lightning_moe.moe.experts import GroupedExperts, SharedExpert, compute_dtype
 from lightning_moe.moe.hierarchical import HierarchicalDispatcher
@@ -456,7 +462,13 @@ class MoELayer(nn.Module):
         return loss
 
     def _seq_aux_loss(self, routing: RouterOutput, shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sequence Switch loss, averaged over sequences: ``(differentiable, reduced value)``."""
+        """Per-sequence Switch loss, averaged over sequences: ``(differentiable, reduced value)``.
+
+        Inside :func:`~lightning_moe.moe.documents.routing_documents` each (row, document) is a sequence.
+        """
+        documents = current_routing_documents()
+        if documents is not None:
+            return self._document_seq_aux_loss(routing, shape, documents)
         num_experts, top_k = self.num_experts, self.top_k
         seq_len = shape[-2] if len(shape) >= 3 else math.prod(shape[:-1])
         batch = routing.logits.shape[0] // seq_len
@@ -474,6 +486,42 @@ class MoELayer(nn.Module):
             counts, prob_sum_all, seq_tokens = totals[:, :num_experts], totals[:, num_experts:-1], totals[:, -1]
         args = (counts, seq_tokens, seq_tokens * top_k, self.aux_loss_coeff)
         return load_balancing_loss(prob_sum, *args), load_balancing_loss(prob_sum_all, *args)
+
+    def _document_seq_aux_loss(
+        self, routing: RouterOutput, shape: torch.Size, documents: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_seq_aux_loss` with each (row, document) of ``documents [batch, seq]`` as one sequence.
+
+        The groups' statistics are summed over ``sequence_group`` (the ranks holding other shards of
+        the same rows, whose ids number the same documents): counts and token totals without
+        gradient, while the differentiable part is this rank's partial prob sums over the global
+        totals, so the ranks' losses add up to the loss of the whole micro-batch. The group count
+        (``1 + max id`` over the group) is agreed by a MAX all-reduce first.
+        """
+        num_experts, top_k = self.num_experts, self.top_k
+        seq_len = shape[-2] if len(shape) >= 3 else math.prod(shape[:-1])
+        batch = routing.logits.shape[0] // seq_len if seq_len else 0
+        if tuple(documents.shape) != (batch, seq_len):
+            raise ValueError(
+                f"routing documents of shape {tuple(documents.shape)} do not match the MoE layer's input of"
+                f" [batch, seq] = {(batch, seq_len)} (input {tuple(shape)}): give the ids of the tokens this layer sees"
+            )
+        documents_per_row = agreed_documents_per_row(documents, self.sequence_group, routing.probs.device)
+        shards = dist.get_world_size(self.sequence_group) if self.sequence_group is not None else 1
+        if documents_per_row > seq_len * shards:
+            raise ValueError(
+                f"routing documents hold ids up to {documents_per_row - 1} in rows of {seq_len * shards} tokens: number"
+                " the documents of each row from 0 (0 0 0 1 1 2 ...), not across the batch or the corpus"
+            )
+        probs = routing.probs.view(batch, seq_len, num_experts)
+        topk_idx = routing.topk_idx.view(batch, seq_len, top_k)
+        prob_sum, counts, tokens = document_balance_statistics(probs, topk_idx, documents, documents_per_row)
+        with torch.no_grad():
+            totals = torch.cat([counts, prob_sum.detach(), tokens.unsqueeze(1)], dim=1)
+            comm.all_reduce_(totals, self.sequence_group, "cp")
+            counts, prob_sum_all, tokens = totals[:, :num_experts], totals[:, num_experts:-1], totals[:, -1]
+        args = (counts, tokens, top_k, self.aux_loss_coeff)
+        return document_balance_loss(prob_sum, *args), document_balance_loss(prob_sum_all, *args)
 
 
 class ExpertOutputBias(nn.Module):

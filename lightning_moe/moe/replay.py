@@ -14,6 +14,11 @@ arguments). ``position_ids`` already hold the global positions of a context-para
 tensor-parallel (sequence-parallel) layer sees its tp rank's contiguous part of them. So a trace
 recorded on one process replays under ep, tp, cp, dp or pp: each rank picks its own tokens.
 
+Packed documents: inside :func:`~lightning_moe.moe.documents.routing_documents` the positions
+restart at 0 in each document, so a token is keyed by (sample, document, position): the sample
+key is :func:`document_sample_key` ``(sample, document) = sample * 2**24 + document``, i.e. each
+document of a row is a sample of its own in the trace. Without documents the keys are unchanged.
+
 Example::
 
     with record_routing(model) as recorder:
@@ -38,16 +43,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_moe.moe.documents import current_routing_documents
 from lightning_moe.moe.layer import MoELayer
 from lightning_moe.moe.router import RouterOutput
 
 __all__ = [
+    "DOCUMENT_KEY_BOUND",
     "SCHEMA_VERSION",
     "RoutingRecorder",
     "RoutingReplayer",
     "RoutingTrace",
     "TokenKeys",
     "current_token_keys",
+    "document_sample_key",
     "record_routing",
     "replay_routing",
     "token_keys",
@@ -56,6 +64,9 @@ __all__ = [
 #: Version of the safetensors layout written by :meth:`RoutingTrace.save`.
 SCHEMA_VERSION = 1
 _FORMAT = "lightning_moe.routing_trace"
+#: Packed documents (:func:`document_sample_key`): document ids per row below it, 2**24 (a row of 16 M tokens).
+DOCUMENT_KEY_BOUND = 2**24
+_SAMPLE_KEY_BOUND = 2**39  # so that sample * DOCUMENT_KEY_BOUND + document < 2**63
 
 
 # -- token keys --------------------------------------------------------------------------------------
@@ -89,7 +100,11 @@ def current_token_keys() -> TokenKeys | None:
 
 
 def _token_keys_of(layer: MoELayer, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sample [T], position [T])`` (int64, on ``x``'s device) of the tokens of ``x [B, S_local, H]``."""
+    """``(sample [T], position [T])`` (int64, on ``x``'s device) of the tokens of ``x [B, S_local, H]``.
+
+    Inside :func:`~lightning_moe.moe.documents.routing_documents` the sample is the
+    :func:`document_sample_key` of (sample, document).
+    """
     if x.dim() != 3:
         raise ValueError(f"{name}: routing record/replay needs MoE inputs [batch, seq, hidden], got {tuple(x.shape)}")
     batch, seq = x.shape[0], x.shape[1]
@@ -123,7 +138,42 @@ def _token_keys_of(layer: MoELayer, x: torch.Tensor, name: str) -> tuple[torch.T
         shards = full // seq
         part = dist.get_rank(layer.sequence_group) % shards
         positions = positions[:, part * seq : (part + 1) * seq]
-    return samples.repeat_interleave(seq), positions.reshape(-1)
+    samples = samples.repeat_interleave(seq)
+    documents = current_routing_documents()
+    if documents is not None:
+        if tuple(documents.shape) != (batch, seq):
+            raise ValueError(
+                f"{name}: routing documents of shape {tuple(documents.shape)} do not match the MoE input's [batch, seq]"
+                f" = {(batch, seq)}: give the document ids of the tokens this layer sees"
+            )
+        samples = document_sample_key(samples, documents.to(device=x.device).reshape(-1))
+    return samples, positions.reshape(-1)
+
+
+def document_sample_key(sample_index: torch.Tensor, document_ids: torch.Tensor) -> torch.Tensor:
+    """The trace's sample key of a packed document: ``sample_index * DOCUMENT_KEY_BOUND + document_id`` (int64).
+
+    Inside :func:`~lightning_moe.moe.documents.routing_documents` a token is keyed by (sample,
+    document, position): its position restarts at 0 in each document, so each document of a packed
+    row is a sample of its own in the trace (``RoutingTrace.sample_index`` holds these keys, and its
+    position axis stays as long as the longest document). ``sample_index`` and ``document_ids``
+    broadcast; ``ValueError`` unless ``0 <= document_id < DOCUMENT_KEY_BOUND`` (2**24) and ``0 <=
+    sample_index < 2**39`` (the key stays below 2**63). None of it depends on the layout, so a trace
+    recorded on one process replays on any.
+    """
+    sample_index = torch.as_tensor(sample_index, dtype=torch.int64)
+    document_ids = torch.as_tensor(document_ids, device=sample_index.device).to(torch.int64)
+    for what, values, bound in (
+        ("document ids", document_ids, DOCUMENT_KEY_BOUND),
+        ("sample indices", sample_index, _SAMPLE_KEY_BOUND),
+    ):
+        outside = (values < 0) | (values >= bound)
+        if values.numel() and bool(outside.any()):
+            raise ValueError(
+                f"routing replay keys packed documents by (sample, document): {what} must lie in [0, {bound}),"
+                f" got {values[outside][:4].tolist()}"
+            )
+    return sample_index * DOCUMENT_KEY_BOUND + document_ids
 
 
 def _moe_layers(module: nn.Module) -> list[tuple[str, MoELayer]]:
@@ -153,7 +203,8 @@ def _check_replayable(name: str, layer: MoELayer) -> None:
 class RoutingTrace:
     """Recorded routing in global token order.
 
-    - ``sample_index [N]`` int64, increasing: the samples recorded;
+    - ``sample_index [N]`` int64, increasing: the samples recorded (packed documents recorded inside
+      ``routing_documents``: their :func:`document_sample_key`, one per document);
     - ``experts [N, S, L, k]`` int64: the experts of sample ``n``, position ``s``, layer ``l``; ``-1``
       where a token was not recorded;
     - ``layer_names [L]``: the MoE layers' names in the module (``layers.1.feed_forward``);

@@ -32,6 +32,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from lightning_moe.cp.documents import recompute_in_active_attention_mode
+from lightning_moe.moe.documents import recompute_with_routing_documents
 from lightning_moe.parallel.blocks import iter_blocks, require_block_container
 
 ACTIVATION_CHECKPOINTING_MODES: tuple[str, ...] = ("none", "full", "selective")
@@ -55,9 +57,27 @@ def _restore_buffers(module: nn.Module) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+@contextlib.contextmanager
+def _recomputing(first_forward: list[contextlib.AbstractContextManager], module: nn.Module | None) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for context in first_forward:
+            stack.enter_context(context)
+        if module is not None:
+            stack.enter_context(_restore_buffers(module))
+        yield
+
+
+def _recompute_context(module: nn.Module | None = None) -> tuple[Any, Any]:
+    """checkpoint's ``context_fn``: the recomputation runs as the first forward did, in its attention mode
+    (ring or all-to-all attention, the micro-batch's document mask) and with the MoE layers' document
+    ids (captured now, entered in backward), and leaves ``module``'s buffers as they were."""
+    first_forward = [recompute_in_active_attention_mode(), recompute_with_routing_documents()]
+    return contextlib.nullcontext(), _recomputing(first_forward, module)
+
+
 def _checkpointed_forward(module: nn.Module, forward: Any) -> Any:
     def context_fn() -> tuple[Any, Any]:
-        return contextlib.nullcontext(), _restore_buffers(module)
+        return _recompute_context(module)
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -74,7 +94,7 @@ class _CheckpointedAttention(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and torch.is_grad_enabled():
-            return checkpoint(func, *args, use_reentrant=False, **kwargs)
+            return checkpoint(func, *args, use_reentrant=False, context_fn=_recompute_context, **kwargs)
         return func(*args, **kwargs)
 
 

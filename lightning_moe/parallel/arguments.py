@@ -11,7 +11,10 @@ from lightning_moe.parallel.activation_checkpoint import check_activation_checkp
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS
 
-__all__ = ["auto_layout", "check_strategy_arguments", "check_unreduced_replicas", "resolve_world_size"]
+# How attention crosses the cp ranks: ring attention or all-to-all (Ulysses).
+CP_COMM_KINDS = ("ring", "a2a")
+
+__all__ = ["CP_COMM_KINDS", "auto_layout", "check_strategy_arguments", "check_unreduced_replicas", "resolve_world_size"]
 
 
 def check_strategy_arguments(
@@ -20,6 +23,7 @@ def check_strategy_arguments(
     data_parallel: str,
     cp_head_chunks: Any,
     dp: Any,
+    cp_comm: Any = "ring",
     pp: int,
     save_distributed_checkpoint: bool,
     activation_checkpointing: str,
@@ -39,6 +43,11 @@ def check_strategy_arguments(
     if not isinstance(cp_head_chunks, int) or cp_head_chunks < 1:
         raise MisconfigurationException(
             f"cp_head_chunks={cp_head_chunks!r} must be a positive integer dividing the key/value heads"
+        )
+    if cp_comm not in CP_COMM_KINDS:
+        raise MisconfigurationException(
+            f"cp_comm={cp_comm!r} must be one of {CP_COMM_KINDS}: 'ring' passes K/V blocks around the cp ranks,"
+            " 'a2a' exchanges sequence shards for head shards"
         )
     if dp != "auto" and (not isinstance(dp, int) or dp < 1):
         raise MisconfigurationException(f"dp={dp!r} must be a positive integer or 'auto'")

@@ -44,10 +44,21 @@ def shard_batch_for_context_parallel(batch: Any, dims: ParallelDims, extra_keys:
     return batch
 
 
-def check_context_parallel_support(module: torch.nn.Module, dims: ParallelDims) -> None:
-    """Reject what context parallelism cannot reproduce exactly (before any work starts)."""
+def check_context_parallel_support(module: torch.nn.Module, dims: ParallelDims, cp_comm: str = "ring") -> None:
+    """Reject what context parallelism cannot reproduce exactly (before any work starts): token dropping
+    decided per shard, and under ``cp_comm="a2a"`` query heads per tp rank that do not split over cp
+    (modules exposing ``num_heads``)."""
     from lightning_moe.moe import MoELayer
 
+    if dims.cp > 1 and cp_comm == "a2a":
+        for name, layer in module.named_modules():
+            heads = getattr(layer, "num_heads", None)
+            if isinstance(heads, int) and (heads % dims.tp or (heads // dims.tp) % dims.cp):
+                raise ValueError(
+                    f"{name or type(module).__name__}.num_heads={heads}: cp_comm='a2a' gives each cp rank whole heads,"
+                    f" which needs num_heads/tp = {heads}/{dims.tp} divisible by cp={dims.cp}: choose cp dividing the"
+                    " heads per tp rank, or cp_comm='ring'"
+                )
     if dims.cp * dims.tp == 1:
         return
     for name, layer in module.named_modules():

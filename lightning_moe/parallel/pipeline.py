@@ -308,7 +308,9 @@ def pipeline_batch(
 
     ``position_ids`` go to every stage (later stages may receive sequence shards under sequence
     parallelism, from which no position can be derived); so does the batch's ``sample_index`` when
-    ``with_sample_index`` (the stages' forward takes it: routing replay keys tokens by it).
+    ``with_sample_index`` (the stages' forward takes it: routing replay keys tokens by it), and its
+    ``document_ids`` (each stage's pre-hook hands them to the attention mode, see
+    :func:`lightning_moe.parallel.documents.take_document_ids`).
     Without ``loss_mask`` and context parallelism the target is ``labels``; otherwise a float64 ``[B, S, 2 or 3]`` packing of labels,
     each sample's loss tokens over the whole sequence (all ranks of ``cp_group``) and the mask,
     which :func:`unpack_target_loss` turns into ``loss_token_count`` per micro-batch: the schedule
@@ -328,6 +330,9 @@ def pipeline_batch(
         kwargs["position_ids"] = positions
     if with_sample_index and isinstance(batch.get("sample_index"), torch.Tensor):
         kwargs["sample_index"] = batch["sample_index"]
+    if isinstance(batch.get("document_ids"), torch.Tensor):
+        # Split per micro-batch with the inputs; each stage hands them to the attention mode.
+        kwargs["document_ids"] = batch["document_ids"]
     mask = batch.get("loss_mask")
     if mask is None and cp_group is None:
         return (input_ids,), kwargs, labels

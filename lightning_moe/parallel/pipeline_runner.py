@@ -26,8 +26,10 @@ from lightning_moe._compat import (
     run_schedule_forward_only,
     skip_backward_actions,
 )
+from lightning_moe.cp.documents import current_document_ids
 from lightning_moe.layout import V_SCHEDULES
 from lightning_moe.comm.interleave import run_interleaved
+from lightning_moe.parallel.documents import take_document_ids
 from lightning_moe.parallel.pipeline import stage_rank
 
 __all__ = ["PipelineRunner", "is_inferring_shapes", "scale_gradient"]
@@ -178,6 +180,8 @@ class PipelineRunner:
         self.v_shape = schedule in V_SCHEDULES
         self.last_stage_group_rank = stage_rank(num_stages - 1, dist.get_world_size(group), self.v_shape)
         self.forward_kwargs = _forward_parameters(self.modules[0])
+        for module in self.modules:  # packed documents' ids reach the attention mode, not the stage
+            module.register_forward_pre_hook(take_document_ids, with_kwargs=True)
         self.stats = _MoEStatsAccumulator(self.modules)
         self._schedules: dict[str, Any] = {}
 
@@ -271,6 +275,9 @@ class PipelineRunner:
         if "position_ids" in self.forward_kwargs and kwargs.get("position_ids") is None and first_input.dim() >= 2:
             seq = first_input.shape[1]
             kwargs["position_ids"] = torch.arange(seq, device=first_input.device).expand(size, seq)
+        documents = current_document_ids()
+        if documents is not None and documents.shape[0] == size:  # a packed batch: ids per micro-batch
+            kwargs["document_ids"] = documents
         self._sync_mode(False)
         args = (first_input,) if self.holds_first_stage else ()
         output = self._run_forward_only("forward", args, kwargs)

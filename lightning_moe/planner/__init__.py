@@ -28,7 +28,9 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
 - **Search** (:mod:`.search`): :func:`plan` estimates every valid layout, parallel folding included
   (``Layout.fold_ep``: the expert ep group spans tp and/or cp ranks too) and HSDP where dp spans
   nodes (a replica group per node: gathers and reduce-scatters inside it, the gradient shards'
-  all-reduce across), ``overlap_ep_comm`` where the strategy takes it, and ranks those that fit;
+  all-reduce across), ``overlap_ep_comm`` where the strategy takes it, ring and all-to-all context
+  parallelism (``Layout.cp_comm``, the faster kept per layout: :func:`~.search.estimate_cp_comm`;
+  bytes per attention call: :func:`ulysses_attention_bytes`), and ranks those that fit;
   :func:`resolve_auto_layout` serves ``MoE5DStrategy(layout="auto")``.
 
 Example::
@@ -42,7 +44,7 @@ Example::
 from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.accounting import accounted_comm_bytes
 from lightning_moe.planner.cluster import Cluster
-from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records
+from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, ulysses_attention_bytes
 from lightning_moe.planner.dtypes import PRECISIONS
 from lightning_moe.planner.flops import flops_per_microbatch
 from lightning_moe.planner.groups import group_ranks, peer_split, ring_split
@@ -57,13 +59,22 @@ from lightning_moe.planner.parameters import (
     parameter_specs,
     rank_parameters,
 )
-from lightning_moe.planner.search import Plan, enumerate_layouts, layout_problems, plan, resolve_auto_layout
+from lightning_moe.planner.search import (
+    Plan,
+    cp_comm_options,
+    enumerate_layouts,
+    estimate_cp_comm,
+    layout_problems,
+    plan,
+    resolve_auto_layout,
+)
 from lightning_moe.planner.step_time import Estimate, estimate
 
 __all__ = [
     "CHECKPOINT_MODES", "PARALLEL_DIMS", "PRECISIONS", "Cluster", "CommRecord", "Estimate", "Layout", "Memory",
     "ModelShape", "Plan", "accounted_comm_bytes", "chunk_size", "comm_bytes_by_dim", "comm_records",
-    "enumerate_layouts", "estimate", "flops_per_microbatch", "fsdp_units", "group_ranks", "layout_problems",
-    "local_shape", "memory_per_rank", "parameter_bytes_per_rank", "parameter_specs", "peer_split", "plan",
-    "rank_parameters", "resolve_auto_layout", "ring_split",
+    "cp_comm_options", "enumerate_layouts", "estimate", "estimate_cp_comm", "flops_per_microbatch", "fsdp_units",
+    "group_ranks", "layout_problems", "local_shape", "memory_per_rank", "parameter_bytes_per_rank",
+    "parameter_specs", "peer_split", "plan", "rank_parameters", "resolve_auto_layout", "ring_split",
+    "ulysses_attention_bytes",
 ]  # fmt: skip

@@ -17,6 +17,11 @@ from lightning_moe.layout import (
 )
 from lightning_moe.planner.model_shape import ModelShape
 
+# How attention crosses the cp ranks (``MoE5DStrategy(cp_comm=...)``, the strategy's own
+# ``lightning_moe.parallel.arguments.CP_COMM_KINDS``, which the planner cannot import: torch):
+# ring attention, or the all-to-all from sequence shards to head shards (Ulysses).
+CP_COMM_KINDS: tuple[str, ...] = ("ring", "a2a")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -37,6 +42,11 @@ class Layout:
     ``gather_once_per_step`` or ``pp_schedule="DualPipeV"``, whose paired forward and backward
     interleave the same way, :func:`lightning_moe.planner.search.layout_problems`).
     ``v_schedule``: the pipeline schedule places two stages per rank in a V (:attr:`v_schedule`).
+    ``cp_comm``: how attention crosses the cp ranks under cp > 1, ``"ring"`` (ring attention, K/V
+    blocks passed around the cp ring behind the block compute) or ``"a2a"`` (an all-to-all from
+    sequence shards to head shards, full-sequence attention, and back; needs the query heads per tp
+    rank divisible by cp: :func:`lightning_moe.planner.search.cp_comm_options`); cp = 1 has no cp
+    attention, so its ``cp_comm`` is always ``"ring"`` (one layout, one label).
     ``strategy_kwargs()`` gives the :class:`~lightning_moe.MoE5DStrategy` arguments.
 
     The cost model asks a layout for its sizes millions of times in a search: what derives from the
@@ -59,10 +69,18 @@ class Layout:
     fold_ep: tuple[str, ...] = ()
     dp_replicate: int = 1
     overlap_ep_comm: bool = False
+    cp_comm: str = "ring"
 
     def __post_init__(self) -> None:
         # "cp,tp", ["tp", "cp"] and ("cp", "tp") are one layout: one hash, one label
         object.__setattr__(self, "fold_ep", normalize_fold_ep(self.fold_ep))
+        if self.cp_comm not in CP_COMM_KINDS:
+            raise ValueError(
+                f"cp_comm={self.cp_comm!r} must be one of {CP_COMM_KINDS}: 'ring' passes K/V blocks around the cp"
+                " ranks, 'a2a' exchanges sequence shards for head shards"
+            )
+        if self.cp == 1:  # no context-parallel attention to choose for
+            object.__setattr__(self, "cp_comm", "ring")
         problem = hsdp_problem(self.dp, self.dp_replicate) if self.dp_replicate != 1 else None
         if problem:
             raise ValueError(problem)
@@ -133,7 +151,8 @@ class Layout:
         estimates never share a label. A folded ep names the dims it folds over,
         ``tp8·ep8(fold tp)`` (8 ranks), apart from ``tp8·ep8`` (64); folding tp implies etp1. HSDP
         writes dp as replica groups x shard ranks: ``hsdp2x4`` is dp8 in 2 replica groups of 4.
-        ``gather_once_per_step`` and ``overlap_ep_comm`` are named when set."""
+        All-to-all context parallelism names itself, ``cp4(a2a)`` (ring attention, the default, is
+        plain ``cp4``). ``gather_once_per_step`` and ``overlap_ep_comm`` are named when set."""
         sizes = self.parallel_sizes()
         parts = [self._size_note(d, n) for d, n in sizes.items() if n > 1] or ["single"]
         if self.tp > 1 and self.etp == 1 and "tp" not in self.fold_ep:
@@ -150,7 +169,10 @@ class Layout:
         return text
 
     def _size_note(self, dim: str, size: int) -> str:
-        """One dim of the label: ``ep8(fold tp)``, ``hsdp2x4`` (dp8 as 2 replica groups of 4), ``tp2``."""
+        """One dim of the label: ``ep8(fold tp)``, ``hsdp2x4`` (dp8 as 2 replica groups of 4),
+        ``cp4(a2a)`` (all-to-all context parallelism), ``tp2``."""
+        if dim == "cp" and self.cp_comm != "ring":
+            return f"cp{size}({self.cp_comm})"
         if dim == "ep" and self.fold_ep:
             return f"ep{size}(fold {','.join(self.fold_ep)})"
         if dim == "dp" and self.hsdp:
@@ -158,6 +180,8 @@ class Layout:
         return f"{dim}{size}"
 
     def strategy_kwargs(self) -> dict[str, Any]:
+        """The :class:`~lightning_moe.MoE5DStrategy` arguments that run this layout; options at the
+        strategy's default are left out (``cp_comm`` appears as ``"a2a"`` only)."""
         kwargs: dict[str, Any] = self.parallel_sizes()
         kwargs["etp"] = self.etp
         if self.fold_ep:
@@ -170,6 +194,8 @@ class Layout:
             kwargs["gather_once_per_step"] = True
         if self.overlap_ep_comm:
             kwargs["overlap_ep_comm"] = True
+        if self.cp_comm != "ring":
+            kwargs["cp_comm"] = self.cp_comm
         return kwargs
 
     def coordinates(self, rank: int) -> dict[str, int]:

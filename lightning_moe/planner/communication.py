@@ -7,6 +7,7 @@ and inter-node bytes by where the group's ranks sit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,75 @@ def all_reduce_bytes(whole: int, n: int) -> int:
     return 2 * whole * (n - 1) // n
 
 
+# ---- all-to-all (Ulysses) context parallelism, as lightning_moe.cp.ulysses runs it ----
+
+
+def ulysses_heads_problem(heads: int, kv_heads: int, cp: int) -> str | None:
+    """Why all-to-all context parallelism cannot split ``heads`` query heads (and ``kv_heads`` key/value
+    heads) over ``cp`` ranks, or None: each rank takes ``heads / cp`` whole query heads, so cp must
+    divide them (``lightning_moe.cp.ulysses`` refuses it otherwise). Heads are those of one tp rank."""
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        return f"{heads} query heads per tp rank are not a multiple of {kv_heads} key/value heads"
+    if heads % cp:
+        return (
+            f"cp_comm='a2a' splits the {heads} query heads per tp rank over cp = {cp} ranks, and {cp} does not"
+            f" divide {heads}: use cp dividing the heads per tp rank, or cp_comm='ring'"
+        )
+    return None
+
+
+def ulysses_kv_heads(heads: int, kv_heads: int, cp: int) -> int:
+    """The key/value heads whose K and V travel: ``kv_heads`` repeated ``cp / gcd(kv_heads, cp)`` times,
+    a multiple of cp (fewer K/V heads than cp ranks are repeated up to cp, whole heads per rank), as
+    ``lightning_moe.cp.ulysses.ulysses_kv_heads``. ``ulysses_kv_heads(8, 2, 4) == 4``, ``(8, 8, 4) == 8``."""
+    problem = ulysses_heads_problem(heads, kv_heads, cp)
+    if problem:
+        raise ValueError(problem)
+    return kv_heads * (cp // math.gcd(kv_heads, cp))
+
+
+def ulysses_attention_bytes(
+    batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int, cp: int, dtype_bytes: int, *, backward: bool = True
+) -> int:
+    """Bytes one rank sends to its cp peers in the all-to-alls of one attention call under
+    ``cp_comm="a2a"`` (all-to-all, Ulysses context parallelism).
+
+    Arguments:
+
+    - ``batch``: samples of the micro-batch;
+    - ``heads``, ``kv_heads``: query and key/value heads of the rank's attention, i.e. per tp rank
+      (``num_heads // tp``, ``num_kv_heads // tp``);
+    - ``seq_len``: the full sequence (each cp rank holds ``seq_len / cp`` tokens of it);
+    - ``head_dim``: elements per head (q, k, v and the output share it);
+    - ``cp``: the cp group's size (0 bytes for cp = 1);
+    - ``dtype_bytes``: bytes per element exchanged, the activations' dtype
+      (:data:`~lightning_moe.planner.dtypes.ACTIVATION_BYTES`: the runtime casts q, k, v to the
+      autocast dtype before the exchange, so 2 under ``bf16-mixed``, 4 under ``32-true``);
+    - ``backward``: add the backward's all-to-alls (dQ, dK, dV back to sequence shards and dO to
+      head shards: the same bytes again); False gives the forward's alone
+      (``lightning_moe.cp.ulysses.ulysses_bytes_per_rank``).
+
+    Forward: one all-to-all of Q, K and V (K and V with :func:`ulysses_kv_heads` heads, repeated up to
+    a multiple of cp) from ``[batch, H, seq_len/cp, head_dim]`` sequence shards to head shards, one of
+    the output back. Of a tensor of ``n`` elements per rank a rank sends the ``(cp - 1) / cp`` bound
+    for its peers: ``n = batch x (2 heads + 2 kv') x seq_len / cp x head_dim``, and the forward sends
+    ``n (cp - 1) / cp x dtype_bytes``. Independent of the mask (causal or document-causal); the
+    document ids' all-gather of packed batches is not counted.
+
+    Example::
+
+        ulysses_attention_bytes(1, 8, 2, 4096, 128, cp=4, dtype_bytes=2)   # 2 x 3/4 x (8+8+4+4) x 1024 x 128 x 2
+    """
+    if cp <= 1:
+        return 0
+    if seq_len % cp:
+        raise ValueError(f"seq_len {seq_len} is not divisible by cp = {cp}")
+    kv = ulysses_kv_heads(heads, kv_heads, cp)
+    elements = batch * (2 * heads + 2 * kv) * (seq_len // cp) * head_dim  # q, output, k, v on one rank
+    forward = elements // cp * (cp - 1) * dtype_bytes  # heads and kv are multiples of cp: exact
+    return 2 * forward if backward else forward
+
+
 @dataclass
 class CommRecord:
     """Bytes one rank sends per optimizer step (mean over all ranks) for one kind of collective.
@@ -61,7 +131,10 @@ class CommRecord:
     :mod:`lightning_moe.comm`'s wrapper names (None: a ``torch.distributed`` or functional
     collective, attributed by its group); ``functional``: a DTensor (functional) collective;
     ``pattern``: ``"spread"`` (to all peers) or ``"ring"``/``"chain"`` (to the next rank);
-    ``overlapped``: the code overlaps it with compute.
+    ``overlapped``: the code overlaps it with compute; ``all_to_all``: an all-to-all outside ep
+    (ep's are known by their dim), whose bytes to in-node and to other nodes' peers flow at once,
+    each tier at its own pace, where a ring collective over a group that spans nodes runs at the
+    slowest link's (:func:`~lightning_moe.planner.step_time.record_seconds`).
     """
 
     what: str
@@ -74,6 +147,7 @@ class CommRecord:
     pattern: str = "spread"
     overlapped: bool = False
     routing_dependent: bool = False
+    all_to_all: bool = False
 
 
 def _batches_per_step(layout: Layout) -> int:
@@ -154,13 +228,21 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
         if model.load_balancing == "seq_aux_loss":
             seq_totals = all_reduce_bytes(b * (2 * model.num_experts + 1) * FP32_BYTES, n_seq)
             add("sequence aux-loss all-reduce", "cp", "sequence", seq_totals * m * moe_per_rank, m * moe_per_rank, recorded_as="cp")
+    # ---- context parallel: all-to-all (Ulysses) attention, not overlapped: the exchange sits between
+    # the projections and the attention kernel. Forward: Q/K/V in one all-to-all, the output in
+    # another; backward: their gradients, as many bytes again (lightning_moe.cp.ulysses) ----
+    if cp > 1 and layout.cp_comm == "a2a":
+        per_attention = ulysses_attention_bytes(b, model.num_heads // tp, model.num_kv_heads // tp, s, model.head_dim, cp, a)
+        add("all-to-all attention Q/K/V and output", "cp", "cp", per_attention * m * layers_per_rank,
+            4 * m * layers_per_rank, all_to_all=True)
     # ---- context parallel: ring attention ----
-    if cp > 1:
+    elif cp > 1:
         kv_block = b * (model.num_kv_heads // tp) * seq_local * model.head_dim
         # forward: cp-1 shifts of (K, V); backward: cp-1 shifts of (K, V) and cp shifts of fp32 (dK, dV)
         per_attention = (2 * (cp - 1) * 2 * kv_block * a) + cp * 2 * kv_block * FP32_BYTES
         add("ring attention K/V and dK/dV", "cp", "cp", per_attention * m * layers_per_rank,
             (3 * cp - 2) * m * layers_per_rank, pattern="ring", overlapped=True)
+    if cp > 1:
         if pp > 1:
             # pipeline_batch all-reduces each sample's loss-token count (float64) over cp per pipeline step
             samples = b * layout.pipeline_microbatches

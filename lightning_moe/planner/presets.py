@@ -20,6 +20,7 @@ def layout_from_parallel(
     As the strategy and data modules run it: ``micro_batch_size=None`` is
     :func:`~lightning_moe.data.sampler.default_micro_batch_size`, and under pp > 1 a pipeline step
     runs ``pp_microbatches`` micro-batches (``null``: ``pp``), not all of the optimizer step's.
+    ``cp_comm`` (``ring``, the default, or ``a2a``) is read too: ``parallel=cp2 parallel.cp_comm=a2a``.
     """
     if micro_batch_size is None:
         micro_batch_size = default_micro_batch_size(global_batch_size)
@@ -38,4 +39,5 @@ def layout_from_parallel(
         pp_schedule=str(parallel.get("pp_schedule") or "1F1B"), pp_stages_per_rank=int(parallel.get("pp_stages_per_rank") or 1),
         pp_microbatches=pp_microbatches, gather_once_per_step=bool(parallel.get("gather_once_per_step") or False),
         fold_ep=resolved.fold_ep, dp_replicate=resolved.dp_replicate, overlap_ep_comm=bool(parallel.get("overlap_ep_comm") or False),
+        cp_comm=str(parallel.get("cp_comm") or "ring"),
     )  # fmt: skip

@@ -105,7 +105,8 @@ def _sizes(layout: Layout) -> tuple[Any, ...]:
 
 def format_same_sizes(requested: Estimate, result: Plan) -> str:
     """Where the ranking stands on the requested layout's sizes: the same layout (same label, the
-    same estimate) or the fastest variant of its sizes, with the settings that run that variant."""
+    same estimate) or the fastest variant of its sizes, with the settings that run that variant
+    (``parallel.cp_comm=a2a`` where the ranking chose all-to-all attention for a ring request)."""
     same = [(i, e) for i, e in enumerate(result.ranked, 1) if _sizes(e.layout) == _sizes(requested.layout)]
     label = requested.layout.label()
     if not same:
@@ -118,6 +119,8 @@ def format_same_sizes(requested: Estimate, result: Plan) -> str:
     settings = []
     if lay.micro_batch_size != req.micro_batch_size:
         settings.append(f"data.micro_batch_size={lay.micro_batch_size}")
+    if lay.cp_comm != req.cp_comm:
+        settings.append(f"parallel.cp_comm={lay.cp_comm}")
     if lay.pp > 1:
         if lay.pipeline_microbatches != req.pipeline_microbatches:
             settings.append(f"parallel.pp_microbatches={lay.pipeline_microbatches}")

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_moe.layout import V_SCHEDULES, default_micro_batch_size, fold_size, mesh_factorizations, sequence_split_problem, size_problems
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
-from lightning_moe.planner.candidate import Layout
+from lightning_moe.planner.candidate import CP_COMM_KINDS, Layout
+from lightning_moe.planner.communication import ulysses_heads_problem
 from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.step_time import Estimate, estimate
@@ -26,8 +27,9 @@ def _divisors(n: int) -> list[int]:
 def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batch_size: int, checkpointing: str = "none") -> list[str]:
     """Why the code would refuse ``layout`` (empty: valid): the layout rules
     (:func:`lightning_moe.layout.size_problems`) for this model and batch, then what only a shape
-    tells (sequence parallel shards, experts without MoE layers), the pipeline's own checks and
-    the strategy's for ``overlap_ep_comm`` (under activation checkpointing ``checkpointing``)."""
+    tells (sequence parallel shards, experts without MoE layers, the heads all-to-all context
+    parallelism splits), the pipeline's own checks and the strategy's for ``overlap_ep_comm``
+    (under activation checkpointing ``checkpointing``)."""
     tp, cp, ep, dp, pp = layout.parallel_sizes().values()
     mp = layout.pipeline_microbatches
     problems = size_problems(
@@ -47,6 +49,10 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
     split = sequence_split_problem(seq_len // cp, tp)
     if split:
         problems.append(split)
+    if layout.cp_comm == "a2a":
+        heads = a2a_heads_problem(model, layout)
+        if heads:
+            problems.append(heads)
     stages = pp * layout.pp_stages_per_rank
     if model.num_layers % stages:
         problems.append(f"num_layers={model.num_layers} is not divisible by pp*stages_per_rank={stages}")
@@ -76,6 +82,54 @@ def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: s
     if model.dispatcher == "allgather":
         problems.append("overlap_ep_comm=True hands over at token all-to-alls, which dispatcher='allgather' does not issue")
     return problems
+
+
+def a2a_heads_problem(model: ModelShape, layout: Layout) -> str | None:
+    """Why all-to-all context parallelism (``cp_comm="a2a"``) cannot run ``layout``'s cp for ``model``,
+    or None: the query heads per tp rank must divide by cp (``lightning_moe.cp.ulysses``'s check).
+    None for cp = 1 and where tp does not divide the heads (the layout rules say so already)."""
+    tp, cp = layout.tp, layout.cp
+    if cp == 1 or model.num_heads % tp or model.num_kv_heads % tp:
+        return None
+    return ulysses_heads_problem(model.num_heads // tp, model.num_kv_heads // tp, cp)
+
+
+def cp_comm_options(model: ModelShape, layout: Layout, kinds: Iterable[str] = CP_COMM_KINDS) -> tuple[str, ...]:
+    """The ``cp_comm`` values of ``kinds`` that ``layout``'s sizes can run: under cp > 1 ring attention
+    always, all-to-all attention (``"a2a"``) where the query heads per tp rank divide by cp
+    (:func:`a2a_heads_problem`); cp = 1 (or nothing of ``kinds`` runnable) only ``("ring",)``.
+
+    Example: heads 8 per tp rank: cp2, cp4 and cp8 take ``("ring", "a2a")``; 12 heads at cp8: ``("ring",)``.
+    """
+    if layout.cp == 1:
+        return ("ring",)
+    wanted = set(kinds)
+    options = tuple(k for k in CP_COMM_KINDS if k in wanted and (k == "ring" or a2a_heads_problem(model, layout) is None))
+    return options or ("ring",)
+
+
+def estimate_cp_comm(
+    model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int, global_batch_size: int, *,
+    cp_comms: Iterable[str] = CP_COMM_KINDS, **options: Any,
+) -> Estimate:
+    """:func:`~lightning_moe.planner.step_time.estimate` of ``layout`` with the fastest of its
+    :func:`cp_comm_options` (``options``: the estimate's keyword arguments): under cp > 1 ring and,
+    where the heads divide, all-to-all attention are both estimated and the faster kept (ring on a
+    tie). Memory is modelled the same under both, so which one fits never depends on the choice.
+
+    Example::
+
+        est = estimate_cp_comm(shape, Layout(cp=4, dp=2), cluster, seq_len=1024, global_batch_size=8)
+        est.layout.cp_comm   # "ring" or "a2a"
+    """
+    best: Estimate | None = None
+    for kind in cp_comm_options(model, layout, cp_comms):
+        variant = layout if kind == layout.cp_comm else replace(layout, cp_comm=kind)
+        est = estimate(model, variant, cluster, seq_len, global_batch_size, **options)
+        if best is None or est.step_time < best.step_time:
+            best = est
+    assert best is not None
+    return best
 
 
 def fold_options(tp: int, cp: int) -> list[tuple[str, ...]]:
@@ -121,7 +175,8 @@ def enumerate_layouts(
     Under pp > 1 one pipeline step runs all micro-batches of the optimizer step, and the interleaved
     and V schedules run two stages per rank. Where the strategy takes it (ep > 1, no activation
     checkpointing under ``checkpointing``, and pp = 1 with accumulation and ``gather_once_per_step``
-    or ``DualPipeV``), each layout is also tried with ``overlap_ep_comm``.
+    or ``DualPipeV``), each layout is also tried with ``overlap_ep_comm``. Layouts come with ring
+    attention (``cp_comm="ring"``); :func:`plan` tries the all-to-all on each (:func:`estimate_cp_comm`).
     """
     for sizes_of_mesh in mesh_factorizations(world_size):
         tp, cp, mesh_ep, pp, dp = (sizes_of_mesh[d] for d in ("tp", "cp", "ep", "pp", "dp"))
@@ -200,11 +255,15 @@ def plan(
     max_tp: int | None = None,
     micro_batch_sizes: Iterable[int] | None = None,
     folding: bool = True,
+    cp_comms: Iterable[str] = CP_COMM_KINDS,
 ) -> Plan:
     """Estimate every valid layout and rank those that fit by step time.
 
     ``folding``: also try ep folded over tp and/or cp (parallel folding, :func:`enumerate_layouts`).
     A dp group spanning several of the cluster's nodes is also tried as HSDP (one replica group per node).
+    ``cp_comms``: how attention may cross the cp ranks; each layout with cp > 1 is estimated under
+    each of them it can run (all-to-all: query heads per tp rank divisible by cp) and ranked with
+    the fastest (:func:`estimate_cp_comm`; ``("ring",)``: ring attention only).
 
     Raises ``ValueError`` (before any work) for bad arguments, when no layout is valid for
     ``world_size``, and when ``memory_budget`` cannot hold the parameters, gradients and optimizer
@@ -222,6 +281,9 @@ def plan(
         raise ValueError(f"precision={precision!r} is unknown: choose one of {PRECISIONS}")
     if checkpointing not in CHECKPOINT_MODES:
         raise ValueError(f"checkpointing={checkpointing!r} is unknown: choose one of {CHECKPOINT_MODES}")
+    cp_comms = tuple(cp_comms)
+    if not cp_comms or any(k not in CP_COMM_KINDS for k in cp_comms):
+        raise ValueError(f"cp_comms={cp_comms!r} must name one or more of {CP_COMM_KINDS}")
     budget = cluster.memory_budget if memory_budget is None else float(memory_budget)
     state_bytes = model.total_parameters() * (2 * FP32_BYTES + ADAM_STATE_BYTES) / world_size
     if budget < state_bytes:
@@ -242,7 +304,8 @@ def plan(
             " or global_batch_size"
         )
     estimates = [
-        estimate(model, layout, cluster, seq_len, global_batch_size, precision=precision, checkpointing=checkpointing, memory_budget=budget)
+        estimate_cp_comm(model, layout, cluster, seq_len, global_batch_size, cp_comms=cp_comms, precision=precision,
+                         checkpointing=checkpointing, memory_budget=budget)
         for layout in layouts
     ]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory.total(checkpointing)))
@@ -268,7 +331,8 @@ def resolve_auto_layout(
 ) -> tuple[Estimate, Estimate | None]:
     """``MoE5DStrategy(layout="auto", layout_options={...})``: the best layout and the runner-up.
 
-    Folded layouts compete too: the strategy takes ``fold_ep`` from ``strategy_kwargs()``.
+    Folded layouts compete too: the strategy takes ``fold_ep`` from ``strategy_kwargs()``, and so
+    does each cp layout's faster ``cp_comm`` (``"a2a"`` appears there when chosen).
     ``layout_options`` are this function's keyword arguments: ``model`` (MoEGPT arguments or a
     :class:`ModelShape`), ``cluster`` (a cluster preset's keys or a :class:`Cluster`), ``seq_len``,
     ``global_batch_size``, ``micro_batch_size`` (the data module's; None stands for what the data

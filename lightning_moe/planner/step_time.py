@@ -4,7 +4,8 @@ Compute / (peak x efficiency of the op kind) plus communication / bandwidth of t
 minus the overlap the code implements (FSDP2 prefetches its all-gathers and reduce-scatters on their
 own stream; ring attention sends the next K/V block while the current one computes; the expert
 token all-to-alls hide as far as the model's and layout's overlap options allow,
-:func:`hidden_ep_seconds`; tensor-parallel collectives and pipeline P2P are exposed), times the
+:func:`hidden_ep_seconds`; tensor-parallel collectives, all-to-all context parallelism's exchanges
+(``Layout.cp_comm="a2a"``) and pipeline P2P are exposed), times the
 pipeline bubble ``(p - 1) / (m + p - 1)`` (interleaved: ``(p-1)/v``; the V schedules: played out,
 :mod:`~lightning_moe.planner.v_schedules`), plus the optimizer's
 memory-bound update.
@@ -33,7 +34,8 @@ OPTIMIZER_HBM_BYTES_PER_PARAM = (FP32_BYTES + FP32_BYTES + ADAM_STATE_BYTES) + (
 class Estimate:
     """The cost model's figures for one layout (per optimizer step; bytes per rank).
 
-    ``exposed_comm_time``: communication the step waits for. ``overlapped_comm_time``: communication
+    ``exposed_comm_time``: communication the step waits for (all-to-all context parallelism's
+    exchanges among it). ``overlapped_comm_time``: communication
     that runs while the rank computes: FSDP's and ring attention's collectives (what of them exceeds
     the compute counts in ``exposed_comm_time`` too) and the expert all-to-all time the overlap
     options hide, ``hidden_ep_comm_time`` by mechanism (:func:`hidden_ep_seconds`).
@@ -72,6 +74,7 @@ class Estimate:
             "pp_microbatches": self.layout.pipeline_microbatches if self.layout.pp > 1 else None,
             "gather_once_per_step": self.layout.gather_once_per_step,
             "overlap_ep_comm": self.layout.overlap_ep_comm,
+            "cp_comm": self.layout.cp_comm,
             "label": self.layout.label(),
             "step_time_s": self.step_time,
             "compute_time_s": self.compute_time,
@@ -192,11 +195,14 @@ def overlapped_pairs(layout: Layout) -> float:
 
 def record_seconds(rec: CommRecord, layout: Layout, cluster: Cluster) -> float:
     """Seconds ``rec``'s collectives take: its bytes over the bandwidth of the tiers it crosses, plus
-    the latency of each call (and ring attention's work around each shift)."""
+    the latency of each call (and ring attention's work around each shift). A ring collective over
+    a group that spans nodes moves all its bytes at the inter-node pace; an all-to-all (ep's, and
+    ``rec.all_to_all``: all-to-all context parallelism's) and point-to-point traffic send to in-node
+    and to other nodes' peers at once, the slower tier setting the time."""
     intra, inter = record_split(rec, layout, cluster)
     bw_intra = cluster.intra_node_bandwidth * cluster.comm_efficiency
     bw_inter = cluster.inter_node_bandwidth * cluster.comm_efficiency
-    if rec.pattern == "spread" and inter > 0 and rec.dim != "ep":
+    if rec.pattern == "spread" and inter > 0 and rec.dim != "ep" and not rec.all_to_all:
         # ring collectives over a group that spans nodes run at the slowest link's pace
         seconds = rec.bytes / bw_inter
     else:
@@ -257,7 +263,7 @@ def estimate(
     # none of the token all-to-alls either
     hidden_ep = hidden_ep_seconds(model, layout, forward, token_exchange if cluster.fsdp_overlap else 0.0)
     # FSDP and ring traffic hide behind compute (where the backend runs them asynchronously);
-    # what does not fit is exposed
+    # what does not fit is exposed. All-to-all attention (cp_comm="a2a") is exposed in full.
     hidden_capacity = compute if cluster.fsdp_overlap else 0.0
     exposed_total = exposed - sum(hidden_ep.values()) + max(0.0, overlapped - hidden_capacity)
     bubble = pipeline_bubble(layout)

@@ -1,0 +1,160 @@
+"""Packed documents: a row of several documents under their mask gives each document's own logits, on one
+process and under context parallel (ring and all-to-all), tp x cp and pp x cp; nothing leaks between them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_moe.cp import document_attention
+from lightning_moe.models import MoEGPT
+from tests.dist_pool import close_pools, get_pool
+
+SEQ = 32
+LENGTHS = [(5, 11, 16), (20, 3, 1, 8)]  # documents per row, tokens each (sum SEQ)
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def packed_batch(perturb_document: int | None = None) -> dict[str, torch.Tensor]:
+    """Two rows of packed documents: ``input_ids``, ``labels``, restarted ``position_ids`` and ``document_ids``;
+    ``perturb_document``: that document of every row gets other tokens."""
+    tokens = torch.randint(0, 256, (len(LENGTHS), SEQ + 1), generator=torch.Generator().manual_seed(3))
+    documents = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in LENGTHS])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in LENGTHS])
+    inputs = tokens[:, :-1].clone()
+    if perturb_document is not None:
+        inputs[documents == perturb_document] = (inputs[documents == perturb_document] + 17) % 256
+    return {"input_ids": inputs, "labels": tokens[:, 1:], "position_ids": positions, "document_ids": documents}
+
+
+class PackedGPT(MoEGPT):
+    """MoEGPT whose predict step returns the logits of a packed batch."""
+
+    def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self(batch["input_ids"], batch["position_ids"])
+
+
+def tiny_model() -> PackedGPT:
+    torch.manual_seed(0)
+    return PackedGPT(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, moe={"num_experts": 4, "top_k": 2,
+                     "ffn_hidden_size": 32}).eval()
+
+
+def one_process_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    with torch.no_grad(), document_attention(batch["document_ids"]):
+        return model(batch["input_ids"], batch["position_ids"])
+
+
+def test_a_packed_row_gives_each_document_its_own_logits():
+    model = tiny_model()
+    batch = packed_batch()
+    packed = one_process_logits(model, batch)
+    for row, lengths in enumerate(LENGTHS):
+        start = 0
+        for length in lengths:
+            alone = model(batch["input_ids"][row : row + 1, start : start + length])  # positions from 0
+            torch.testing.assert_close(packed[row : row + 1, start : start + length], alone, **TOLERANCE)
+            start += length
+
+
+def test_a_hugging_face_family_packed_equals_separate():
+    pytest.importorskip("transformers")
+    from lightning_moe.hf import TINY_CONFIGS, HFMoEModule
+
+    torch.manual_seed(0)
+    module = HFMoEModule({"model_type": "qwen3_moe", **TINY_CONFIGS["qwen3_moe"]}).eval()
+    batch = packed_batch()
+    with torch.no_grad():
+        packed = one_process_logits(module, batch)
+        row, start, length = 1, 20, 3
+        alone = module(batch["input_ids"][row : row + 1, start : start + length])
+    torch.testing.assert_close(packed[row : row + 1, start : start + length], alone, **TOLERANCE)
+
+
+def test_nothing_leaks_between_documents_on_one_process():
+    model = tiny_model()
+    base, changed = one_process_logits(model, packed_batch()), one_process_logits(model, packed_batch(perturb_document=1))
+    others = packed_batch()["document_ids"] != 1
+    torch.testing.assert_close(changed[others], base[others], rtol=0, atol=1e-6)  # expert GEMMs of other sizes
+    assert not torch.allclose(changed[~others], base[~others])
+
+
+def test_bad_document_ids_are_refused():
+    from lightning_moe.cp import check_document_ids
+    from lightning_moe.parallel.documents import batch_document_ids
+
+    batch = packed_batch()
+    with pytest.raises(ValueError, match=r"do not match the inputs' \[batch, seq\] = \(2, 32\)"):
+        batch_document_ids({**batch, "document_ids": batch["document_ids"][:, :-1]})
+    with pytest.raises(ValueError, match=r"must not decrease along a row.*not contiguous"):
+        check_document_ids(torch.tensor([[0, 0, 1, 0]]))
+    q = torch.randn(1, 2, 4, 8)
+    with document_attention(torch.tensor([[0, 0, 1, 1]])), pytest.raises(ValueError, match=r"explicit attn_mask"):
+        F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+def test_selective_checkpointing_recomputes_under_the_same_mask():
+    """The attention core recomputed in backward (outside the step) is masked as in forward."""
+    from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    batch = packed_batch()
+    grads = []
+    for mode in ("none", "selective", "full"):
+        model = tiny_model().train()
+        apply_activation_checkpointing(model, mode)
+        with document_attention(batch["document_ids"]):
+            loss = model.loss(batch)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for other in grads[1:]:
+        for name, grad in grads[0].items():
+            torch.testing.assert_close(other[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# --- under the strategy -------------------------------------------------------------------------------
+
+
+def _predict_packed(strategy: dict) -> list[torch.Tensor] | None:
+    """Rank 0's predictions (whole logits) of the packed batch and of it with document 1 changed."""
+    import lightning as L
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from lightning_moe import MoE5DStrategy
+    from tests.launched_rank import launched_rank
+
+    with launched_rank():
+        model = tiny_model()
+        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=MoE5DStrategy(**strategy),
+                            logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, use_distributed_sampler=False)
+        loader = DataLoader([packed_batch(), packed_batch(perturb_document=1)], batch_size=None)
+        predictions = trainer.predict(model, dataloaders=loader)
+    # Under pp a Lightning batch holds pp_microbatches loader batches: here both, one after the other.
+    logits = torch.cat([p.detach() for p in predictions])
+    return list(logits.chunk(2)) if dist.get_rank() == 0 else None
+
+
+STRATEGIES = [
+    ({"cp": 2}, 2),
+    ({"cp": 2, "cp_comm": "a2a"}, 2),
+    ({"tp": 2, "cp": 2}, 4),
+    ({"tp": 2, "cp": 2, "cp_comm": "a2a"}, 4),
+    ({"pp": 2, "cp": 2}, 4),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,world", STRATEGIES, ids=["cp2_ring", "cp2_a2a", "tp2_cp2_ring", "tp2_cp2_a2a", "pp2_cp2"])
+def test_packed_logits_under_the_strategy_equal_one_process_and_do_not_leak(strategy, world):
+    try:
+        base, changed = get_pool(world).run(_predict_packed, strategy=strategy)[0]
+    finally:
+        if strategy.get("pp", 1) > 1:
+            close_pools()  # a pipeline leaves the stages' groups different: a later fit in these processes would hang
+    model = tiny_model()
+    torch.testing.assert_close(base, one_process_logits(model, packed_batch()), **TOLERANCE)
+    others = packed_batch()["document_ids"] != 1
+    torch.testing.assert_close(changed[others], base[others], rtol=0, atol=1e-6)  # expert GEMMs of other sizes
+    assert not torch.allclose(changed[~others], base[~others])
