@@ -41,6 +41,17 @@ def tiny_model() -> PackedGPT:
                      "ffn_hidden_size": 32}).eval()
 
 
+def tiny_hf_model() -> torch.nn.Module:
+    from lightning_moe.hf import TINY_CONFIGS, HFMoEModule
+
+    class PackedHF(HFMoEModule):
+        def predict_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            return self(batch["input_ids"], batch["position_ids"])
+
+    torch.manual_seed(0)
+    return PackedHF({"model_type": "qwen3_moe", **TINY_CONFIGS["qwen3_moe"]}).eval()
+
+
 def one_process_logits(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     with torch.no_grad(), document_attention(batch["document_ids"]):
         return model(batch["input_ids"], batch["position_ids"])
@@ -60,10 +71,7 @@ def test_a_packed_row_gives_each_document_its_own_logits():
 
 def test_a_hugging_face_family_packed_equals_separate():
     pytest.importorskip("transformers")
-    from lightning_moe.hf import TINY_CONFIGS, HFMoEModule
-
-    torch.manual_seed(0)
-    module = HFMoEModule({"model_type": "qwen3_moe", **TINY_CONFIGS["qwen3_moe"]}).eval()
+    module = tiny_hf_model()
     batch = packed_batch()
     with torch.no_grad():
         packed = one_process_logits(module, batch)
@@ -115,7 +123,7 @@ def test_selective_checkpointing_recomputes_under_the_same_mask():
 # --- under the strategy -------------------------------------------------------------------------------
 
 
-def _predict_packed(strategy: dict) -> list[torch.Tensor] | None:
+def _predict_packed(strategy: dict, hf: bool = False) -> list[torch.Tensor] | None:
     """Rank 0's predictions (whole logits) of the packed batch and of it with document 1 changed."""
     import lightning as L
     import torch.distributed as dist
@@ -124,8 +132,8 @@ def _predict_packed(strategy: dict) -> list[torch.Tensor] | None:
     from lightning_moe import MoE5DStrategy
     from tests.launched_rank import launched_rank
 
-    with launched_rank():
-        model = tiny_model()
+    with launched_rank(env={"HF_HUB_OFFLINE": "1"}):
+        model = tiny_hf_model() if hf else tiny_model()
         trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=MoE5DStrategy(**strategy),
                             logger=False, enable_progress_bar=False, enable_model_summary=False,
                             enable_checkpointing=False, use_distributed_sampler=False)
@@ -137,23 +145,28 @@ def _predict_packed(strategy: dict) -> list[torch.Tensor] | None:
 
 
 STRATEGIES = [
-    ({"cp": 2}, 2),
-    ({"cp": 2, "cp_comm": "a2a"}, 2),
-    ({"tp": 2, "cp": 2}, 4),
-    ({"tp": 2, "cp": 2, "cp_comm": "a2a"}, 4),
-    ({"pp": 2, "cp": 2}, 4),
+    ({"cp": 2}, 2, False),
+    ({"cp": 2, "cp_comm": "a2a"}, 2, False),
+    ({"cp": 2}, 2, True),
+    ({"cp": 2, "cp_comm": "a2a"}, 2, True),
+    ({"tp": 2, "cp": 2}, 4, False),
+    ({"tp": 2, "cp": 2, "cp_comm": "a2a"}, 4, False),
+    ({"pp": 2, "cp": 2}, 4, False),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,world", STRATEGIES, ids=["cp2_ring", "cp2_a2a", "tp2_cp2_ring", "tp2_cp2_a2a", "pp2_cp2"])
-def test_packed_logits_under_the_strategy_equal_one_process_and_do_not_leak(strategy, world):
+@pytest.mark.parametrize("strategy,world,hf", STRATEGIES, ids=["cp2_ring", "cp2_a2a", "qwen3_moe_cp2_ring", "qwen3_moe_cp2_a2a",
+                                                               "tp2_cp2_ring", "tp2_cp2_a2a", "pp2_cp2"])
+def test_packed_logits_under_the_strategy_equal_one_process_and_do_not_leak(strategy, world, hf):
+    if hf:
+        pytest.importorskip("transformers")
     try:
-        base, changed = get_pool(world).run(_predict_packed, strategy=strategy)[0]
+        base, changed = get_pool(world).run(_predict_packed, strategy=strategy, hf=hf)[0]
     finally:
         if strategy.get("pp", 1) > 1:
             close_pools()  # a pipeline leaves the stages' groups different: a later fit in these processes would hang
-    model = tiny_model()
+    model = tiny_hf_model() if hf else tiny_model()
     torch.testing.assert_close(base, one_process_logits(model, packed_batch()), **TOLERANCE)
     others = packed_batch()["document_ids"] != 1
     torch.testing.assert_close(changed[others], base[others], rtol=0, atol=1e-6)  # expert GEMMs of other sizes

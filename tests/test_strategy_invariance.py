@@ -182,6 +182,9 @@ CONFIG_ERRORS = [
     (["parallel=pp2", "data.global_batch_size=6"],
      r"global_batch_size 6 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 2\*1\*2 = 4"),
     (["parallel=pp2_interleaved", "model.num_layers=2"], r"2 layers cannot be split evenly .* = 4"),
+    (["parallel=cp4", "parallel.cp_comm=a2a", "model.num_heads=2", "model.num_kv_heads=2"],
+     r"num_heads=2: cp_comm='a2a' gives each cp rank whole heads.*or cp_comm='ring'"),
+    (["parallel=cp2", "parallel.cp_comm=ulysses"], r"cp_comm='ulysses' must be one of \('ring', 'a2a'\)"),
 ]
 
 
@@ -197,7 +200,7 @@ def test_bad_configuration_fails_before_training(tmp_path, overrides, message):
 
 @pytest.mark.parametrize("overrides,message", CONFIG_ERRORS,
                          ids=["experts", "global_batch", "etp", "head_chunks", "pp_layers", "pp_microbatches",
-                              "pp_global_batch", "pp_virtual_stages"])
+                              "pp_global_batch", "pp_virtual_stages", "a2a_heads", "cp_comm"])
 def test_bad_configuration_is_refused_by_the_clis_first_check(tmp_path, overrides, message):
     from lightning_moe.train import check_config
 
