@@ -19,10 +19,14 @@ def test_cp_documents_bench_smoke_fills_every_table(capsys):
         assert row["computed / visible"] >= 1.0 and 0 < row["computed / causal"] <= 1.0
     assert len(result["checks"]) == len(result["work"])
     assert all(row["trace = plan (fwd, bwd, all ranks)"] == "yes" for row in result["checks"])
-    assert result["timing"]["trace_matches"]
-    assert max(result["timing"]["difference"].values()) < 1e-4  # ring and all-to-all: one attention
-    assert [row["measured / planner"] for row in result["bytes"]] == [1.0] * 4
+    shapes = len(cp_documents.SMOKE["heads_kv"])
+    assert len(result["timings"]) == shapes
+    for timing in result["timings"]:
+        assert timing["trace_matches"]
+        assert max(timing["difference"].values()) < 1e-4  # ring and all-to-all: one attention
+    cases = len(cp_documents.CASES) * shapes
+    assert [row["measured / planner"] for row in result["bytes"]] == [1.0] * cases
     assert [row["cp calls"] for row in result["bytes"]] == [row["planner calls"] for row in result["bytes"]]
-    assert len(result["times"]) == 4 and all(row["ring s"] > 0 and row["a2a s"] > 0 for row in result["times"])
+    assert len(result["times"]) == cases and all(row["ring s"] > 0 and row["a2a s"] > 0 for row in result["times"])
     out = capsys.readouterr().out
     assert "computed / visible" in out and "a2a / ring" in out

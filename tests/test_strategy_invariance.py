@@ -48,11 +48,11 @@ LAYOUTS = [
 ]
 
 # What a user types: the default data layout (global_batch_size 16, micro_batch_size unset), only
-# the model shrunk and the run cut to 8 steps so that the presets fit in the suite (a micro-batching
+# the model shrunk and the run cut to 6 steps so that the presets fit in the suite (a micro-batching
 # difference shows from the first step: the aux loss is per micro-batch).
 DEFAULT_DATA_RUN = [
     "logger=none",
-    "trainer.max_steps=8",
+    "trainer.max_steps=6",
     "data.seq_len=32",
     "data.max_corpus_bytes=200000",
     "model.hidden_size=32",
@@ -98,7 +98,7 @@ def single_default_losses(tmp_path_factory):
         if num_layers not in cache:
             run_dir = tmp_path_factory.mktemp(f"single_default_{num_layers}") / "run"
             summary = train_in_pool(run_dir, "parallel=single", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
-            assert len(summary["losses"]) == 8
+            assert len(summary["losses"]) == 6
             cache[num_layers] = summary["losses"]
         return cache[num_layers]
 
@@ -108,7 +108,7 @@ def single_default_losses(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", _presets_up_to_8_processes())
 def test_preset_with_default_data_matches_single_process(tmp_path, single_default_losses, preset):
-    """Nothing but ``parallel=<preset>``: the single-process per-step losses over 8 steps (rel 1e-5)."""
+    """Nothing but ``parallel=<preset>``: the single-process per-step losses over 6 steps (rel 1e-5)."""
     num_layers = PRESET_LAYERS.get(preset, 2)
     summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
     assert devices_per_node(OmegaConf.create(summary["layout"])) == _preset_processes(preset)
