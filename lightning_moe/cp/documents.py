@@ -90,7 +90,7 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_
     return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def _sdpa_call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+def sdpa_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> dict[str, Any]:
     """SDPA's arguments by name (the torch function's signature)."""
@@ -171,7 +171,7 @@ class DocumentAttentionMode(DocumentAwareMode):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention or self.document_ids is None:
             return func(*args, **kwargs)
-        call = _sdpa_call(*args, **kwargs)
+        call = sdpa_arguments(*args, **kwargs)
         refuse_mask_with_documents(call["attn_mask"])
         if not call["is_causal"]:
             return func(*args, **kwargs)

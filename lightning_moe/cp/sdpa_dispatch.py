@@ -14,24 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_moe.cp.documents import DocumentAttentionMode, DocumentAwareMode, refuse_mask_with_documents
+from lightning_moe.cp.documents import DocumentAttentionMode, DocumentAwareMode, refuse_mask_with_documents, sdpa_arguments
 from lightning_moe.cp.ring_attention import DOCUMENT_TILE, DocumentPlan, document_plan, ring_attention
 from lightning_moe.cp.sharding import LAYOUTS, Layout
-
-
-def _sdpa_arguments(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> dict[str, Any]:
-    """Bind SDPA's positional/keyword arguments to names (same signature as the torch function)."""
-    return dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p,
-                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 class RingAttentionMode(DocumentAwareMode):
@@ -119,7 +104,7 @@ class RingAttentionMode(DocumentAwareMode):
                 return func(*args, **kwargs)
             with DocumentAttentionMode(self.document_ids):
                 return func(*args, **kwargs)
-        call = _sdpa_arguments(*args, **kwargs)
+        call = sdpa_arguments(*args, **kwargs)
         q, k, v = call["query"], call["key"], call["value"]
         documents = self.document_ids is not None and call["is_causal"]
         if self.document_ids is not None:

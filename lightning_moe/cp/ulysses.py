@@ -40,7 +40,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_moe.cp.documents import DocumentAttentionMode, DocumentAwareMode, check_document_ids, document_causal_mask
+from lightning_moe.cp.documents import (
+    DocumentAttentionMode,
+    DocumentAwareMode,
+    check_document_ids,
+    document_causal_mask,
+    sdpa_arguments,
+)
 from lightning_moe.cp.sharding import LAYOUTS, Layout, shard_sequence
 
 __all__ = [
@@ -291,15 +297,6 @@ def ulysses_attention(
 # Routing SDPA
 
 
-def _sdpa_arguments(
-    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-    is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-) -> dict[str, Any]:
-    """SDPA's arguments by name (the torch function's signature)."""
-    return dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=scale, enable_gqa=enable_gqa)
-
-
 class UlyssesAttentionMode(DocumentAwareMode):
     """Make ``F.scaled_dot_product_attention`` all-to-all (Ulysses) attention over ``group`` while active.
 
@@ -356,7 +353,7 @@ class UlyssesAttentionMode(DocumentAwareMode):
                 return func(*args, **kwargs)
             with DocumentAttentionMode(self.document_ids):
                 return func(*args, **kwargs)
-        call = _sdpa_arguments(*args, **kwargs)
+        call = sdpa_arguments(*args, **kwargs)
         q, k, v = call["query"], call["key"], call["value"]
         where = f"scaled_dot_product_attention under all-to-all context parallelism (cp = {self.cp_size})"
         if call["attn_mask"] is not None:
