@@ -35,6 +35,7 @@ __all__ = [
     "document_attention",
     "document_causal_mask",
     "recompute_in_active_attention_mode",
+    "SequenceShardedAttentionMode",
     "refuse_mask_with_documents",
     "set_document_ids",
 ]
@@ -188,6 +189,49 @@ class DocumentAttentionMode(DocumentAwareMode):
         with torch_function_disabled():
             return func(q, k, v, attn_mask=document_causal_mask(documents, documents), dropout_p=call["dropout_p"],
                         scale=call["scale"], enable_gqa=call["enable_gqa"])
+
+
+class SequenceShardedAttentionMode(DocumentAwareMode):
+    """Base of the context-parallel attention modes (ring, all-to-all): SDPA over a sequence sharded on ``group``.
+
+    On a cp group of one rank SDPA stays local (document-causal while documents are set). On more,
+    an explicit ``attn_mask`` or ``dropout_p > 0`` raises ``NotImplementedError`` (no rank holds
+    the mask's full rows, and dropout would need the one-process RNG stream) and a mask together
+    with documents ``ValueError``; every other call goes to :meth:`sharded_attention`.
+    """
+
+    # How the attention crosses the ranks, in error messages.
+    communication = "context parallelism"
+
+    def __init__(self, group: Any, document_ids: torch.Tensor | None = None) -> None:
+        import torch.distributed as dist
+
+        super().__init__(document_ids)
+        self.group = group
+        self.cp_size = dist.get_world_size(group)
+
+    def sharded_attention(self, call: dict[str, Any], where: str) -> torch.Tensor:
+        """SDPA's bound arguments (:func:`sdpa_arguments`) on this rank's part of the sequence, cp > 1."""
+        raise NotImplementedError
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        if self.cp_size == 1:
+            if self.document_ids is None:
+                return func(*args, **kwargs)
+            with DocumentAttentionMode(self.document_ids):
+                return func(*args, **kwargs)
+        call = sdpa_arguments(*args, **kwargs)
+        if self.document_ids is not None:
+            refuse_mask_with_documents(call["attn_mask"])
+        where = f"scaled_dot_product_attention under {self.communication} (cp = {self.cp_size})"
+        if call["attn_mask"] is not None:
+            raise NotImplementedError(f"{where} does not support attn_mask; use is_causal=True for causal attention")
+        if call["dropout_p"] > 0.0:
+            raise NotImplementedError(f"{where} does not support dropout_p={call['dropout_p']}; set attention dropout to 0")
+        return self.sharded_attention(call, where)
 
 
 def document_attention(document_ids: torch.Tensor | None) -> DocumentAttentionMode:

@@ -12,14 +12,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from lightning_moe.cp.documents import DocumentAttentionMode, DocumentAwareMode, refuse_mask_with_documents, sdpa_arguments
+from lightning_moe.cp.documents import SequenceShardedAttentionMode
 from lightning_moe.cp.ring_attention import DOCUMENT_TILE, DocumentPlan, document_plan, ring_attention
 from lightning_moe.cp.sharding import LAYOUTS, Layout
 
 
-class RingAttentionMode(DocumentAwareMode):
+class RingAttentionMode(SequenceShardedAttentionMode):
     """Make ``F.scaled_dot_product_attention`` ring attention over ``group`` while active.
 
     The inputs must already be this rank's part of the sequence in ``layout`` (the strategy shards
@@ -66,12 +65,10 @@ class RingAttentionMode(DocumentAwareMode):
             raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
         if isinstance(document_tile, bool) or not isinstance(document_tile, int) or document_tile < 1:
             raise ValueError(f"document_tile must be a positive number of tokens, got {document_tile!r}")
-        super().__init__(document_ids)
-        self.group = group
+        super().__init__(group, document_ids)
         self.layout = layout
         self.head_chunks = head_chunks
         self.document_tile = document_tile
-        self.cp_size = dist.get_world_size(group)
         # Plans for self.document_ids by (device, batch, seq_local); rebuilt when the ids change.
         self._plans: dict[tuple, DocumentPlan] = {}
         self._plans_for: torch.Tensor | None = None
@@ -95,32 +92,15 @@ class RingAttentionMode(DocumentAwareMode):
             )
         return plan
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        if self.cp_size == 1:
-            if self.document_ids is None:
-                return func(*args, **kwargs)
-            with DocumentAttentionMode(self.document_ids):
-                return func(*args, **kwargs)
-        call = sdpa_arguments(*args, **kwargs)
+    def sharded_attention(self, call: dict[str, Any], where: str) -> torch.Tensor:
         q, k, v = call["query"], call["key"], call["value"]
-        documents = self.document_ids is not None and call["is_causal"]
-        if self.document_ids is not None:
-            refuse_mask_with_documents(call["attn_mask"])
-        where = f"scaled_dot_product_attention under context parallelism (cp = {self.cp_size})"
-        if call["attn_mask"] is not None:
-            raise NotImplementedError(f"{where} does not support attn_mask; use is_causal=True for causal attention")
-        if call["dropout_p"] > 0.0:
-            raise NotImplementedError(f"{where} does not support dropout_p={call['dropout_p']}; set attention dropout to 0")
         if q.dim() != 4:
             raise ValueError(f"{where} needs [batch, heads, seq, head_dim] inputs, got query of shape {tuple(q.shape)}")
         if k.shape[1] != q.shape[1] and not call["enable_gqa"]:
             raise ValueError(
                 f"{where}: {q.shape[1]} query heads but {k.shape[1]} key/value heads; pass enable_gqa=True as SDPA requires"
             )
-        if documents:
+        if self.document_ids is not None and call["is_causal"]:
             return ring_attention(
                 q, k, v, self.group, causal=True, layout=self.layout, scale=call["scale"],
                 head_chunks=self.head_chunks, document_ids=self._document_plan(q),

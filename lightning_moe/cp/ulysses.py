@@ -42,10 +42,9 @@ from torch import Tensor
 
 from lightning_moe.cp.documents import (
     DocumentAttentionMode,
-    DocumentAwareMode,
+    SequenceShardedAttentionMode,
     check_document_ids,
     document_causal_mask,
-    sdpa_arguments,
 )
 from lightning_moe.cp.sharding import LAYOUTS, Layout, shard_sequence
 
@@ -297,7 +296,7 @@ def ulysses_attention(
 # Routing SDPA
 
 
-class UlyssesAttentionMode(DocumentAwareMode):
+class UlyssesAttentionMode(SequenceShardedAttentionMode):
     """Make ``F.scaled_dot_product_attention`` all-to-all (Ulysses) attention over ``group`` while active.
 
     The inputs must already be this rank's part of the sequence in ``layout``. Causal calls
@@ -318,23 +317,19 @@ class UlyssesAttentionMode(DocumentAwareMode):
         loss.backward()
     """
 
+    communication = "all-to-all context parallelism"
+
     def __init__(self, group: dist.ProcessGroup | None, layout: Layout = "zigzag",
                  document_ids: Tensor | None = None) -> None:
-        super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
-        self.group = group
-        self.layout = layout
-        self.cp_size = dist.get_world_size(group)
-        self.document_ids: Tensor | None = None
         self._documents: Tensor | None = None  # the full-sequence ids, gathered at first use
-        self.set_document_ids(document_ids)
+        super().__init__(group, document_ids)
+        self.layout = layout
 
     def set_document_ids(self, document_ids: Tensor | None) -> None:
         """This rank's ``[batch, seq_local]`` document ids for the next attention calls (None: plain causal)."""
-        if document_ids is not None:
-            check_document_ids(document_ids)
-        self.document_ids = document_ids
+        super().set_document_ids(document_ids)
         self._documents = None
 
     def _full_documents(self, device: torch.device) -> Tensor:
@@ -344,22 +339,8 @@ class UlyssesAttentionMode(DocumentAwareMode):
             check_document_ids(self._documents)
         return self._documents.to(device)
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        if self.cp_size == 1:
-            if self.document_ids is None:
-                return func(*args, **kwargs)
-            with DocumentAttentionMode(self.document_ids):
-                return func(*args, **kwargs)
-        call = sdpa_arguments(*args, **kwargs)
+    def sharded_attention(self, call: dict[str, Any], where: str) -> Tensor:
         q, k, v = call["query"], call["key"], call["value"]
-        where = f"scaled_dot_product_attention under all-to-all context parallelism (cp = {self.cp_size})"
-        if call["attn_mask"] is not None:
-            raise NotImplementedError(f"{where} does not support attn_mask; use is_causal=True for causal attention")
-        if call["dropout_p"] > 0.0:
-            raise NotImplementedError(f"{where} does not support dropout_p={call['dropout_p']}; set attention dropout to 0")
         _check(q, k, v, self.cp_size, self.layout, call["enable_gqa"])
         documents = None
         if call["is_causal"] and self.document_ids is not None:
