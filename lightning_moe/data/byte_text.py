@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from lightning_moe.data.module import LayoutInvariantDataModule
+from lightning_moe.data.module import LayoutInvariantDataModule, next_token_sample
 
 __all__ = [
     "ByteTextDataModule",
@@ -209,8 +209,7 @@ class ByteWindowDataset(Dataset):
             self._tokens = self._open_tokens()
         start = (self.first_window + index) * (self.seq_len + 1)
         window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
-        sample = torch.tensor(self.first_window + index, dtype=torch.int64)
-        return {"input_ids": window[:-1], "labels": window[1:], "sample_index": sample}
+        return next_token_sample(window, self.first_window + index)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tokens": None}

@@ -6,12 +6,19 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_moe.data.sampler import LayoutInvariantSampler, ResumableDataLoader, resolve_batch_layout
 from lightning_moe.parallel.engines import step_engine_of
 
-__all__ = ["LayoutInvariantDataModule"]
+__all__ = ["LayoutInvariantDataModule", "next_token_sample"]
+
+
+def next_token_sample(window: torch.Tensor, sample_index: int) -> dict[str, torch.Tensor]:
+    """The training sample of a window of ``seq_len + 1`` tokens: inputs, next-token labels and the
+    sample's index in the epoch order (what routing replay and resume checks key on)."""
+    return {"input_ids": window[:-1], "labels": window[1:], "sample_index": torch.tensor(sample_index, dtype=torch.int64)}
 
 
 class LayoutInvariantDataModule(pl.LightningDataModule):

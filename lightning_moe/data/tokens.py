@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from lightning_moe.data.blend import blend_schedule, parse_blend
 from lightning_moe.data.indexed import IndexedTokens
-from lightning_moe.data.module import LayoutInvariantDataModule
+from lightning_moe.data.module import LayoutInvariantDataModule, next_token_sample
 
 __all__ = ["BlendedWindows", "DocumentWindows", "TokenDataModule", "TokenSource", "open_token_source", "parse_split"]
 
@@ -171,11 +171,7 @@ class BlendedWindows(Dataset):
         else:
             windows = self.windows[int(self.schedule[0][index])]
             tokens, documents = windows.window(int(self.schedule[1][index]) % len(windows))
-        sample = {
-            "input_ids": torch.from_numpy(tokens[:-1]),
-            "labels": torch.from_numpy(tokens[1:]),
-            "sample_index": torch.tensor(index, dtype=torch.int64),
-        }
+        sample = next_token_sample(torch.from_numpy(tokens), index)
         if self.document_mask:
             starts = np.flatnonzero(np.diff(documents, prepend=-1))
             positions = np.arange(len(documents), dtype=np.int64) - starts[documents]
