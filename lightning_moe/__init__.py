@@ -3,6 +3,7 @@
 ``import lightning_moe`` registers the ``"moe5d"`` strategy, so ``Trainer(strategy="moe5d")`` works.
 """
 
+from lightning_moe import optim  # lightning_moe.optim.Muon without an import of its own
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import parallelize
 from lightning_moe.strategy import MoE5DStrategy, register

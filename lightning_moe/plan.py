@@ -2,8 +2,9 @@
 
 Ranks every valid (tp, cp, ep, dp, pp) layout of a model preset on a cluster preset with the cost
 model of :mod:`lightning_moe.planner`, prints the top ones as a table (estimated step
-time, MFU, memory per GPU by part and per activation-checkpointing mode, bytes per step per
-dimension split intra/inter-node), lists the layouts that do not fit with the reason, and writes
+time, MFU and its range from no overlap to perfect overlap, memory per GPU by part and per
+activation-checkpointing mode, bytes per step per dimension split intra/inter-node), the first
+one's estimate as a range, lists the layouts that do not fit with the reason, and writes
 ``plan.json`` and ``plan.png`` (estimated time vs memory per layout, the chosen one marked) in the
 Hydra output directory. ``dry_run=true`` then builds the chosen layout for real on torch's fake
 process group (:func:`dry_run`).
@@ -30,7 +31,17 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_moe.conf import CONF_DIR
 from lightning_moe.planner import Cluster, Estimate, Layout, ModelShape, estimate, layout_problems, plan
 from lightning_moe.planner.presets import layout_from_parallel
-from lightning_moe.planner.report import GIB, format_dry_run, format_rejected, format_same_sizes, format_table, plan_json, plot_plan
+from lightning_moe.planner.report import (
+    GIB,
+    MFU_CONVENTION,
+    format_bounds,
+    format_dry_run,
+    format_rejected,
+    format_same_sizes,
+    format_table,
+    plan_json,
+    plot_plan,
+)
 
 __all__ = ["available_presets", "dry_run", "layout_from_parallel", "main", "model_shape", "plan_json", "run_plan"]
 
@@ -45,10 +56,13 @@ def _check_preset(group: str, choice: str | None) -> None:
         raise ValueError(f"{group}={choice!r} is not a preset: choose one of {available_presets(group)}")
 
 
-def model_shape(model_cfg: Mapping[str, Any], name: str = "model") -> ModelShape:
-    """The planner's :class:`ModelShape` of a composed ``model`` config (MoEGPT arguments)."""
+def model_shape(model_cfg: Mapping[str, Any], name: str = "model", architecture: Mapping[str, Any] | None = None) -> ModelShape:
+    """The planner's :class:`ModelShape` of a composed ``model`` config (MoEGPT arguments), with the
+    published model's ``architecture`` terms (``conf/architecture/<model>.yaml``) where given."""
     container = OmegaConf.to_container(model_cfg, resolve=False) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
-    return ModelShape.from_config(container, name=name)
+    if isinstance(architecture, DictConfig):
+        architecture = OmegaConf.to_container(architecture, resolve=True)  # type: ignore[assignment]
+    return ModelShape.from_config(container, name=name, architecture=architecture)
 
 
 def dry_run(
@@ -87,7 +101,9 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
     if "cluster" not in cfg or cfg.cluster is None:
         raise ValueError(f"cluster is not set: choose one of {available_presets('cluster')}")
     cluster = Cluster.from_config(OmegaConf.to_container(cfg.cluster, resolve=True))
-    shape = model_shape(cfg.model, name=choices.get("model") or "model")
+    shape = model_shape(cfg.model, name=choices.get("model") or "model", architecture=cfg.get("architecture"))
+    fp8_gemms, imbalance = bool(cfg.get("fp8_gemms", False)), cfg.get("expert_load_imbalance")
+    imbalance = None if imbalance is None else float(imbalance)
     world_size, seq_len, gbs = cfg.world_size, cfg.data.seq_len, cfg.data.global_batch_size
     budget = None if cfg.memory_budget_gib is None else float(cfg.memory_budget_gib) * GIB
     if cfg.get("dry_run_layers") is not None and not (isinstance(cfg.dry_run_layers, int) and cfg.dry_run_layers >= 1):
@@ -99,7 +115,7 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
     result = plan(
         world_size, shape, cluster, seq_len=seq_len, global_batch_size=gbs, precision=cfg.precision,
         checkpointing=cfg.checkpointing, memory_budget=budget, max_tp=cfg.max_tp,
-        micro_batch_sizes=None if micro_batch is None else [int(micro_batch)],
+        micro_batch_sizes=None if micro_batch is None else [int(micro_batch)], fp8_gemms=fp8_gemms, load_imbalance=imbalance,
     )  # fmt: skip
     planned_s = time.perf_counter() - started
     extra: Estimate | None = None
@@ -108,13 +124,16 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
         problems = layout_problems(shape, layout, seq_len, gbs, cfg.checkpointing)
         if problems:
             raise ValueError(f"parallel layout {layout.label()} is invalid: " + "; ".join(problems))
-        extra = estimate(shape, layout, cluster, seq_len, gbs, precision=cfg.precision, checkpointing=cfg.checkpointing, memory_budget=budget)
+        extra = estimate(shape, layout, cluster, seq_len, gbs, precision=cfg.precision, checkpointing=cfg.checkpointing,
+                         memory_budget=budget, fp8_gemms=fp8_gemms, load_imbalance=imbalance)  # fmt: skip
     top = result.ranked[: cfg.top]
     print(f"{shape.name}: {shape.total_parameters() / 1e9:.1f}B parameters ({shape.active_parameters() / 1e9:.1f}B active)"
           f" on {world_size} x {cluster.name}, seq_len {seq_len}, global batch {gbs}: {len(result.ranked)} layouts fit,"
           f" {len(result.rejected)} do not ({planned_s:.1f} s)")  # fmt: skip
     if top:
         print(format_table(top, cfg.checkpointing))
+        print()
+        print(format_bounds(top[0]))
     else:
         print("No layout fits in memory.")
     if extra is not None:
@@ -130,6 +149,10 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
         "seq_len": seq_len,
         "global_batch_size": gbs,
         "precision": cfg.precision,
+        "fp8_gemms": fp8_gemms,
+        "expert_load_imbalance": imbalance,
+        "architecture": dict(cfg.architecture) if cfg.get("architecture") is not None else None,
+        "mfu_convention": MFU_CONVENTION,
         "checkpointing": cfg.checkpointing,
         "total_parameters": shape.total_parameters(),
         "active_parameters": shape.active_parameters(),

@@ -2,7 +2,8 @@
 expert and ``overlap_ep_comm`` (micro-batch pairing), each capped by the compute it hides behind.
 
 Pure Python, on a toy machine whose figures make the seconds easy to check by hand: 1 GFLOP/s at
-every op kind's full efficiency, no latency, no concurrency limit, collectives asynchronous.
+every op kind's full efficiency, no latency, no concurrency limit, collectives asynchronous; routing
+balanced (``load_imbalance=1.0``: the hand counts send exactly the mean share of slots).
 """
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def token_seconds(est) -> float:
 
 
 def run(model: ModelShape, layout: Layout, bandwidth: float):
-    return estimate(model, layout, toy_cluster(bandwidth), SEQ, 2 * layout.microbatches, precision="32-true")
+    return estimate(model, layout, toy_cluster(bandwidth), SEQ, 2 * layout.microbatches, precision="32-true", load_imbalance=1.0)
 
 
+TOY_3_LAYERS = {"vocab_size": 256, "hidden_size": HIDDEN, "num_layers": 3, "num_heads": 4, "ffn_hidden_size": 128,
+                "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN}}  # fmt: skip
 BANDWIDTH = 1e6  # bytes/s: 32 KiB of tokens a micro-batch, 33 ms, against ~40 ms of compute
 FAST, SLOW = 1e9, 1e4  # comm far below / far above the compute
 
@@ -116,8 +119,8 @@ def test_dispatch_chunks_hide_at_most_the_chunks_after_the_first_dispatch_and_be
     assert run(two, ep2(), SLOW).hidden_ep_comm_time["dispatch_chunks"] == pytest.approx(4 * 3 * expert)
     # each chunk's exchanges are calls of their own: chunking without overlap only adds latency
     latency = Cluster(**{**toy_cluster(FAST).__dict__, "collective_latency": 1e-3})
-    plain = estimate(toy_model(), ep2(), latency, SEQ, 8, precision="32-true")
-    chunked = estimate(two, ep2(), latency, SEQ, 8, precision="32-true")
+    plain = estimate(toy_model(), ep2(), latency, SEQ, 8, precision="32-true", load_imbalance=1.0)
+    chunked = estimate(two, ep2(), latency, SEQ, 8, precision="32-true", load_imbalance=1.0)
     ep_calls = sum(r.calls for r in plain.records if r.dim == "ep")
     hidden = chunked.hidden_ep_comm_time["dispatch_chunks"]
     assert chunked.exposed_comm_time + hidden - plain.exposed_comm_time == pytest.approx(ep_calls * 1e-3)
@@ -198,17 +201,30 @@ def test_the_layout_names_and_hands_on_overlap_ep_comm():
 
 
 def test_layout_auto_carries_the_overlap_it_ranked_with():
-    """2 ranks, 3 layers (no pipeline split): ep2 beats dp2 (whose parameter and gradient traffic, 8x
-    the compute, mostly shows) and tp2; with overlap_ep_comm it beats its own twin without, and the
-    strategy's arguments carry it."""
-    toy = {"vocab_size": 256, "hidden_size": HIDDEN, "num_layers": 3, "num_heads": 4, "ffn_hidden_size": 128,
-           "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN}}  # fmt: skip
-    best, runner_up = resolve_auto_layout(2, model=toy, cluster=toy_cluster(BANDWIDTH), seq_len=SEQ, global_batch_size=8,
+    """2 ranks, 3 layers (no pipeline split), links 4x the toy's (FSDP's traffic 2/3 of the compute):
+    ep2 with overlap_ep_comm beats dp2, tp2 and its own twin without, and the strategy's
+    arguments carry it. The gain is below the all-to-all time the pairing hides: that time takes
+    compute FSDP's reductions in the last backward would otherwise hide behind."""
+    best, runner_up = resolve_auto_layout(2, model=TOY_3_LAYERS, cluster=toy_cluster(4 * BANDWIDTH), seq_len=SEQ, global_batch_size=8,
                                           micro_batch_size=1, precision="32-true")  # fmt: skip
     assert best.layout == Layout(ep=2, microbatches=4, gather_once_per_step=True, overlap_ep_comm=True), best.layout.label()
     assert best.layout.strategy_kwargs()["overlap_ep_comm"] is True
-    assert runner_up is not None and runner_up.layout == replace(best.layout, overlap_ep_comm=False)
-    assert runner_up.step_time - best.step_time == pytest.approx(best.hidden_ep_comm_time["overlap_ep_comm"])
+    assert runner_up is not None and runner_up.step_time >= best.step_time
+    twin = estimate(ModelShape.from_config(TOY_3_LAYERS), replace(best.layout, overlap_ep_comm=False), toy_cluster(4 * BANDWIDTH),
+                    SEQ, 8, precision="32-true")  # fmt: skip
+    assert 0 < twin.step_time - best.step_time < best.hidden_ep_comm_time["overlap_ep_comm"]
+
+
+def test_overlap_ep_comm_gains_nothing_where_fsdp_traffic_already_fills_the_compute():
+    """The toy's links: FSDP's traffic (0.33 s) exceeds the whole compute (0.13 s), so the compute has
+    no second left for the pairing to hide the all-to-all behind; the old model hid both behind the
+    same compute. The step equals its twin's, and no layout's estimate hides more than its compute."""
+    model, cluster = ModelShape.from_config(TOY_3_LAYERS), toy_cluster(BANDWIDTH)
+    plain, paired = (estimate(model, ep2(4, overlap_ep_comm=on), cluster, SEQ, 8, precision="32-true") for on in (False, True))
+    assert paired.step_time == pytest.approx(plain.step_time)
+    assert paired.overlapped_comm_time == pytest.approx(paired.compute_time)
+    fsdp = sum(record_seconds(r, paired.layout, cluster) for r in paired.records if r.dim == "dp")
+    assert fsdp > paired.compute_time
 
 
 def test_dispatch_chunks_comes_from_the_model_config():
@@ -218,8 +234,6 @@ def test_dispatch_chunks_comes_from_the_model_config():
 
 
 def test_layout_auto_offers_no_overlap_under_activation_checkpointing():
-    toy = {"vocab_size": 256, "hidden_size": HIDDEN, "num_layers": 3, "num_heads": 4, "ffn_hidden_size": 128,
-           "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN}}  # fmt: skip
-    best, _ = resolve_auto_layout(2, model=toy, cluster=toy_cluster(BANDWIDTH), seq_len=SEQ, global_batch_size=8,
+    best, _ = resolve_auto_layout(2, model=TOY_3_LAYERS, cluster=toy_cluster(BANDWIDTH), seq_len=SEQ, global_batch_size=8,
                                   micro_batch_size=1, precision="32-true", checkpointing="full")  # fmt: skip
     assert not best.layout.overlap_ep_comm and best.checkpointing == "full", best.layout.label()

@@ -1,5 +1,9 @@
 """Does the cost model rank CPU layouts like the measured step times? ``python -m experiments.bench.plan_check``.
 
+``--anchors`` instead plans the published runs (:data:`ANCHORS`, as ``python -m lightning_moe.plan``
+with the same overrides) and prints each first choice's estimate as a range beside the published
+figure: no overlap, the modelled overlap, perfect overlap. Pure planner, about a minute.
+
 Trains a small MoEGPT for a few steps under six 2-process layouts (dp2, tp2, tp2 with etp=1, cp2,
 ep2, pp2) with ``python -m lightning_moe.train``, reads each run's tokens/s (steps after the first),
 and compares the step times with :func:`lightning_moe.planner.estimate` on the
@@ -11,12 +15,16 @@ fastest run: on a shared machine other jobs' load changes a run's time by up to 
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import math
 import os
 import tempfile
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.bench.cli import ROOT, run_training
@@ -34,6 +42,38 @@ LAYOUTS = {  # name: (CLI overrides, planner layout)
     "ep2": (["parallel=ep2"], dict(ep=2)),
     "pp2": (["parallel=pp2"], dict(pp=2)),
 }
+
+
+# Published runs: (name, published figure, unit, plan overrides). The unit "MFU" compares MFU; "TFLOP/s"
+# compares model FLOP/s per GPU (MFU x the bf16 peak, both counting full attention).
+ANCHORS = [
+    ("Mixtral-8x22B, 1024 H100, bf16 (MoE Parallel Folding, arXiv 2504.14960)", 0.493, "MFU",
+     ["model=mixtral_8x22b", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=1024"]),
+    ("DeepSeek-V3, 1024 H100, FP8 (Megatron-Bridge performance summary)", 338e12, "TFLOP/s",
+     ["model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192", "fp8_gemms=true",
+      "model.moe.dispatcher=hierarchical", "model.moe.max_nodes_per_token=4", "model.moe.dispatch_dtype=fp8"]),
+    ("DeepSeek-V3, flat all-to-all (no per-node dispatch)", 338e12, "TFLOP/s",
+     ["model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192", "fp8_gemms=true",
+      "model.moe.max_nodes_per_token=4", "model.moe.dispatch_dtype=fp8"]),
+]  # fmt: skip
+
+
+def anchors() -> None:
+    """Print each published run's figure beside the planner's first choice, as a range."""
+    from lightning_moe.conf import CONF_DIR
+    from lightning_moe.plan import run_plan
+
+    print("| run | published | estimate: modelled (no overlap – perfect overlap) | first choice |\n|---|---|---|---|")
+    for name, published, unit, overrides in ANCHORS:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            cfg = compose("plan", overrides=overrides)
+        with contextlib.redirect_stdout(io.StringIO()):
+            out = run_plan(cfg, None, dict(o.split("=", 1) for o in overrides if o.startswith(("model=", "cluster="))))
+        best = out["layouts"][0]
+        scale = 1.0 if unit == "MFU" else cfg.cluster.peak_flops
+        figures = [best["mfu_bounds"][k] * scale for k in ("modelled", "no_overlap", "perfect_overlap")]
+        show = (lambda x: f"{x:.1%}") if unit == "MFU" else (lambda x: f"{x / 1e12:.0f}")
+        print(f"| {name} | {show(published)} {unit} | {show(figures[0])} ({show(figures[1])} – {show(figures[2])}) | {best['label']} |")
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -97,4 +137,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--anchors", action="store_true", help="plan the published runs instead of timing CPU layouts")
+    if parser.parse_args().anchors:
+        anchors()
+    else:
+        main()

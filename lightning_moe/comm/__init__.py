@@ -94,6 +94,20 @@ def reduce_scatter_autograd(x: torch.Tensor, group: dist.ProcessGroup, dim: str)
     return out
 
 
+def gather_to(tensor: torch.Tensor, received: list[torch.Tensor] | None, owner: int, group: dist.ProcessGroup, dim: str) -> None:
+    """``dist.gather`` of equal-sized ``tensor``s into ``received`` on the global rank ``owner``."""
+    if dist.get_rank() != owner:
+        record(dim, tensor.numel() * tensor.element_size())
+    dist.gather(tensor, received, dst=owner, group=group)
+
+
+def scatter_from(output: torch.Tensor, pieces: list[torch.Tensor] | None, owner: int, group: dist.ProcessGroup, dim: str) -> None:
+    """``dist.scatter`` of the equal-sized ``pieces`` on the global rank ``owner`` into ``output``."""
+    if dist.get_rank() == owner:
+        record(dim, output.numel() * output.element_size() * (dist.get_world_size(group) - 1))
+    dist.scatter(output, pieces, src=owner, group=group)
+
+
 def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place, non-differentiable all-reduce (statistics, counts); a no-op for a 1-rank group."""
     if group is None or dist.get_world_size(group) == 1:

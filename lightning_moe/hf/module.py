@@ -20,7 +20,7 @@ from lightning_moe.hf.loading import PADDED_SDPA, load_causal_lm, use_padded_sdp
 from lightning_moe.hf.plans import split_pipeline_stage, tensor_parallel_plan
 from lightning_moe.hf.sharded_load import PretrainedShards
 from lightning_moe.layout import size_problems
-from lightning_moe.models.causal_lm import CausalLMModule
+from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer
 from lightning_moe.moe import MoELayer, TopKRouter
 from lightning_moe.parallel.init import seeded_generator
 
@@ -36,6 +36,8 @@ class HFMoEModule(CausalLMModule):
         pretrained: a local folder (Hydra's ``model=hf model.pretrained=...``), instead of ``model``.
         learning_rate, warmup_steps, max_steps, min_lr_ratio, weight_decay, betas: AdamW with
             linear warmup and cosine decay (``max_steps=None``: the trainer's).
+        optimizer: ``"adamw"``, or ``"muon"`` (:class:`lightning_moe.optim.Muon` with the same
+            learning rate, schedule and weight decay).
         aux_loss_coeff, z_loss_coeff, capacity_factor, dispatcher, bias_update_rate: passed to
             :func:`~lightning_moe.hf.convert_moe_blocks` (``aux_loss_coeff=None``: the config's
             ``router_aux_loss_coef``).
@@ -74,8 +76,10 @@ class HFMoEModule(CausalLMModule):
         bias_update_rate: float = 1e-3,
         attn_implementation: str | None = "sdpa",
         pretrained: str | os.PathLike | None = None,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        check_optimizer(optimizer)
         if (model is None) == (pretrained is None):
             raise ValueError("pass exactly one of model (a model, config or folder) and pretrained (a local folder)")
         model = pretrained if model is None else model

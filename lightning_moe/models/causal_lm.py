@@ -22,8 +22,18 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from lightning_moe.moe import MoELayer, update_expert_biases
+from lightning_moe.optim import Muon
 
-__all__ = ["CausalLMModule", "next_token_loss", "warmup_cosine_factor"]
+__all__ = ["OPTIMIZERS", "CausalLMModule", "check_optimizer", "next_token_loss", "warmup_cosine_factor"]
+
+#: What ``optimizer=`` selects in ``configure_optimizers``.
+OPTIMIZERS = ("adamw", "muon")
+
+
+def check_optimizer(optimizer: str) -> None:
+    """Refuse an unknown ``optimizer`` hyperparameter when the module is built, before any work."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} must be one of {OPTIMIZERS} (model.optimizer=muon on the command line)")
 
 
 @functools.cache
@@ -150,9 +160,14 @@ class CausalLMModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW; weight decay on matrices (ndim >= 2: linear, router and expert weights) except
-        token embeddings; none on vectors (norm weights, biases). Linear warmup then cosine decay,
-        stepped every optimizer step."""
+        token embeddings; none on vectors (norm weights, biases). With ``optimizer="muon"``:
+        :class:`lightning_moe.optim.Muon` (the same learning rate, betas and weight decay; Muon on
+        attention, dense-MLP and per-expert matrices, AdamW on the rest). Linear warmup then cosine
+        decay, stepped every optimizer step."""
         hp = self.hparams
+        if hp.get("optimizer", "adamw") == "muon":
+            optimizer = Muon(self, lr=hp[self.lr_hparam], weight_decay=hp.weight_decay, betas=tuple(hp.betas))
+            return self._with_schedule(optimizer)
         # Parameters of nn.Embedding modules (also after tensor parallelism or FSDP, which keep the class).
         embeddings = {id(p) for m in self.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
         decay, no_decay = [], []
@@ -165,7 +180,10 @@ class CausalLMModule(pl.LightningModule):
             for params, wd in ((decay, hp.weight_decay), (no_decay, 0.0))
             if params
         ]
-        optimizer = torch.optim.AdamW(groups, lr=hp[self.lr_hparam], betas=tuple(hp.betas))
+        return self._with_schedule(torch.optim.AdamW(groups, lr=hp[self.lr_hparam], betas=tuple(hp.betas)))
+
+    def _with_schedule(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        hp = self.hparams
         schedule = partial(
             warmup_cosine_factor,
             warmup_steps=hp.warmup_steps,

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_moe.models.blocks import Attention, FeedForward, TransformerBlock, rotary_cos_sin
-from lightning_moe.models.causal_lm import CausalLMModule, next_token_loss, warmup_cosine_factor
+from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer, next_token_loss, warmup_cosine_factor
 from lightning_moe.moe import MoEConfig, MoELayer, token_keys
 from lightning_moe.moe.config import DEFAULT_NUM_EXPERTS
 from lightning_moe.parallel.init import seeded_generator
@@ -59,6 +59,8 @@ class MoEGPT(CausalLMModule):
         rope_theta: RoPE base.
         lr, min_lr_ratio, weight_decay, betas, warmup_steps, max_steps: AdamW with linear warmup
             and cosine decay to `lr * min_lr_ratio` at `max_steps` (None: the trainer's).
+        optimizer: `"adamw"`, or `"muon"` (`lightning_moe.optim.Muon` with the same `lr`, schedule
+            and weight decay: its update is scaled to AdamW's RMS).
         init_std: std of the normal init of every matrix; the residual-output projections
             (`wo`, `w2`) use `init_std / sqrt(2 * num_layers)` (GPT-2). See `initial_value`: the
             same seed gives the same model on every layout, also when built on the meta device
@@ -103,8 +105,10 @@ class MoEGPT(CausalLMModule):
         warmup_steps: int = 10,
         max_steps: int | None = None,
         init_std: float = 0.02,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
+        check_optimizer(optimizer)
         if moe_layer_freq < 0:
             raise ValueError(f"moe_layer_freq must be >= 0 (0: no MoE layer), got {moe_layer_freq}")
         self.save_hyperparameters()

@@ -20,9 +20,13 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
   spans and the size rules come from :mod:`lightning_moe.layout`, as ``ParallelDims``' meshes do.
   :func:`accounted_comm_bytes` (:mod:`.accounting`) maps them onto the dims under which
   :class:`~lightning_moe.callbacks.CommAccountingCallback` records them, for checks against runs.
-- **Time** (:mod:`.step_time`) per step: compute, the communication the code does not overlap, the
-  pipeline bubble and the optimizer update; :func:`estimate` gathers one layout's figures. The
-  expert token all-to-alls hide behind the expert GEMMs (``moe.dispatch_chunks``), the shared
+- **Time** (:mod:`.step_time`) per step: compute (GEMMs, FP8 ones at their own peak; the memory-bound
+  ops of :mod:`.elementwise`; the busiest ep rank's experts), the communication the code does not
+  overlap or its phase's compute cannot cover (one budget per phase for every overlapped collective,
+  each hidden second slowing the compute; the reduction after the pipeline's last backward
+  exposed), the pipeline bubble and the optimizer update; :func:`estimate` gathers one layout's
+  figures with their range (:class:`~.step_time.StepTimeBounds`: no, modelled, perfect overlap).
+  The expert token all-to-alls hide behind the expert GEMMs (``moe.dispatch_chunks``), the shared
   expert, and the paired micro-batch's compute (``Layout.overlap_ep_comm``), each as far as its
   compute reaches (:func:`~lightning_moe.planner.step_time.hidden_ep_seconds`).
 - **Search** (:mod:`.search`): :func:`plan` estimates every valid layout, parallel folding included
@@ -68,11 +72,11 @@ from lightning_moe.planner.search import (
     plan,
     resolve_auto_layout,
 )
-from lightning_moe.planner.step_time import Estimate, estimate
+from lightning_moe.planner.step_time import Estimate, StepTimeBounds, estimate
 
 __all__ = [
     "CHECKPOINT_MODES", "PARALLEL_DIMS", "PRECISIONS", "Cluster", "CommRecord", "Estimate", "Layout", "Memory",
-    "ModelShape", "Plan", "accounted_comm_bytes", "chunk_size", "comm_bytes_by_dim", "comm_records",
+    "ModelShape", "Plan", "StepTimeBounds", "accounted_comm_bytes", "chunk_size", "comm_bytes_by_dim", "comm_records",
     "cp_comm_options", "enumerate_layouts", "estimate", "estimate_cp_comm", "flops_per_microbatch", "fsdp_units",
     "group_ranks", "layout_problems", "local_shape", "memory_per_rank", "parameter_bytes_per_rank",
     "parameter_specs", "peer_split", "plan", "rank_parameters", "resolve_auto_layout", "ring_split",

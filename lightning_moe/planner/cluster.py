@@ -15,6 +15,13 @@ class Cluster:
     reaches; ``collective_latency`` is paid per collective call and ``ring_step_overhead`` per ring
     attention shift. ``concurrent_ranks``: how many ranks compute at once (CPU cores; None: all).
 
+    What the GEMM peak leaves out: ``overlap_slowdown``, the fraction by which compute slows while a
+    collective runs beside it (NCCL's kernels take SMs and HBM bandwidth from the GEMMs: each second
+    of hidden communication costs that many seconds of compute); ``elementwise_efficiency``, the
+    fraction of ``hbm_bandwidth`` the memory-bound ops (norms, activation, permutation, loss) reach
+    (None: those ops are not charged, as on the tests' toy machines); ``fp8_peak_flops`` and
+    ``fp8_gemm_efficiency``, the GEMMs of a run with FP8 GEMMs (None: the machine has no FP8 path).
+
     Example::
 
         Cluster(name="toy", gpus_per_node=8, memory_bytes=80e9, peak_flops=989e12,
@@ -37,6 +44,10 @@ class Cluster:
     memory_reserve_bytes: float = 0.0
     concurrent_ranks: int | None = None
     fsdp_overlap: bool = True
+    overlap_slowdown: float = 0.0
+    elementwise_efficiency: float | None = None
+    fp8_peak_flops: float | None = None
+    fp8_gemm_efficiency: float | None = None
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> Cluster:
@@ -49,9 +60,10 @@ class Cluster:
         values = {k: v for k, v in cfg.items()}
         floats = ("memory_bytes", "peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth",
                   "gemm_efficiency", "grouped_gemm_efficiency", "attention_efficiency", "comm_efficiency",
-                  "collective_latency", "ring_step_overhead", "memory_reserve_bytes")  # fmt: skip
+                  "collective_latency", "ring_step_overhead", "memory_reserve_bytes", "overlap_slowdown",
+                  "elementwise_efficiency", "fp8_peak_flops", "fp8_gemm_efficiency")  # fmt: skip
         for key in floats:
-            if key in values:
+            if key in values and values[key] is not None:
                 try:
                     values[key] = float(values[key])
                 except (TypeError, ValueError) as err:
@@ -60,7 +72,26 @@ class Cluster:
         for key in ("gpus_per_node", "memory_bytes", "peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
             if not getattr(cluster, key) > 0:
                 raise ValueError(f"cluster.{key}={getattr(cluster, key)} must be > 0")
+        if not 0 <= cluster.overlap_slowdown < 1:
+            raise ValueError(f"cluster.overlap_slowdown={cluster.overlap_slowdown} must be in [0, 1): the fraction compute slows while a collective overlaps it")
+        for key in ("elementwise_efficiency", "fp8_gemm_efficiency"):
+            value = getattr(cluster, key)
+            if value is not None and not 0 < value <= 1:
+                raise ValueError(f"cluster.{key}={value} must be in (0, 1] (or null)")
         return cluster
+
+    def gemm_peak(self, fp8: bool) -> tuple[float, float | None]:
+        """``(peak FLOP/s, efficiency override)`` of the GEMMs: bf16's peak with the op kinds' own
+        efficiencies, or with ``fp8`` the FP8 peak at ``fp8_gemm_efficiency``. ``ValueError`` if the
+        machine gives no FP8 figures."""
+        if not fp8:
+            return self.peak_flops, None
+        if self.fp8_peak_flops is None or self.fp8_gemm_efficiency is None:
+            raise ValueError(
+                f"fp8_gemms=true needs cluster.fp8_peak_flops and cluster.fp8_gemm_efficiency, which {self.name} does not"
+                " set: add them to the cluster config, or plan with fp8_gemms=false"
+            )
+        return self.fp8_peak_flops, self.fp8_gemm_efficiency
 
     @property
     def memory_budget(self) -> float:

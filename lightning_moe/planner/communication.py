@@ -16,13 +16,15 @@ from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import (
     ACTIVATION_BYTES,
+    BF16_BYTES,
     FP32_BYTES,
     FP64_BYTES,
     FSDP_GATHER_BYTES,
     FSDP_REDUCE_BYTES,
+    INT32_BYTES,
     INT64_BYTES,
 )
-from lightning_moe.planner.groups import fsdp_shard_group, group_size, peer_split, ring_split
+from lightning_moe.planner.groups import fsdp_shard_group, group_size, nodes_spanned, peer_split, ring_split
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import fsdp_units
@@ -122,6 +124,23 @@ def ulysses_attention_bytes(
     return 2 * forward if backward else forward
 
 
+# Bytes a dispatched row of h elements travels as, by MoELayer(dispatch_dtype=...) (lightning_moe.moe.exchange):
+# bf16 2 per element; fp8 1 per element plus the row's fp32 scale.
+WIRE_ROW_BYTES = {"bf16": lambda h: BF16_BYTES * h, "fp8": lambda h: h + FP32_BYTES}
+
+
+def token_exchange_row_bytes(hidden: int, activation_bytes: int, wire: str | None) -> int:
+    """Bytes one token slot sends over a step's four token all-to-alls (dispatch and combine, and their
+    gradients), as the all-to-all dispatcher sends them: the rows as they are without a ``wire``;
+    with one, the dispatch in the wire's format and the combine and both gradients in bf16.
+
+    ``token_exchange_row_bytes(7168, 2, "fp8") == 7172 + 3 * 14336``: fp8 dispatch saves 1/8 of the bytes.
+    """
+    if wire is None:
+        return 4 * hidden * activation_bytes
+    return WIRE_ROW_BYTES[wire](hidden) + 3 * BF16_BYTES * hidden
+
+
 @dataclass
 class CommRecord:
     """Bytes one rank sends per optimizer step (mean over all ranks) for one kind of collective.
@@ -131,7 +150,11 @@ class CommRecord:
     :mod:`lightning_moe.comm`'s wrapper names (None: a ``torch.distributed`` or functional
     collective, attributed by its group); ``functional``: a DTensor (functional) collective;
     ``pattern``: ``"spread"`` (to all peers) or ``"ring"``/``"chain"`` (to the next rank);
-    ``overlapped``: the code overlaps it with compute; ``all_to_all``: an all-to-all outside ep
+    ``overlapped``: the code overlaps it with compute; ``reduction``: a gradient reduction (FSDP2's
+    reduce-scatters, HSDP's all-reduce), whose last one per step waits for the last backward
+    (:func:`~lightning_moe.planner.step_time.overlap_budget`); ``split``: the ``(intra, inter)``
+    node share of its bytes where its group is not one of the layout's (the hierarchical
+    dispatcher's stages: across nodes only, inside the node only); ``all_to_all``: an all-to-all outside ep
     (ep's are known by their dim), whose bytes to in-node and to other nodes' peers flow at once,
     each tier at its own pace, where a ring collective over a group that spans nodes runs at the
     slowest link's (:func:`~lightning_moe.planner.step_time.record_seconds`).
@@ -148,6 +171,8 @@ class CommRecord:
     overlapped: bool = False
     routing_dependent: bool = False
     all_to_all: bool = False
+    reduction: bool = False
+    split: tuple[float, float] | None = None
 
 
 def _batches_per_step(layout: Layout) -> int:
@@ -165,12 +190,69 @@ def fsdp_reduces(layout: Layout) -> int:
     return 1 if layout.gather_once_per_step else layout.microbatches
 
 
-def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> list[CommRecord]:
+def expected_nodes_per_token(num_nodes: int, experts_per_node: int, top_k: int, max_nodes: int | None = None) -> float:
+    """Expected number of distinct nodes holding a token's ``top_k`` experts under uniform routing:
+    its experts lie on ``max_nodes`` of the ``num_nodes`` nodes (node-limited routing; every node
+    without a limit), those nodes equally likely, the ``top_k`` experts distinct and uniform among
+    theirs. A node is missed with the hypergeometric chance that none of its experts is drawn.
+
+    ``expected_nodes_per_token(32, 8, 8, 4)`` is 3.72 (DeepSeek-V3 over 32 nodes, at most 4 per
+    token); without the limit 7.27.
+    """
+    nodes = num_nodes if max_nodes is None else min(max_nodes, num_nodes)
+    pool = nodes * experts_per_node
+    if top_k > pool:
+        raise ValueError(f"top_k={top_k} experts do not fit on max_nodes_per_token={nodes} nodes of {experts_per_node} experts")
+    missed = math.comb(pool - experts_per_node, top_k) / math.comb(pool, top_k)
+    return nodes * (1 - missed)
+
+
+def hierarchical_dispatch_records(
+    model: ModelShape, tokens: float, num_nodes: int, ranks_per_node: int, activation_bytes: int, per_step: float
+) -> list[CommRecord]:
+    """The hierarchical dispatcher's collectives for ``tokens`` tokens of one rank, ``per_step`` times
+    a step (micro-batches x MoE layers), as ``lightning_moe.moe.hierarchical`` issues them: stage 1
+    over the node group (one rank per node) sends each token once to every other node holding one of
+    its experts (:func:`expected_nodes_per_token`), with its slots' expert ids (int32) and gate
+    weights (fp32, and their gradient), and the combined row back; stage 2, the all-to-all
+    dispatcher inside the node, moves the node's slots (``top_k`` per token) among its ranks. Both
+    stages' rows send the dispatch, the combine and their gradients (:func:`token_exchange_row_bytes`).
+    """
+    h, k = model.hidden_size, model.top_k
+    experts_per_node = model.num_experts // num_nodes
+    nodes = expected_nodes_per_token(num_nodes, experts_per_node, k, model.max_nodes_per_token)
+    remote_rows = tokens * nodes * (num_nodes - 1) / num_nodes
+    across, inside = (0.0, 1.0), (1.0, 0.0)
+    records = [
+        CommRecord("hierarchical node counts all-to-all", "ep", "ep", peer_share_bytes(num_nodes * INT64_BYTES, num_nodes) * per_step,
+                   per_step, recorded_as="ep", split=across),
+        CommRecord("hierarchical expert ids and gate weights", "ep", "ep", remote_rows * k * (INT32_BYTES + 2 * FP32_BYTES) * per_step,
+                   3 * per_step, recorded_as="ep", routing_dependent=True, split=across),
+        CommRecord("hierarchical rows across nodes", "ep", "ep", remote_rows * token_exchange_row_bytes(h, activation_bytes, model.dispatch_dtype) * per_step,
+                   4 * per_step, recorded_as="ep", routing_dependent=True, split=across),
+    ]  # fmt: skip
+    if ranks_per_node > 1:
+        slots_leaving = tokens * k * (ranks_per_node - 1) / ranks_per_node
+        records += [
+            CommRecord("hierarchical in-node counts all-to-all", "ep", "ep",
+                       peer_share_bytes(experts_per_node * INT64_BYTES, ranks_per_node) * per_step, per_step, recorded_as="ep", split=inside),
+            CommRecord("hierarchical rows inside the node", "ep", "ep",
+                       slots_leaving * token_exchange_row_bytes(h, activation_bytes, model.dispatch_dtype) * per_step, 4 * per_step,
+                       recorded_as="ep", routing_dependent=True, split=inside),
+        ]  # fmt: skip
+    return records
+
+
+def comm_records(
+    model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true", *, gpus_per_node: int | None = None
+) -> list[CommRecord]:
     """Every collective of one optimizer step, bytes per rank averaged over all ranks.
 
     Expert dispatch bytes assume balanced routing: each token slot lands on any ep rank with equal
     probability, so ``(ep - 1) / ep`` of a rank's slots leave it (and as many arrive); dropless.
     Everything else is deterministic. Sequence parallelism is on (the strategy's default).
+    ``gpus_per_node``: where nodes begin, which the hierarchical dispatcher needs (its stages are the
+    ep group's nodes and the ranks inside each).
     """
     a = ACTIVATION_BYTES[precision]
     w = FSDP_GATHER_BYTES[precision]  # unsharded parameters (and their gradients) in FSDP's param dtype
@@ -255,8 +337,18 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
             counts = peer_share_bytes(model.num_experts * INT64_BYTES, ep)
             add("dispatch counts all-to-all", "ep", "ep", counts * m * moe_per_rank, m * moe_per_rank, recorded_as="ep")
             leave = slots * (ep - 1) / ep
-            add("token dispatch/combine all-to-all", "ep", "ep", 4 * leave * h * a * m * moe_per_rank,
+            add("token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * leave * m * moe_per_rank,
                 4 * m * moe_per_rank, recorded_as="ep", routing_dependent=True)
+        elif model.dispatcher == "hierarchical":
+            if gpus_per_node is None:
+                raise ValueError("dispatcher='hierarchical' splits the ep group by node: pass comm_records(..., gpus_per_node=...)")
+            num_nodes = nodes_spanned(layout, "ep", gpus_per_node)
+            if num_nodes < 2:
+                raise ValueError(
+                    f"dispatcher='hierarchical' needs ep ranks on more than one node, and {layout.label()}'s ep group sits"
+                    f" in one node of {gpus_per_node}: use dispatcher='alltoall'"
+                )
+            records += hierarchical_dispatch_records(model, tokens, num_nodes, ep // num_nodes, a, m * moe_per_rank)
         else:
             gathered = peer_chunks_bytes(tokens * h * a, ep)
             idx = peer_chunks_bytes(slots * INT64_BYTES, ep)
@@ -277,11 +369,14 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
         frac = unit.ranks_fraction * unit.count
         if n > 1:
             shard = unit.padded_shard_numel * (n - 1)
-            nbytes = (gathers * FSDP_GATHER_BYTES[precision] + scatters * FSDP_REDUCE_BYTES) * shard
-            add(f"FSDP {unit.name}", "dp", group, nbytes * frac, (gathers + scatters) * frac, overlapped=True)
+            add(f"FSDP {unit.name} all-gather", "dp", group, gathers * FSDP_GATHER_BYTES[precision] * shard * frac, gathers * frac,
+                overlapped=True)
+            add(f"FSDP {unit.name} reduce-scatter", "dp", group, scatters * FSDP_REDUCE_BYTES * shard * frac, scatters * frac,
+                overlapped=True, reduction=True)
         if layout.hsdp:
             reduced = all_reduce_bytes(int(unit.padded_shard_numel) * FSDP_REDUCE_BYTES, layout.dp_replicate)
-            add(f"HSDP {unit.name} replica all-reduce", "dp", "dp:replicate", reduced * scatters * frac, scatters * frac, overlapped=True)
+            add(f"HSDP {unit.name} replica all-reduce", "dp", "dp:replicate", reduced * scatters * frac, scatters * frac,
+                overlapped=True, reduction=True)
     n_token = group_size(layout, "token")
     if moe_per_rank and n_token > 1:
         if model.load_balancing == "global_aux_loss":
@@ -308,6 +403,8 @@ def comm_records(model: ModelShape, layout: Layout, seq_len: int, precision: str
 
 def record_split(rec: CommRecord, layout: Layout, cluster: Cluster) -> tuple[float, float]:
     """``(intra, inter)`` fractions of ``rec``'s bytes that stay inside a node and that cross nodes."""
+    if rec.split is not None:
+        return rec.split
     if rec.pattern == "spread":
         return peer_split(layout, rec.group, cluster.gpus_per_node)
     return ring_split(layout, rec.group, cluster.gpus_per_node, wrap=rec.pattern == "ring")

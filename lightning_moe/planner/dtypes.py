@@ -10,6 +10,7 @@ FP32_BYTES = 4  # IEEE 754 single
 BF16_BYTES = 2  # bfloat16
 FP64_BYTES = 8  # IEEE 754 double
 INT64_BYTES = 8  # token counts exchanged by the dispatchers (torch.bincount gives int64)
+INT32_BYTES = 4  # the hierarchical dispatcher's node-local expert ids (lightning_moe.moe.hierarchical)
 ADAM_STATE_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq (torch.optim.AdamW)
 # Activation bytes per element that cross the network or are stored, by training precision.
 # "bf16-mixed" is torch.autocast: GEMM outputs are bf16; ring attention's dK/dV accumulators and the

@@ -20,15 +20,17 @@ def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers
     hides the dispatch all-to-all (:func:`lightning_moe.planner.step_time.hidden_ep_seconds`).
 
     GEMMs are ``2 x m x n x k``; the causal attention core computes half of ``QK^T`` and ``PV``
-    (``2 x 2 x s^2 x q_dim / 2`` per sample); expert tokens are balanced over ep ranks.
+    (``2 x s^2 / 2 x heads x (qk_head_dim + v_head_dim)`` per sample, ``2 x s^2 x q_dim`` for equal
+    head dims); expert tokens are balanced over ep ranks (the imbalance is
+    :func:`lightning_moe.planner.step_time.expert_load_imbalance`'s).
     """
     tp, cp = layout.tp, layout.cp
     h = model.hidden_size
     tokens = layout.micro_batch_size * seq_len / cp  # tokens on this cp rank (all tp ranks compute them)
     # Each layer's terms, the same for every layer of a kind: computed once, added layer by layer.
     projections = 2 * tokens * (h * model.q_dim + 2 * h * model.kv_dim + model.q_dim * h) / tp
-    # causal attention per sample: 2 (QK^T, PV) x 2 FLOP x s^2/2 x q_dim; cp ranks split it evenly (zigzag)
-    core = 2 * layout.micro_batch_size * seq_len * seq_len * model.q_dim / tp / cp
+    # causal attention per sample: 2 FLOP x s^2/2 x (q/k head + v head) per head; cp ranks split it evenly (zigzag)
+    core = layout.micro_batch_size * seq_len * seq_len * model.attention_core_dim / tp / cp
     router = 2 * tokens * h * model.num_experts / tp  # on this rank's sequence shard
     shared = 2 * tokens * 3 * h * model.shared_expert_hidden_size / tp if model.shared_expert_hidden_size else 0.0
     experts = 2 * tokens * model.top_k * 3 * h * model.moe_ffn_hidden_size / tp

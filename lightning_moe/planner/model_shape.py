@@ -23,7 +23,13 @@ MOE_FIELDS: dict[str, str] = {
     "expert_bias": "expert_bias",
     "capacity_factor": "capacity_factor",
     "dispatch_chunks": "dispatch_chunks",
+    "dispatch_dtype": "dispatch_dtype",
+    "max_nodes_per_token": "max_nodes_per_token",
 }
+# Terms of a published architecture that MoEGPT cannot build, read by the planner alone from the plan
+# config's ``architecture`` (conf/architecture/<model>.yaml): leading dense layers, and attention
+# head dims apart from hidden / heads (multi-head latent attention's q/k and v heads).
+ARCHITECTURE_FIELDS: tuple[str, ...] = ("first_dense_layers", "qk_head_dim", "v_head_dim")
 
 _CASTS: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -68,13 +74,26 @@ class ModelShape:
     expert_bias: bool = MoEConfig.default("expert_bias")
     capacity_factor: float | None = MoEConfig.default("capacity_factor")
     dispatch_chunks: int = MoEConfig.default("dispatch_chunks")
+    dispatch_dtype: str | None = MoEConfig.default("dispatch_dtype")
+    max_nodes_per_token: int | None = MoEConfig.default("max_nodes_per_token")
+    # ARCHITECTURE_FIELDS: the published model's terms (None: MoEGPT's hidden / heads)
+    first_dense_layers: int = 0
+    qk_head_dim: int | None = None
+    v_head_dim: int | None = None
     name: str = "model"
+    optimizer: str = "adamw"  # "muon": the step adds lightning_moe.planner.muon's gathers and Newton-Schulz
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], name: str | None = None) -> ModelShape:
-        """From an MoEGPT config (``conf/model/*.yaml`` or ``MoEGPT.hparams``), with MoEGPT's defaults."""
+    def from_config(cls, cfg: Mapping[str, Any], name: str | None = None, architecture: Mapping[str, Any] | None = None) -> ModelShape:
+        """From an MoEGPT config (``conf/model/*.yaml`` or ``MoEGPT.hparams``), with MoEGPT's defaults;
+        ``architecture``: the published model's :data:`ARCHITECTURE_FIELDS` the planner estimates in
+        its place (``{"first_dense_layers": 3, "qk_head_dim": 192, "v_head_dim": 128}``)."""
         if not isinstance(cfg, Mapping):
             raise ValueError(f"model config must be a mapping of MoEGPT arguments, got {type(cfg).__name__}")
+        architecture = dict(architecture or {})
+        unknown = sorted(set(architecture) - set(ARCHITECTURE_FIELDS))
+        if unknown:
+            raise ValueError(f"architecture has unknown keys {unknown}: the keys are {list(ARCHITECTURE_FIELDS)}")
         hidden = int(cfg.get("hidden_size", 128))
         heads = int(cfg.get("num_heads", 4))
         kv = cfg.get("num_kv_heads")
@@ -95,7 +114,9 @@ class ModelShape:
             ffn_hidden_size=ffn,
             moe_layer_freq=int(cfg.get("moe_layer_freq", 1)),
             **moe_fields,
+            **{key: None if value is None else int(value) for key, value in architecture.items()},
             name=name or str(cfg.get("name", "model")),
+            optimizer=str(cfg.get("optimizer", "adamw")),
         )
         shape.check()
         return shape
@@ -129,6 +150,11 @@ class ModelShape:
             )
         if self.dispatch_chunks < 1:
             raise ValueError(f"model.moe.dispatch_chunks={self.dispatch_chunks} must be >= 1 (1: no chunking)")
+        if not 0 <= self.first_dense_layers <= self.num_layers:
+            raise ValueError(f"architecture.first_dense_layers={self.first_dense_layers} must be between 0 and num_layers={self.num_layers}")
+        for key in ("qk_head_dim", "v_head_dim"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"architecture.{key}={getattr(self, key)} must be >= 1 (or null: hidden_size / num_heads)")
         if self.num_moe_layers and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"model.moe.top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
 
@@ -146,9 +172,16 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @cached_property
+    def attention_core_dim(self) -> int:
+        """Elements per token of one layer's attention core, ``heads x (q/k head + v head)``: the
+        ``QK^T`` and ``PV`` products each take ``2 x s`` FLOPs per key and element of their head dim."""
+        return self.num_heads * ((self.qk_head_dim or self.head_dim) + (self.v_head_dim or self.head_dim))
+
     def is_moe(self, layer: int) -> bool:
-        """Same rule as :func:`lightning_moe.models.moe_gpt.is_moe_layer`."""
-        return self.moe_layer_freq > 0 and (layer + 1) % self.moe_layer_freq == 0
+        """Same rule as :func:`lightning_moe.models.moe_gpt.is_moe_layer`, after the published
+        architecture's ``first_dense_layers``."""
+        return layer >= self.first_dense_layers and self.moe_layer_freq > 0 and (layer + 1) % self.moe_layer_freq == 0
 
     # The counts below loop over every layer and the planner asks for them per layout: computed once.
     @cached_property
@@ -196,8 +229,12 @@ class ModelShape:
                 total += 3 * h * self.ffn_hidden_size
         return total
 
-    def model_flops_per_token(self, seq_len: int) -> float:
+    def model_flops_per_token(self, seq_len: int, *, causal: bool = False) -> float:
         """MFU numerator, as :func:`lightning_moe.callbacks.throughput.model_flops_per_token`:
-        ``6 x active parameters + 12 x layers x heads x head_dim x seq_len`` (PaLM, appendix B)."""
-        return 6.0 * self.active_parameters() + 12.0 * self.num_layers * self.q_dim * seq_len
+        ``6 x active parameters + 6 x layers x heads x (qk + v head dims) x seq_len`` (PaLM, appendix B:
+        ``12 x layers x q_dim x seq_len`` for equal head dims), the attention core over the full score
+        matrix, as PaLM and Megatron-LM's ``num_floating_point_operations`` count it (the convention of
+        the published MFU figures); ``causal=True`` counts the half a causal kernel computes."""
+        attention = 6.0 * self.num_layers * self.attention_core_dim * seq_len
+        return 6.0 * self.active_parameters() + (attention / 2 if causal else attention)
 

@@ -17,9 +17,14 @@ from lightning_moe.planner.step_time import Estimate
 if TYPE_CHECKING:
     from lightning_moe.parallel.dry_run import RankView
 
-__all__ = ["GIB", "format_dry_run", "format_rejected", "format_same_sizes", "format_table", "plan_json", "plot_plan"]
+__all__ = ["GIB", "MFU_CONVENTION", "format_bounds", "format_dry_run", "format_rejected", "format_same_sizes", "format_table", "plan_json", "plot_plan"]
 
 GIB = 2**30
+MFU_CONVENTION = (
+    "model FLOPs per token = 6 x active parameters + the attention core over the full score matrix"
+    " (PaLM appendix B; Megatron-LM's num_floating_point_operations counts it the same way), as the"
+    " published MFU figures; the causal half is what the kernels compute (mfu_causal)"
+)
 
 
 def _gib(x: float) -> str:
@@ -33,15 +38,15 @@ def _gb(x: float) -> str:
 def format_table(estimates: Sequence[Estimate], checkpointing: str = "none") -> str:
     """Two markdown tables for the given estimates: time and memory, then bytes per step per dim."""
     head = (
-        "| # | layout | step s | MFU | tokens/s/GPU | bubble | mem GiB | params | grads | optim | act none/sel/full | fits |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| # | layout | step s | MFU | MFU range | tokens/s/GPU | bubble | mem GiB | params | grads | optim | act none/sel/full | fits |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [head]
     for i, e in enumerate(estimates, 1):
         mem = e.memory
         acts = "/".join(_gib(mem.activations[m]) for m in CHECKPOINT_MODES)
         rows.append(
-            f"| {i} | {e.layout.label()} | {e.step_time:.3g} | {e.mfu:.1%} | {e.tokens_per_second / e.layout.world_size:,.0f}"
+            f"| {i} | {e.layout.label()} | {e.step_time:.3g} | {e.mfu:.1%} | {_mfu_range(e)} | {e.tokens_per_second / e.layout.world_size:,.0f}"
             f" | {e.bubble_fraction:.1%} | {_gib(mem.total(checkpointing))} | {_gib(mem.parameters)} | {_gib(mem.gradients)}"
             f" | {_gib(mem.optimizer)} | {acts} | {'yes' if e.fits else 'no'} |"
         )
@@ -59,6 +64,31 @@ def format_table(estimates: Sequence[Estimate], checkpointing: str = "none") -> 
         ]
         rows.append(f"| {i} | {e.layout.label()} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def _mfu_range(e: Estimate) -> str:
+    """``no overlap–perfect overlap`` MFU of an estimate (its bounds)."""
+    if e.bounds is None:
+        return ""
+    return f"{e.mfu_at(e.bounds.no_overlap):.1%}–{e.mfu_at(e.bounds.perfect_overlap):.1%}"
+
+
+def format_bounds(e: Estimate) -> str:
+    """The first layout's estimate as a range: step time and MFU with no overlap, the modelled
+    overlap and perfect overlap, where its time goes, and the MFU convention."""
+    b = e.bounds
+    assert b is not None
+    lines = [
+        f"Estimate of {e.layout.label()} as a range (step s / MFU):",
+        f"  no overlap {b.no_overlap:.3g} / {e.mfu_at(b.no_overlap):.1%},"
+        f" modelled overlap {b.modelled:.3g} / {e.mfu:.1%},"
+        f" perfect overlap {b.perfect_overlap:.3g} / {e.mfu_at(b.perfect_overlap):.1%}",
+        f"  compute {e.compute_time:.3g} s, hidden communication {e.overlapped_comm_time:.3g} s (slowing the compute by"
+        f" {e.overlap_slowdown_time:.3g} s), exposed {e.exposed_comm_time:.3g} s (of which the gradient reduction after"
+        f" the last backward {e.end_of_step_reduction_time:.3g} s), bubble {e.bubble_fraction:.1%}, optimizer {e.optimizer_time:.3g} s",
+        f"  MFU: {MFU_CONVENTION}: {e.mfu_causal:.1%} with causal attention FLOPs",
+    ]
+    return "\n".join(lines)
 
 
 def format_rejected(rejected: Sequence[Estimate], limit: int = 10) -> str:

@@ -12,6 +12,7 @@ from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
 from lightning_moe.planner.candidate import CP_COMM_KINDS, Layout
 from lightning_moe.planner.communication import ulysses_heads_problem
+from lightning_moe.planner.groups import nodes_spanned
 from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.step_time import Estimate, estimate
@@ -92,6 +93,16 @@ def a2a_heads_problem(model: ModelShape, layout: Layout) -> str | None:
     if cp == 1 or model.num_heads % tp or model.num_kv_heads % tp:
         return None
     return ulysses_heads_problem(model.num_heads // tp, model.num_kv_heads // tp, cp)
+
+
+def hierarchical_dispatch_problem(model: ModelShape, layout: Layout, gpus_per_node: int) -> str | None:
+    """Why ``dispatcher="hierarchical"`` cannot run ``layout``'s ep group, or None: its two stages need
+    the group on more than one node (``lightning_moe.moe.hierarchical`` refuses one node)."""
+    if model.dispatcher != "hierarchical" or layout.ep == 1 or not model.num_moe_layers:
+        return None
+    if nodes_spanned(layout, "ep", gpus_per_node) < 2:
+        return f"dispatcher='hierarchical' needs the ep group on more than one node of {gpus_per_node} ranks"
+    return None
 
 
 def cp_comm_options(model: ModelShape, layout: Layout, kinds: Iterable[str] = CP_COMM_KINDS) -> tuple[str, ...]:
@@ -256,6 +267,8 @@ def plan(
     micro_batch_sizes: Iterable[int] | None = None,
     folding: bool = True,
     cp_comms: Iterable[str] = CP_COMM_KINDS,
+    fp8_gemms: bool = False,
+    load_imbalance: float | None = None,
 ) -> Plan:
     """Estimate every valid layout and rank those that fit by step time.
 
@@ -263,7 +276,8 @@ def plan(
     A dp group spanning several of the cluster's nodes is also tried as HSDP (one replica group per node).
     ``cp_comms``: how attention may cross the cp ranks; each layout with cp > 1 is estimated under
     each of them it can run (all-to-all: query heads per tp rank divisible by cp) and ranked with
-    the fastest (:func:`estimate_cp_comm`; ``("ring",)``: ring attention only).
+    the fastest (:func:`estimate_cp_comm`; ``("ring",)``: ring attention only). ``fp8_gemms`` and
+    ``load_imbalance``: as :func:`~lightning_moe.planner.step_time.estimate` takes them.
 
     Raises ``ValueError`` (before any work) for bad arguments, when no layout is valid for
     ``world_size``, and when ``memory_budget`` cannot hold the parameters, gradients and optimizer
@@ -281,6 +295,12 @@ def plan(
         raise ValueError(f"precision={precision!r} is unknown: choose one of {PRECISIONS}")
     if checkpointing not in CHECKPOINT_MODES:
         raise ValueError(f"checkpointing={checkpointing!r} is unknown: choose one of {CHECKPOINT_MODES}")
+    if load_imbalance is not None and not load_imbalance >= 1:
+        raise ValueError(
+            f"expert_load_imbalance={load_imbalance} must be >= 1 (the busiest ep rank's expert tokens over the mean;"
+            " 1: perfectly balanced routing), or null for the default"
+        )
+    cluster.gemm_peak(fp8_gemms)  # refuses fp8_gemms on a cluster without FP8 figures, before any work
     cp_comms = tuple(cp_comms)
     if not cp_comms or any(k not in CP_COMM_KINDS for k in cp_comms):
         raise ValueError(f"cp_comms={cp_comms!r} must name one or more of {CP_COMM_KINDS}")
@@ -293,8 +313,11 @@ def plan(
             f" {state_bytes / 2**30:.2f} GiB): raise memory_budget or world_size, or pick a smaller model"
         )
     max_tp = cluster.gpus_per_node if max_tp is None else max_tp
-    layouts = list(enumerate_layouts(world_size, model, seq_len, global_batch_size, max_tp=max_tp, micro_batch_sizes=micro_batch_sizes,
-                                     folding=folding, gpus_per_node=cluster.gpus_per_node, checkpointing=checkpointing))
+    layouts = [
+        lay for lay in enumerate_layouts(world_size, model, seq_len, global_batch_size, max_tp=max_tp, micro_batch_sizes=micro_batch_sizes,
+                                         folding=folding, gpus_per_node=cluster.gpus_per_node, checkpointing=checkpointing)
+        if not hierarchical_dispatch_problem(model, lay, cluster.gpus_per_node)
+    ]  # fmt: skip
     if not layouts:
         raise ValueError(
             f"no layout of world_size={world_size} is valid for {model.name} with seq_len={seq_len} and"
@@ -305,7 +328,7 @@ def plan(
         )
     estimates = [
         estimate_cp_comm(model, layout, cluster, seq_len, global_batch_size, cp_comms=cp_comms, precision=precision,
-                         checkpointing=checkpointing, memory_budget=budget)
+                         checkpointing=checkpointing, memory_budget=budget, fp8_gemms=fp8_gemms, load_imbalance=load_imbalance)
         for layout in layouts
     ]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory.total(checkpointing)))
@@ -328,6 +351,7 @@ def resolve_auto_layout(
     micro_batch_size: int | None = None,
     precision: str | None = None,
     checkpointing: str = "none",
+    load_imbalance: float | None = None,
 ) -> tuple[Estimate, Estimate | None]:
     """``MoE5DStrategy(layout="auto", layout_options={...})``: the best layout and the runner-up.
 
@@ -339,7 +363,8 @@ def resolve_auto_layout(
     modules make of None, :func:`~lightning_moe.layout.default_micro_batch_size`, so that
     layouts are ranked with the micro-batch that will run), ``precision`` (Lightning's string) and
     ``checkpointing`` (the run's activation checkpointing: the memory mode layouts must fit with, and
-    ``overlap_ep_comm`` is offered only without it, as the strategy refuses it otherwise).
+    ``overlap_ep_comm`` is offered only without it, as the strategy refuses it otherwise) and
+    ``load_imbalance`` (the busiest ep rank's expert tokens over the mean; None: the planner's default).
     ``conf/parallel/auto.yaml`` fills them from the run's config.
 
     Example::
@@ -360,6 +385,7 @@ def resolve_auto_layout(
     result = plan(
         world_size, shape, machine, seq_len=int(seq_len), global_batch_size=int(global_batch_size),  # type: ignore[arg-type]
         precision=_precision_of(precision), micro_batch_sizes=[int(micro_batch_size)], checkpointing=checkpointing,
+        load_imbalance=load_imbalance,
     )  # fmt: skip
     if not result.ranked:
         smallest = result.rejected[0]

@@ -1,14 +1,18 @@
 """Time per optimizer step, and the estimate of a layout that gathers it with memory and communication.
 
-Compute / (peak x efficiency of the op kind) plus communication / bandwidth of the tier it crosses,
-minus the overlap the code implements (FSDP2 prefetches its all-gathers and reduce-scatters on their
-own stream; ring attention sends the next K/V block while the current one computes; the expert
-token all-to-alls hide as far as the model's and layout's overlap options allow,
-:func:`hidden_ep_seconds`; tensor-parallel collectives, all-to-all context parallelism's exchanges
-(``Layout.cp_comm="a2a"``) and pipeline P2P are exposed), times the
-pipeline bubble ``(p - 1) / (m + p - 1)`` (interleaved: ``(p-1)/v``; the V schedules: played out,
-:mod:`~lightning_moe.planner.v_schedules`), plus the optimizer's
-memory-bound update.
+Compute: FLOPs / (peak x efficiency of the op kind; FP8 GEMMs at their own peak and efficiency),
+plus the memory-bound ops' HBM bytes (:mod:`~lightning_moe.planner.elementwise`), the expert work of
+the busiest ep rank (:func:`expert_load_imbalance`). Communication: bytes / bandwidth of the tier it
+crosses. Overlap (:func:`overlap_budget`): the expert all-to-all time the overlap options hide
+(:func:`hidden_ep_seconds`), FSDP2's gathers and reductions and ring attention's shifts all draw on
+one budget per phase, the compute of that phase, never credited twice; the gradient reduction that waits
+for the last backward (under pp after it: torch's ``REDUCE_GRAD`` action) is exposed; each hidden
+second slows the compute by ``cluster.overlap_slowdown``. Tensor-parallel collectives, all-to-all
+context parallelism's exchanges and pipeline P2P are exposed. Then the pipeline bubble
+``(p - 1) / (m + p - 1)`` (interleaved: ``(p-1)/v``; the V schedules: played out,
+:mod:`~lightning_moe.planner.v_schedules`), plus the optimizer's memory-bound update
+(:func:`optimizer_seconds`). Each estimate carries its range: no overlap, the modelled overlap and
+perfect overlap (:class:`StepTimeBounds`).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_moe.planner.cluster import Cluster
-from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, record_split
+from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, fsdp_reduces, record_split
+from lightning_moe.planner.muon import muon_comm_records, newton_schulz_seconds
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES
+from lightning_moe.planner.elementwise import elementwise_bytes_per_microbatch
 from lightning_moe.planner.flops import RECOMPUTE_FORWARDS, flops_per_microbatch
 from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
@@ -29,16 +35,44 @@ from lightning_moe.planner.v_schedules import v_schedule_timeline
 # (4 + 4 + 8) bytes read and (4 + 8) written (torch.optim.AdamW foreach kernel, memory-bound).
 OPTIMIZER_HBM_BYTES_PER_PARAM = (FP32_BYTES + FP32_BYTES + ADAM_STATE_BYTES) + (FP32_BYTES + ADAM_STATE_BYTES)
 
+# The busiest ep rank's expert tokens over the mean, when routing leaves it to the router (an aux loss
+# or a selection bias balances the load only on average): FEPLB (Fig. 1b: 128 experts on 16 H100s,
+# trained with an auxiliary loss) measures 18.6% of each MoE layer's GPU time lost waiting for the
+# slowest rank, i.e. the slowest rank's expert work 1 / (1 - 0.186) = 1.23 x the mean.
+DEFAULT_EXPERT_LOAD_IMBALANCE = 1.23
+
+
+@dataclass(frozen=True)
+class StepTimeBounds:
+    """The step time under three readings of overlap: ``no_overlap`` (every collective exposed),
+    ``modelled`` (the estimate: what the code overlaps, within the phases' compute, slowed by
+    overlap) and ``perfect_overlap`` (every collective hidden behind the compute as far as it
+    reaches, at no slowdown; the pipeline bubble and the optimizer step stay). Ordered
+    ``perfect_overlap <= modelled <= no_overlap``.
+
+    Example::
+
+        est.bounds.perfect_overlap, est.bounds.modelled, est.bounds.no_overlap
+    """
+
+    perfect_overlap: float
+    modelled: float
+    no_overlap: float
+
 
 @dataclass
 class Estimate:
     """The cost model's figures for one layout (per optimizer step; bytes per rank).
 
     ``exposed_comm_time``: communication the step waits for (all-to-all context parallelism's
-    exchanges among it). ``overlapped_comm_time``: communication
-    that runs while the rank computes: FSDP's and ring attention's collectives (what of them exceeds
-    the compute counts in ``exposed_comm_time`` too) and the expert all-to-all time the overlap
-    options hide, ``hidden_ep_comm_time`` by mechanism (:func:`hidden_ep_seconds`).
+    exchanges, what of the overlapped traffic its phase's compute cannot cover, the reduction after
+    the last backward). ``overlapped_comm_time``: communication hidden behind compute (the expert
+    all-to-all time the overlap options hide, ``hidden_ep_comm_time`` by mechanism:
+    :func:`hidden_ep_seconds`; FSDP's and ring attention's in the compute left,
+    :func:`overlap_budget`). ``overlap_slowdown_time``: what the hidden seconds cost the compute.
+    ``mfu``: model FLOPs with full attention (the published figures' convention,
+    :meth:`~lightning_moe.planner.model_shape.ModelShape.model_flops_per_token`); ``mfu_causal``
+    counts the causal half. ``bounds``: :class:`StepTimeBounds`.
     """
 
     layout: Layout
@@ -59,6 +93,14 @@ class Estimate:
     ep_internode_bytes: float
     records: list[CommRecord] = field(default_factory=list, repr=False)
     hidden_ep_comm_time: dict[str, float] = field(default_factory=dict)
+    bounds: StepTimeBounds | None = None
+    mfu_causal: float = 0.0
+    overlap_slowdown_time: float = 0.0
+    end_of_step_reduction_time: float = 0.0
+
+    def mfu_at(self, step_time: float) -> float:
+        """The MFU the step would reach in ``step_time`` seconds (one of :attr:`bounds`)."""
+        return self.mfu * self.step_time / step_time
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -84,6 +126,11 @@ class Estimate:
             "bubble_fraction": self.bubble_fraction,
             "optimizer_time_s": self.optimizer_time,
             "mfu": self.mfu,
+            "mfu_causal": self.mfu_causal,
+            "step_time_bounds_s": vars(self.bounds) if self.bounds else None,
+            "mfu_bounds": {k: self.mfu_at(v) for k, v in vars(self.bounds).items()} if self.bounds else None,
+            "overlap_slowdown_time_s": self.overlap_slowdown_time,
+            "end_of_step_reduction_time_s": self.end_of_step_reduction_time,
             "tokens_per_second": self.tokens_per_second,
             "checkpointing": self.checkpointing,
             "fits": self.fits,
@@ -111,15 +158,42 @@ KIND_EFFICIENCY = {"dense": "gemm_efficiency", "shared_expert": "gemm_efficiency
                    "attention": "attention_efficiency"}  # fmt: skip
 
 
-def forward_seconds_by_kind(model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int) -> dict[str, float]:
-    """Seconds one micro-batch's forward computes on the busiest pipeline rank, by op kind (each at
-    its efficiency of the peak); slowed down when more ranks run than compute at once
+def expert_load_imbalance(layout: Layout, imbalance: float | None = None) -> float:
+    """The busiest ep rank's expert tokens over the mean: ``imbalance`` (default
+    :data:`DEFAULT_EXPERT_LOAD_IMBALANCE`) where experts spread over ep > 1 ranks, 1 where one rank
+    holds them all (its work is the same whatever the routing)."""
+    if layout.ep == 1:
+        return 1.0
+    return DEFAULT_EXPERT_LOAD_IMBALANCE if imbalance is None else imbalance
+
+
+def forward_seconds_by_kind(
+    model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int, *, precision: str = "bf16-mixed",
+    fp8_gemms: bool = False, imbalance: float = 1.0,
+) -> dict[str, float]:
+    """Seconds one micro-batch's forward computes on the busiest pipeline rank, by op kind: the GEMM
+    kinds at their efficiency of the peak (with ``fp8_gemms`` at the FP8 peak and efficiency; the
+    attention core stays bf16), the expert GEMMs of the busiest ep rank (``imbalance`` x the mean),
+    and ``elementwise``, the memory-bound ops' bytes at ``cluster.elementwise_efficiency`` of the HBM
+    bandwidth (none where it is None); slowed down when more ranks run than compute at once
     (``cluster.concurrent_ranks``)."""
+    gemm_peak, fp8_efficiency = cluster.gemm_peak(fp8_gemms)
     worst: dict[str, float] = {}
     for pp_rank in edge_pp_ranks(layout):
         layers = rank_layers(model, layout, pp_rank)
-        f = flops_per_microbatch(model, layout, seq_len, layers, holds_last_stage(layout, pp_rank))
-        seconds = {kind: f[kind] / (cluster.peak_flops * getattr(cluster, KIND_EFFICIENCY[kind])) for kind in f}
+        last = holds_last_stage(layout, pp_rank)
+        f = flops_per_microbatch(model, layout, seq_len, layers, last)
+        seconds = {}
+        for kind, flops in f.items():
+            if kind == "attention" or fp8_efficiency is None:
+                seconds[kind] = flops / (cluster.peak_flops * getattr(cluster, KIND_EFFICIENCY[kind]))
+            else:
+                seconds[kind] = flops / (gemm_peak * fp8_efficiency)
+        seconds["expert"] *= imbalance
+        seconds["elementwise"] = 0.0
+        if cluster.elementwise_efficiency is not None:
+            traffic = elementwise_bytes_per_microbatch(model, layout, seq_len, layers, last, precision)
+            seconds["elementwise"] = traffic / (cluster.hbm_bandwidth * cluster.elementwise_efficiency)
         if sum(seconds.values()) > sum(worst.values()):
             worst = seconds
     slowdown = 1.0
@@ -227,6 +301,41 @@ def pipeline_bubble(layout: Layout) -> float:
     return bubble_units / (m + bubble_units)
 
 
+def overlap_budget(
+    layout: Layout, compute: float, last_backward: float, hidden_ep: float, spread: float, reductions: float
+) -> dict[str, tuple[float, float]]:
+    """``{phase: (traffic, compute left)}``: the overlapped FSDP and ring communication seconds each
+    phase of the step asks to hide, and the compute seconds left to hide them behind once the expert
+    all-to-all's overlap (``hidden_ep``, spread over the step like the compute, each mechanism
+    already bound to the compute it runs beside) has taken its share: one second of compute covers
+    at most one second of communication, whatever runs beside it.
+
+    ``spread``: traffic spread over the whole step (FSDP2's all-gathers, ring attention's shifts),
+    each phase taking its share by its share of the compute; ``reductions``: the gradient reductions
+    (FSDP2's reduce-scatters, HSDP's all-reduce). At pp = 1 FSDP2 issues them in each reducing
+    backward, layer by layer, the step's last one in the last micro-batch's backward
+    (``last_backward`` seconds; all of them there with ``gather_once_per_step``), so they hide
+    behind that backward or not at all. Under pp > 1 torch's schedules run them in a ``REDUCE_GRAD``
+    action after the stage's last backward, with nothing beside them: they belong to no phase (the
+    caller exposes them).
+    """
+    if layout.pp > 1 or compute <= 0:
+        return {"step": (spread, compute - hidden_ep)}
+    reductions_last = reductions / fsdp_reduces(layout)
+    share_last = last_backward / compute
+    return {
+        "before the last backward": (spread * (1 - share_last) + reductions - reductions_last,
+                                     (compute - last_backward) - hidden_ep * (1 - share_last)),
+        "last backward": (spread * share_last + reductions_last, last_backward - hidden_ep * share_last),
+    }
+
+
+def optimizer_seconds(mem: Memory, cluster: Cluster) -> float:
+    """Seconds of the optimizer step on one rank: AdamW's memory-bound pass over the rank's fp32
+    parameters (:data:`OPTIMIZER_HBM_BYTES_PER_PARAM`). An optimizer with other terms adds them here."""
+    return mem.parameters / FP32_BYTES * OPTIMIZER_HBM_BYTES_PER_PARAM / cluster.hbm_bandwidth
+
+
 def estimate(
     model: ModelShape,
     layout: Layout,
@@ -237,44 +346,73 @@ def estimate(
     precision: str = "bf16-mixed",
     checkpointing: str = "none",
     memory_budget: float | None = None,
+    fp8_gemms: bool = False,
+    load_imbalance: float | None = None,
 ) -> Estimate:
-    """Step time, MFU, memory and communication of one layout (see the module docstring).
+    """Step time (with its :class:`StepTimeBounds`), MFU, memory and communication of one layout (see
+    the module docstring). ``fp8_gemms``: the GEMMs run in FP8 (the cluster's FP8 peak and
+    efficiency; attention in bf16); ``load_imbalance``: the busiest ep rank's expert tokens over the
+    mean (:func:`expert_load_imbalance`).
 
     Example::
 
         est = estimate(shape, Layout(tp=2, ep=2, dp=2, microbatches=4), cluster, seq_len=4096, global_batch_size=16)
-        est.step_time, est.memory.total("none"), est.comm["ep"]
+        est.step_time, est.bounds.no_overlap, est.memory.total("none"), est.comm["ep"]
     """
-    records = comm_records(model, layout, seq_len, precision)
-    exposed = overlapped = token_exchange = 0.0
+    records = comm_records(model, layout, seq_len, precision, gpus_per_node=cluster.gpus_per_node)
+    records += muon_comm_records(model, layout) if model.optimizer == "muon" else []
+    imbalance = expert_load_imbalance(layout, load_imbalance)
+    exposed = spread = reductions = token_exchange = 0.0
     for rec in records:
         seconds = record_seconds(rec, layout, cluster)
         if rec.dim == "ep":  # each dispatch chunk exchanges its counts and tokens in calls of its own
             seconds += (model.dispatch_chunks - 1) * rec.calls * cluster.collective_latency
-        if rec.overlapped:
-            overlapped += seconds
+        if rec.dim == "ep" and rec.routing_dependent:  # the token all-to-alls: the busiest rank receives the most
+            seconds *= imbalance
+            token_exchange += seconds
+        if rec.reduction:
+            reductions += seconds
+        elif rec.overlapped:
+            spread += seconds
         else:
             exposed += seconds
-        if rec.dim == "ep" and rec.routing_dependent:  # the token all-to-alls (not the counts before them)
-            token_exchange += seconds
-    forward = forward_seconds_by_kind(model, layout, cluster, seq_len)
-    compute = (3.0 + RECOMPUTE_FORWARDS[checkpointing]) * sum(forward.values()) * layout.microbatches
-    # a backend that runs collectives synchronously (cluster.fsdp_overlap False: gloo on CPU) hides
-    # none of the token all-to-alls either
-    hidden_ep = hidden_ep_seconds(model, layout, forward, token_exchange if cluster.fsdp_overlap else 0.0)
-    # FSDP and ring traffic hide behind compute (where the backend runs them asynchronously);
-    # what does not fit is exposed. All-to-all attention (cp_comm="a2a") is exposed in full.
-    hidden_capacity = compute if cluster.fsdp_overlap else 0.0
-    exposed_total = exposed - sum(hidden_ep.values()) + max(0.0, overlapped - hidden_capacity)
+    all_comm = exposed + spread + reductions
+    forward = forward_seconds_by_kind(model, layout, cluster, seq_len, precision=precision, fp8_gemms=fp8_gemms, imbalance=imbalance)
+    passes = 3.0 + RECOMPUTE_FORWARDS[checkpointing]
+    compute = passes * sum(forward.values()) * layout.microbatches
+    last_backward = (passes - 1.0) * sum(forward.values())
+    # a backend that runs collectives synchronously (cluster.fsdp_overlap False: gloo on CPU) hides nothing
+    asynchronous = cluster.fsdp_overlap
+    hidden_ep = hidden_ep_seconds(model, layout, forward, token_exchange if asynchronous else 0.0)
+    phases = overlap_budget(layout, compute, last_backward, sum(hidden_ep.values()), spread, reductions)
+    hidden = sum(hidden_ep.values())
+    if asynchronous:
+        hidden += sum(min(traffic, max(0.0, left)) for traffic, left in phases.values())
+    end_of_step = reductions if layout.pp > 1 else 0.0  # after the pipeline's last backward: outside the bubble
+    in_step_comm = all_comm - end_of_step
+    slowdown = cluster.overlap_slowdown * hidden
+    exposed_total = all_comm - hidden
     bubble = pipeline_bubble(layout)
-    busy = compute + exposed_total
-    step_core = busy / (1.0 - bubble) if bubble < 1 else float("inf")
     mem, pp_rank = memory_per_rank(model, layout, seq_len, precision)
-    params_local = mem.parameters / FP32_BYTES
-    optimizer_time = params_local * OPTIMIZER_HBM_BYTES_PER_PARAM / cluster.hbm_bandwidth
-    step = step_core + optimizer_time
+    optimizer_time = optimizer_seconds(mem, cluster)
+    if model.optimizer == "muon":
+        optimizer_time += newton_schulz_seconds(model, layout, cluster)
+
+    def step_with(in_step_exposed: float, end_exposed: float) -> float:
+        busy = compute + in_step_exposed
+        return (busy / (1.0 - bubble) if bubble < 1 else float("inf")) + end_exposed + optimizer_time
+
+    step = step_with(exposed_total - end_of_step + slowdown, end_of_step)
+    spare = max(0.0, compute - in_step_comm)
+    bounds = StepTimeBounds(
+        perfect_overlap=step_with(max(0.0, in_step_comm - compute), max(0.0, end_of_step - spare)),
+        modelled=step,
+        no_overlap=step_with(in_step_comm, end_of_step),
+    )
     tokens = global_batch_size * seq_len
-    mfu = model.model_flops_per_token(seq_len) * tokens / step / (cluster.peak_flops * layout.world_size)
+    peak = cluster.peak_flops * layout.world_size
+    mfu = model.model_flops_per_token(seq_len) * tokens / step / peak
+    mfu_causal = model.model_flops_per_token(seq_len, causal=True) * tokens / step / peak
     budget = cluster.memory_budget if memory_budget is None else memory_budget
     total = mem.total(checkpointing)
     fits = total <= budget
@@ -291,7 +429,7 @@ def estimate(
         step_time=step,
         compute_time=compute,
         exposed_comm_time=exposed_total,
-        overlapped_comm_time=overlapped + sum(hidden_ep.values()),
+        overlapped_comm_time=hidden,
         bubble_fraction=bubble,
         optimizer_time=optimizer_time,
         mfu=mfu,
@@ -305,5 +443,8 @@ def estimate(
         ep_internode_bytes=ep_inter,
         records=records,
         hidden_ep_comm_time=hidden_ep,
+        bounds=bounds,
+        mfu_causal=mfu_causal,
+        overlap_slowdown_time=slowdown,
+        end_of_step_reduction_time=end_of_step,
     )
-
