@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
@@ -26,6 +27,7 @@ from lightning_moe._compat import (
     set_process_group_timeouts,
 )
 from lightning_moe.callbacks.console import use_lightning_moe_displays
+from lightning_moe.checkpoint.commit import require_complete
 from lightning_moe.checkpoint.state import (
     add_strategy_state,
     load_model_and_optimizers,
@@ -33,8 +35,8 @@ from lightning_moe.checkpoint.state import (
     read_metadata,
     resolve_checkpoint_path,
     restore_strategy_state,
-    save_atomically,
 )
+from lightning_moe.checkpoint.writer import CheckpointWriter, save_file_atomically, split_checkpoint
 from lightning_moe.cp import all_to_all_attention, context_parallel_attention, document_attention
 from lightning_moe.moe import update_expert_biases
 from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, resolve_world_size
@@ -49,6 +51,7 @@ from lightning_moe.parallel.init import materialize
 from lightning_moe.parallel.parallelize import is_parallelized, parallelize
 from lightning_moe.parallel.precision import check_precision
 from lightning_moe.parallel.training_plans import apply_training_plans
+from lightning_moe.parallel.watchdog import HangWatchdog, enable_flight_recorder, hang_watchdog
 
 
 
@@ -109,8 +112,13 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             the cp ring) or ``"a2a"`` (all-to-all from sequence shards to head shards, attention on the
             full sequence, and back; DeepSpeed Ulysses; needs the heads per tp rank divisible by cp).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
-        timeout: process-group timeout (a ``timedelta`` or seconds).
+        timeout: process-group timeout (a ``timedelta`` or seconds). With more than one process it is also
+            the hang watchdog's: a rank that issues no collective for 95% of it writes its stacks to
+            ``<default_root_dir>/stacks`` and exits naming the collective (:mod:`lightning_moe.parallel.watchdog`).
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
+        async_checkpoint: write DCP checkpoints in the background (``torch.distributed.checkpoint.async_save``):
+            training goes on once the tensors are copied to host memory; at most one save is in flight
+            (see :mod:`lightning_moe.checkpoint.writer`). Needs ``save_distributed_checkpoint=True``.
         activation_checkpointing: ``"none"``, ``"full"`` (each block recomputed in backward) or ``"selective"``
             (only the MoE expert FFNs and the attention core; dispatch all-to-alls run once), see
             :mod:`lightning_moe.parallel.activation_checkpoint`.
@@ -150,6 +158,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         save_distributed_checkpoint: bool = True,
+        async_checkpoint: bool = False,
         layout: Literal["manual", "auto"] = "manual",
         layout_options: dict[str, Any] | None = None,
         ranks_per_node: int | None = None,
@@ -162,7 +171,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, cp_comm=cp_comm, dp=dp, pp=pp,
-                                 save_distributed_checkpoint=save_distributed_checkpoint,
+                                 save_distributed_checkpoint=save_distributed_checkpoint, async_checkpoint=async_checkpoint,
                                  activation_checkpointing=activation_checkpointing, compile=compile,
                                  gather_once_per_step=gather_once_per_step, dp_replicate=dp_replicate, dp_shard=dp_shard,
                                  overlap_ep_comm=overlap_ep_comm, ep=None if layout == "auto" else ep, pp_schedule=pp_schedule)
@@ -177,6 +186,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.context_parallel_keys = tuple(context_parallel_keys)
         self.cp_head_chunks = cp_head_chunks
+        self._hang_watchdog: HangWatchdog | None = None
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.checkpoint_writer = CheckpointWriter(asynchronous=async_checkpoint)
 
     # -- launch and mesh ---------------------------------------------------------------------------
     def _set_layout(
@@ -243,6 +255,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             torch.use_deterministic_algorithms(True)
         if self.root_device.type == "cpu":
             return_large_blocks_to_the_system()  # tensors' memory, once freed, leaves the process
+        enable_flight_recorder()  # the hang watchdog reads it; before the process groups exist
         self.setup_distributed()
         self.parallel_dims.validate(self.world_size)
         self.use_device_mesh(self.parallel_dims.build_mesh(self.root_device.type))
@@ -289,6 +302,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         route_gradient_clipping(plugin, lambda opt, clip_val: clip_grad_norm_(plugin.main_params(opt), clip_val, group=stages_group))
         self.step_engine.build(self.model, self.lightning_module, self.root_device)
         self._apply_timeout()  # groups created while parallelizing
+        # A rank that issues no collective for `timeout` ends with its stacks in the run directory.
+        self._hang_watchdog = hang_watchdog(self.process_group_timeout, Path(trainer.default_root_dir) / "stacks",
+                                            self.global_rank, self.world_size)
 
     def _apply_timeout(self) -> None:
         """Every process group, mesh sub-groups included, gets ``timeout`` (torch gives sub-groups its
@@ -320,7 +336,20 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         return self.step_engine.process_dataloader(super().process_dataloader(dataloader))
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._hang_watchdog is not None:
+            self._hang_watchdog.start()  # from the first batch on: set-up work may go long without collectives
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._hang_watchdog is not None and self._hang_watchdog.running:
+            print(self._hang_watchdog.report(f"training stopped by {type(exception).__name__}"), file=sys.stderr, flush=True)
+
+    @override
     def teardown(self) -> None:
+        if self._hang_watchdog is not None:
+            self._hang_watchdog.stop()
+        self.checkpoint_writer.wait()  # a background save finishes before the process group goes
         self.step_engine.teardown(self.lightning_module.trainer if self.lightning_module is not None else None)
         super().teardown()
 
@@ -386,19 +415,28 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     # -- checkpoints -------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
-        """Write into a staging path, then swap it in: a crash mid-save leaves the previous checkpoint.
+        """Write into a staging path, mark it complete, then swap it in: a crash mid-save leaves the
+        previous checkpoint. With ``async_checkpoint`` the files are written in the background.
 
         The checkpoint is layout-free (see :mod:`lightning_moe.checkpoint.state`): any valid layout
         of the same model resumes it on the same curve.
         """
         assert self.lightning_module is not None
         add_strategy_state(checkpoint, self.parallel_dims, self.lightning_module.trainer.accumulate_grad_batches)
-        save_atomically(
-            Path(self.broadcast(str(filepath))),
-            lambda staging: super(MoE5DStrategy, self).save_checkpoint(checkpoint, staging, storage_options),
-            is_global_zero=self.is_global_zero,
-            barrier=self.barrier,
-        )
+        path = Path(self.broadcast(str(filepath)))
+        if not self.save_distributed_checkpoint:
+            save_file_atomically(path, lambda staging: super(MoE5DStrategy, self).save_checkpoint(checkpoint, staging, storage_options),
+                                 is_global_zero=self.is_global_zero, barrier=self.barrier)
+            return
+        tensors, metadata = split_checkpoint(checkpoint)
+        self.checkpoint_writer.save(tensors, metadata, path, global_step=checkpoint.get("global_step", 0),
+                                    is_global_zero=self.is_global_zero, barrier=self.barrier)
+
+    @override
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Rank 0 deletes an old checkpoint (``ModelCheckpoint``'s keep-last-K), once the save in flight is committed."""
+        if self.is_global_zero:
+            self.checkpoint_writer.remove(Path(filepath))
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -409,8 +447,12 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint written under any layout; never unpickles code (``weights_only`` is always on)."""
+        """Load a complete checkpoint written under any layout; never unpickles code (``weights_only`` is always on)."""
         path = Path(self.broadcast(str(resolve_checkpoint_path(checkpoint_path))))
+        try:
+            require_complete(path)
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
         if path.is_file():  # one full file (save_distributed_checkpoint=False): Lightning's loader
             return super().load_checkpoint(path, weights_only=True)
         assert self.model is not None and self.lightning_module is not None

@@ -23,6 +23,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -38,6 +39,7 @@ import lightning_moe.conf  # noqa: F401  (registers the lmoe.devices resolver th
 from lightning_moe._compat import hydra_args_parser
 from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
+from lightning_moe.checkpoint import latest_checkpoint
 from lightning_moe.data import resolve_batch_layout
 from lightning_moe.layout import PARALLEL_DIMS, size_problems
 from lightning_moe.parallel.parallelize import check_layout
@@ -205,13 +207,18 @@ def check_config(cfg: DictConfig) -> None:
 def fit(cfg: DictConfig) -> tuple[TrainingRun, list[Any]]:
     """Seed, build everything from ``cfg`` and fit, in this process; returns the run and its finished W&B runs.
 
+    ``cfg.ckpt_path="auto"`` resumes from :func:`lightning_moe.checkpoint.latest_checkpoint` of
+    ``<trainer.default_root_dir>/checkpoints``, or starts fresh when it holds no complete checkpoint.
     A process group that is already initialised is used as it is and left open, so that processes
     started once can fit several configs in turn (each ``world_size`` = ``trainer.devices``,
     ``LOCAL_RANK`` set as a launcher sets it).
     """
     pl.seed_everything(cfg.seed, workers=True)
     run = build(cfg)
-    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+    ckpt_path = cfg.ckpt_path
+    if ckpt_path == "auto":  # the newest complete checkpoint of this run directory, or a fresh start
+        ckpt_path = latest_checkpoint(Path(run.trainer.default_root_dir) / "checkpoints")
+    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=ckpt_path)
     wandb_runs = [logger.experiment for logger in run.loggers if isinstance(logger, WandbLogger)]
     for wandb_run in wandb_runs:
         # The next job of a sweep (same process) must start a new W&B run, not append to this one.

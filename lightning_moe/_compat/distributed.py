@@ -101,6 +101,21 @@ def set_process_group_timeouts(timeout: Any) -> int:
     return len(groups)
 
 
+def flight_recorder_entries() -> dict[str, Any] | None:
+    """torch's flight recorder of this process (the last collectives issued on every process group,
+    gloo's included, with their group, sequence number and creation time), as its JSON dump decoded:
+    ``torch._C._distributed_c10d._dump_fr_trace_json``. ``None`` where this torch has no dump. The
+    recorder keeps entries only when ``TORCH_FR_BUFFER_SIZE`` was set before the process groups were
+    created. Run on 2.13 (gloo groups record there); not run on 2.11, where a missing dump gives ``None``
+    and the hang watchdog stays off. Checked on: torch 2.11-2.13."""
+    import json
+
+    from torch._C import _distributed_c10d as c10d_ext
+
+    dump = getattr(c10d_ext, "_dump_fr_trace_json", None)
+    return None if dump is None else json.loads(dump())
+
+
 def resolve_process_group(group: Any) -> dist.ProcessGroup:
     """The ``ProcessGroup`` behind a functional collective's ``group`` argument (group, name or mesh):
     ``c10d._resolve_process_group(funcol._resolve_group_name(group))``. Present in torch 2.9-2.13.

@@ -38,6 +38,7 @@ from lightning_moe.callbacks.moe_metrics import (
 from lightning_moe.callbacks.plots import plot_curves, plot_expert_load
 from lightning_moe.callbacks.summary import SummaryCallback, parallel_layout, write_json_atomic
 from lightning_moe.callbacks.throughput import ThroughputCallback, active_parameters, model_flops_per_token
+from lightning_moe.checkpoint.periodic import PeriodicCheckpoint
 
 __all__ = [
     "CommAccountingCallback",
@@ -48,6 +49,7 @@ __all__ = [
     "MoEStepResult",
     "OptimizerStepCallback",
     "ParameterSummary",
+    "PeriodicCheckpoint",
     "StepProgressBar",
     "SummaryCallback",
     "ThroughputCallback",

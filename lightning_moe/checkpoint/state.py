@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import pickle
 import random
-import shutil
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,8 @@ import numpy as np
 import torch
 
 METADATA_FILE = "meta.pt"
-# A save writes <path>.staging, renames the old <path> to <path>.previous, then staging to <path>.
+# A save writes <path>.staging, renames the old <path> to <path>.previous, then staging to <path>
+# (lightning_moe.checkpoint.writer).
 STAGING_SUFFIX = ".staging"
 PREVIOUS_SUFFIX = ".previous"
 STATE_KEY = "lightning_moe"
@@ -50,7 +50,7 @@ def load_safely(path: str | Path) -> Any:
 
 
 def resolve_checkpoint_path(checkpoint: str | Path) -> Path:
-    """The complete checkpoint at ``checkpoint``, whatever moment a save into it was interrupted at.
+    """The checkpoint at ``checkpoint``, whatever moment a save into it was interrupted at.
 
     Before the first rename ``<path>`` is the old complete checkpoint (a half-written staging
     folder is ignored); between the two renames only ``<path>.previous`` is complete.
@@ -58,34 +58,6 @@ def resolve_checkpoint_path(checkpoint: str | Path) -> Path:
     path = Path(checkpoint)
     previous = path.with_name(path.name + PREVIOUS_SUFFIX)
     return previous if not path.exists() and previous.exists() else path
-
-
-def save_atomically(
-    path: Path, write: Callable[[Path], None], *, is_global_zero: bool, barrier: Callable[[], None]
-) -> None:
-    """``write(staging)`` on every rank, then swap the staging path in: a crash mid-save leaves the
-    previous complete checkpoint (:func:`resolve_checkpoint_path` finds it at any moment)."""
-    staging = path.with_name(path.name + STAGING_SUFFIX)
-    previous = path.with_name(path.name + PREVIOUS_SUFFIX)
-    if is_global_zero:
-        _remove(staging)
-    barrier()
-    write(staging)
-    barrier()
-    if is_global_zero:
-        _remove(previous)
-        if path.exists():
-            path.rename(previous)
-        staging.rename(path)
-        _remove(previous)
-    barrier()
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
 
 
 def read_metadata(checkpoint: str | Path) -> dict[str, Any]:

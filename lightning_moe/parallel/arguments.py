@@ -27,6 +27,7 @@ def check_strategy_arguments(
     pp: int,
     save_distributed_checkpoint: bool,
     activation_checkpointing: str,
+    async_checkpoint: Any = False,
     compile: Any,
     gather_once_per_step: Any = False,
     dp_replicate: Any = None,
@@ -54,6 +55,13 @@ def check_strategy_arguments(
     if pp > 1 and not save_distributed_checkpoint:
         raise MisconfigurationException(
             f"pp={pp} > 1 needs save_distributed_checkpoint=True: each pipeline stage saves its own parameters"
+        )
+    if not isinstance(async_checkpoint, bool):
+        raise MisconfigurationException(f"async_checkpoint={async_checkpoint!r} must be True or False")
+    if async_checkpoint and not save_distributed_checkpoint:
+        raise MisconfigurationException(
+            "async_checkpoint=True needs save_distributed_checkpoint=True: background saves write DCP folders;"
+            " set async_checkpoint=False to save one full file"
         )
     try:
         check_activation_checkpointing(activation_checkpointing)
