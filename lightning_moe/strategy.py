@@ -31,6 +31,7 @@ from lightning_moe.checkpoint.commit import require_complete
 from lightning_moe.checkpoint.state import (
     add_strategy_state,
     load_model_and_optimizers,
+    load_one_file_checkpoint,
     optimizer_state_dict,
     read_metadata,
     resolve_checkpoint_path,
@@ -443,7 +444,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         # One form under every layout: each parameter's state and group options under its name in
         # the whole model (DCP writes non-tensor entries once, from rank 0, and pipeline stages hold
         # different parameters, so a nested param_groups list could not hold them all).
-        return optimizer_state_dict(self.model, optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
+        return optimizer_state_dict(self.model, optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer,
+                                    full=not self.save_distributed_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -453,9 +455,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             require_complete(path)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-        if path.is_file():  # one full file (save_distributed_checkpoint=False): Lightning's loader
-            return super().load_checkpoint(path, weights_only=True)
         assert self.model is not None and self.lightning_module is not None
+        if path.is_file():  # one file of whole tensors (save_distributed_checkpoint=False)
+            contents = load_one_file_checkpoint(self.model, self.optimizers, path, strict=self.lightning_module.strict_loading)
+            restore_strategy_state(contents, self.lightning_module.trainer.accumulate_grad_batches)
+            return contents
         metadata = read_metadata(path)
         load_model_and_optimizers(self.model, self.optimizers, path, complete=self.step_engine.stages_group is None,
                                   strict=self.lightning_module.strict_loading)

@@ -215,17 +215,52 @@ def saved_model_shapes(checkpoint: str | Path) -> dict[str, torch.Size]:
     }
 
 
-def _flat_options() -> Any:
+def _flat_options(*, full: bool = False) -> Any:
+    """Flat optimizer state on the CPU; ``full``: whole tensors, on global rank 0 only (one-file checkpoints)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+    return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True, full_state_dict=full)
 
 
-def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state in the one form every layout saves and loads: flat, keyed by parameter name."""
+def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False) -> dict[str, Any]:
+    """The optimizer's state in the one form every layout saves and loads: flat, keyed by parameter name
+    (``full``: whole tensors on global rank 0, for a one-file checkpoint)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_flat_options())
+    return get_optimizer_state_dict(model, optimizer, options=_flat_options(full=full))
+
+
+def load_one_file_checkpoint(
+    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], checkpoint: str | Path, *, strict: bool = True
+) -> dict[str, Any]:
+    """Load a one-file checkpoint (``save_distributed_checkpoint=False``: whole tensors, written by rank 0)
+    into this rank's (sharded) model and optimizers; returns the rest of it. Every rank reads the file.
+
+    The optimizer states are in the flat form :func:`optimizer_state_dict` saves, which neither
+    Lightning's one-file loader nor torch's full-state loading reads: each whole tensor is laid out
+    here as this rank's state of its parameter is (``distribute_tensor`` with its mesh and placements).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    contents = load_safely(checkpoint)
+    model_state = contents.pop("state_dict")
+    check_model_matches({name: t.shape for name, t in model_state.items()},
+                        {name: t.shape for name, t in get_model_state_dict(model).items()}, complete=True)
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    for optimizer, saved in zip(optimizers, contents.pop("optimizer_states", [])):
+        state = optimizer_state_dict(model, optimizer)
+        missing = sorted(set(state) - set(saved))
+        if missing:
+            raise ValueError(f"the checkpoint's optimizer state lacks {len(missing)} entries of this optimizer, e.g. {missing[:3]}")
+        for key, local in state.items():
+            value = saved[key]
+            if isinstance(local, DTensor):
+                value = distribute_tensor(value.to(local.dtype), local.device_mesh, local.placements)
+            state[key] = value
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=_flat_options())
+    return contents
 
 
 def load_model_and_optimizers(
