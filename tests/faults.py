@@ -8,9 +8,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 
@@ -39,3 +43,27 @@ class KillRank(pl.Callback):
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.global_rank == self.rank and trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordSamples(pl.Callback):
+    """Each rank appends the ``sample_index`` of every training batch it starts, with the optimizer step
+    it belongs to and the torchrun attempt, to ``<default_root_dir>/samples/rank<r>.jsonl``."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: dict, batch_idx: int) -> None:
+        record = {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "step": trainer.global_step,
+                  "samples": batch["sample_index"].flatten().tolist()}
+        folder = Path(trainer.default_root_dir) / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"rank{trainer.global_rank}.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+def samples_per_step(run_dir: Path, attempt_of_step: Callable[[int], int] = lambda step: 0) -> dict[int, list[int]]:
+    """Step -> the sorted samples that trained it, over every rank; each step as seen by ``attempt_of_step(step)``."""
+    steps: dict[int, list[int]] = {}
+    for log in sorted((run_dir / "samples").glob("rank*.jsonl")):
+        for line in log.read_text().splitlines():
+            record = json.loads(line)
+            if record["attempt"] == attempt_of_step(record["step"]):
+                steps.setdefault(record["step"], []).extend(record["samples"])
+    return {step: sorted(samples) for step, samples in sorted(steps.items())}

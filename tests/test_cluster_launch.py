@@ -18,15 +18,26 @@ import torch
 from lightning_moe.conf import launcher_run_id
 from tests.cli import ROOT, TINY_RUN, train_in_pool
 from tests.dist_pool import close_pools
+from tests.faults import samples_per_step
 from tests.test_observability import _wandb_records
 
 REL = 1e-5
 KILL_STEP = 5  # after the checkpoints of steps 2 and 4: the restart redoes step 5 from step 4's
 
 
+RECORD_SAMPLES = "+callbacks.samples._target_=tests.faults.RecordSamples"
+
+
 @pytest.fixture(scope="module")
-def single_losses(tmp_path_factory) -> list[float]:
-    return train_in_pool(tmp_path_factory.mktemp("single") / "run", "parallel=single")["losses"]
+def single_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    train_in_pool(run_dir, "parallel=single", RECORD_SAMPLES)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def single_losses(single_run) -> list[float]:
+    return json.loads((single_run / "summary.json").read_text())["losses"]
 
 
 def _outside_any_launcher() -> dict[str, str]:
@@ -103,7 +114,7 @@ def test_the_sbatch_script_on_two_nodes_trains_the_one_process_losses_in_the_job
 
 
 @pytest.mark.slow
-def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_same_losses(tmp_path, single_losses):
+def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_same_losses(tmp_path, single_run, single_losses):
     close_pools()
     env = _outside_any_launcher()
     # torchrun's agent shares one TCP store across attempts by default (torch 2.13), and the restarted
@@ -114,7 +125,7 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_same_losses
         "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--rdzv-id=killed", "-m", "lightning_moe.train",
         *TINY_RUN, "parallel=dp2_ep2", "logger=wandb", "trainer.log_every_n_steps=1", "callbacks=checkpoint",
         "callbacks.checkpoint.every_n_train_steps=2", "ckpt_path=auto", "+callbacks.fault._target_=tests.faults.KillRank", "+callbacks.fault.rank=1",
-        f"+callbacks.fault.step={KILL_STEP}",
+        f"+callbacks.fault.step={KILL_STEP}", RECORD_SAMPLES,
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
@@ -127,6 +138,11 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_same_losses
     # The resumed attempt records the steps after its checkpoint: those of the uninterrupted run.
     assert len(losses) == len(single_losses) - 4
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(single_losses[-len(losses):]), rtol=REL, atol=0.0)
+    # No sample repeated or skipped: the first attempt's steps up to the checkpoint and the restart's
+    # after it trained on exactly the samples of the uninterrupted run, step by step.
+    resumed_from = KILL_STEP - 1
+    trained = samples_per_step(run_dir, attempt_of_step=lambda step: int(step >= resumed_from))
+    assert trained == samples_per_step(single_run), (trained, samples_per_step(single_run))
     # Both attempts logged to one W&B run id, the second from the step it resumed at.
     segments = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(segments) == 2 and {s.name.split("-", 3)[-1] for s in segments} == {"torchrun-killed"}
