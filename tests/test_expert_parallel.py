@@ -99,6 +99,9 @@ CASES = [
     (2, "alltoall", None, "softmax", False, False, True),
     (4, "allgather", 1.0, "softmax", False, False, True),
     (4, "alltoall", None, "softmax", False, True, True),
+    # one copy per destination rank: with dropped slots; with ranks that receive no rows, padded
+    (4, "alltoall_dedup", 1.25, "sigmoid", True, False, False),
+    (4, "alltoall_dedup", None, "softmax", False, True, True),
 ]
 
 
@@ -126,7 +129,7 @@ def protocol_case() -> list[str]:
 
     dims = layout(ep=4, ranks_per_node=2)
     names = []
-    for kind in ("alltoall", "allgather", "hierarchical"):
+    for kind in ("alltoall", "alltoall_dedup", "allgather", "hierarchical"):
         torch.manual_seed(0)
         layer = MoELayer(H, F, E, top_k=K, dispatcher=kind)
         parallelize(layer, dims, data_parallel="none")
@@ -139,7 +142,8 @@ def protocol_case() -> list[str]:
 def test_every_dispatcher_meets_the_protocol():
     names = get_pool(WORLD).run(protocol_case)[0]
     assert names == [
-        "AllToAllDispatcher", "ExpertTensorParallelDispatcher", "AllGatherDispatcher",
+        "AllToAllDispatcher", "ExpertTensorParallelDispatcher", "PerRankAllToAllDispatcher",
+        "ExpertTensorParallelDispatcher", "AllGatherDispatcher",
         "ExpertTensorParallelDispatcher", "HierarchicalDispatcher", "ExpertTensorParallelDispatcher",
     ]
 

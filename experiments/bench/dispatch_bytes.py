@@ -5,7 +5,11 @@ times hidden size times bytes per element, each way (dispatch and combine); the 
 the same again. Measured bytes come from :mod:`lightning_moe.comm`, which wraps the collectives
 the dispatchers actually issue (the per-expert count exchange included).
 
-The second table compares tp=2 without sequence parallelism, where every tp rank holds the same
+The second table counts the copies of a token each (token, other ep rank) pair costs: one per
+routed slot with ``dispatcher="alltoall"``, one per pair with ``"alltoall_dedup"`` (rows read off the
+splits the dispatchers exchange), for top-2 of 8 and top-8 of 64 experts over ep 4 and 8.
+
+The third table compares tp=2 without sequence parallelism, where every tp rank holds the same
 tokens: with the deduplication each tp rank dispatches its 1/tp slice; the naive layout (measured,
 not estimated) dispatches every token from every tp rank.
 
@@ -78,6 +82,52 @@ def run_dispatch_bytes_bench(ep_sizes: tuple[int, ...] = (2, 4)) -> list[dict]:
     return rows
 
 
+# (experts, top_k) of the copies table: Mixtral's and a fine-grained (DeepSeek-like) routing.
+COPIES_ROUTINGS = ((8, 2), (64, 8))
+
+
+def _copies_worker(rank: int, world: int, store_file: str, out: dict) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    from lightning_moe import ParallelDims
+    from lightning_moe.moe import build_dispatcher
+
+    dims = ParallelDims(ep=world)
+    dims.build_mesh("cpu")
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank))
+    for experts, top_k in COPIES_ROUTINGS:
+        # Uniform routing: top_k distinct experts per token.
+        scores = torch.rand(TOKENS, experts, generator=torch.Generator().manual_seed(100 + rank))
+        topk_idx = scores.topk(top_k, dim=1).indices
+        local = experts // world
+        remote_pairs = sum(len({e // local for e in row} - {rank}) for row in topk_idx.tolist())
+        for kind in ("alltoall", "alltoall_dedup"):
+            ctx = build_dispatcher(kind, experts, dims.ep_group).dispatch(x, topk_idx, None)
+            sent = torch.tensor([sum(ctx.input_splits) - ctx.input_splits[rank], remote_pairs], dtype=torch.float64)
+            dist.all_reduce(sent)
+            if rank == 0:
+                out[(experts, top_k, kind)] = sent[0].item() / sent[1].item()
+    dist.destroy_process_group()
+
+
+def run_copies_bench(ep_sizes: tuple[int, ...] = (4, 8)) -> list[dict]:
+    """Rows sent per (token, other ep rank) pair of each all-to-all dispatcher, one forward dispatch."""
+    rows = []
+    for ep in ep_sizes:
+        with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
+            out = manager.dict()
+            mp.start_processes(_copies_worker, args=(ep, f"{tmp}/store", out), nprocs=ep, start_method="spawn")
+            result = dict(out)
+        for experts, top_k in COPIES_ROUTINGS:
+            rows.append({
+                "routing": f"top-{top_k} of {experts}", "ep": ep,
+                "alltoall copies/(token, rank)": result[(experts, top_k, "alltoall")],
+                "alltoall_dedup copies/(token, rank)": result[(experts, top_k, "alltoall_dedup")],
+            })  # fmt: skip
+    return rows
+
+
 def run_tp_dedup_bench() -> list[dict]:
     """ep=2 x tp=2 without SP: dispatch bytes per token with and without the deduplication."""
     tokens = 2 * TOKENS  # two micro-batches, one per ep coordinate
@@ -96,6 +146,9 @@ def main() -> None:
 
     print(f"EP dispatch bytes per rank per step ({TOKENS} tokens/rank, hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, fp32, fwd+bwd)")
     print_table(run_dispatch_bytes_bench())
+    print()
+    print(f"Copies of a token per (token, other ep rank) pair ({TOKENS} tokens/rank, uniform routing)")
+    print_table(run_copies_bench())
     print()
     print("Token deduplication under tensor parallelism (ep=2, tp=2, fwd+bwd)")
     print_table(run_tp_dedup_bench())

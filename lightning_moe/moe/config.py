@@ -27,7 +27,8 @@ __all__ = ["DEFAULT_NUM_EXPERTS", "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "
 
 LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 ROUTINGS: tuple[str, ...] = ("topk", "expert_choice")
-DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "hierarchical")
+# "alltoall": one row per (token, expert) slot; "alltoall_dedup": one per (token, destination rank).
+DISPATCHERS: tuple[str, ...] = ("alltoall", "alltoall_dedup", "allgather", "hierarchical")
 
 # The expert count of a model config that names none (MoEGPT's ``moe`` and the planner's ModelShape);
 # MoELayer/MoEConfig themselves require it.

@@ -19,7 +19,7 @@ from lightning_moe.moe.documents import (
     document_balance_loss,
     document_balance_statistics,
 )
-from lightning_moe.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from lightning_moe.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher, PerRankAllToAllDispatcher
 from lightning_moe.moe.experts import GroupedExperts, SharedExpert, compute_dtype
 from lightning_moe.moe.hierarchical import HierarchicalDispatcher
 from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
@@ -49,7 +49,7 @@ def build_dispatcher(
     node_ids: list[int] | None = None,
     node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
 ) -> Dispatcher:
-    """The dispatcher for ``kind`` (``"alltoall"``, ``"allgather"`` or ``"hierarchical"``) over ``ep_group``.
+    """The dispatcher for ``kind`` (one of :data:`~lightning_moe.moe.config.DISPATCHERS`) over ``ep_group``.
 
     A :class:`~lightning_moe.moe.dispatcher.LocalDispatcher` when there is no expert parallelism
     (group None or of size 1); ``kind`` and ``wire`` are checked either way, so that a layer fails
@@ -72,6 +72,8 @@ def build_dispatcher(
                 " than the ranks of the ep group to simulate nodes"
             )
         return HierarchicalDispatcher(num_experts, *node_groups, wire=wire)
+    if kind == "alltoall_dedup":
+        return PerRankAllToAllDispatcher(num_experts, ep_group, wire=wire, node_ids=node_ids)
     return AllToAllDispatcher(num_experts, ep_group, wire=wire, node_ids=node_ids)
 
 
@@ -126,6 +128,10 @@ class MoELayer(nn.Module):
       ranks_per_node=2).ep_num_nodes``, to route the same way on one device and any layout); each
       token's top-k experts come from at most ``max_nodes_per_token`` of them (DeepSeek-V3's rule,
       see :class:`TopKRouter`).
+    - ``dispatcher="alltoall"`` (default) sends one row per (token, expert) slot each way;
+      ``"alltoall_dedup"`` sends each token once to each ep rank holding one of its experts, which
+      expands it and sums its experts' outputs before one row goes back
+      (:mod:`lightning_moe.moe.ep_dispatcher`).
     - ``dispatcher="hierarchical"``: each token crosses the node boundary once, then fans out inside
       the node (:mod:`lightning_moe.moe.hierarchical`).
     - ``dispatch_dtype``: ``None``, ``"bf16"`` or ``"fp8"`` (``float8_e4m3fn`` with one fp32 scale per

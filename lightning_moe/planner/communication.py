@@ -250,6 +250,8 @@ def comm_records(
 
     Expert dispatch bytes assume balanced routing: each token slot lands on any ep rank with equal
     probability, so ``(ep - 1) / ep`` of a rank's slots leave it (and as many arrive); dropless.
+    ``dispatcher="alltoall_dedup"`` sends a token once per other ep rank among the expected
+    :func:`expected_nodes_per_token` ranks holding its experts (each rank a "node" of ``E / ep``).
     Everything else is deterministic. Sequence parallelism is on (the strategy's default).
     ``gpus_per_node``: where nodes begin, which the hierarchical dispatcher needs (its stages are the
     ep group's nodes and the ranks inside each).
@@ -339,6 +341,18 @@ def comm_records(
             leave = slots * (ep - 1) / ep
             add("token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * leave * m * moe_per_rank,
                 4 * m * moe_per_rank, recorded_as="ep", routing_dependent=True)
+        elif model.dispatcher == "alltoall_dedup":
+            # One row per (token, other ep rank holding one of its experts), uniform routing over all
+            # ep ranks (node limits left out); each with its slots' expert ids (int32) and gate weights
+            # (fp32, and their gradient); one int64 row count per peer.
+            per_step = m * moe_per_rank
+            ranks = expected_nodes_per_token(ep, model.num_experts // ep, model.top_k)
+            pairs = tokens * ranks * (ep - 1) / ep
+            add("dedup dispatch counts all-to-all", "ep", "ep", peer_share_bytes(ep * INT64_BYTES, ep) * per_step, per_step, recorded_as="ep")
+            add("dedup expert ids and gate weights", "ep", "ep", pairs * model.top_k * (INT32_BYTES + 2 * FP32_BYTES) * per_step,
+                3 * per_step, recorded_as="ep", routing_dependent=True)
+            add("dedup token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * pairs * per_step,
+                4 * per_step, recorded_as="ep", routing_dependent=True)
         elif model.dispatcher == "hierarchical":
             if gpus_per_node is None:
                 raise ValueError("dispatcher='hierarchical' splits the ep group by node: pass comm_records(..., gpus_per_node=...)")

@@ -206,7 +206,7 @@ def intra_layer_overlap(model: ModelShape, layout: Layout) -> bool:
     """Whether the MoE layer can overlap its own token all-to-alls (``dispatch_chunks``, the shared
     expert): its dispatcher must issue and wait apart, which the all-to-all dispatcher does and the
     expert-tensor-parallel wrapper around it (etp group > 1) does not."""
-    return model.dispatcher == "alltoall" and layout.size("etp") == 1
+    return model.dispatcher in ("alltoall", "alltoall_dedup") and layout.size("etp") == 1
 
 
 def hidden_ep_seconds(
