@@ -127,7 +127,7 @@ def test_two_job_multirun_with_a_crash_then_report(tmp_path):
     table = (sweep / "report.md").read_text()
     rows = _rows(table.split("\n\n")[2])
     assert [row[:3] for row in rows] == [["0", "ok", "null"], ["1", "failed", "/nonexistent/last.ckpt"]]
-    assert rows[1][-1].startswith("FileNotFoundError: checkpoint folder /nonexistent/last.ckpt does not exist")
+    assert rows[1][-1].startswith("FileNotFoundError: checkpoint /nonexistent/last.ckpt does not exist")
     assert rows[0][3] == "single" and float(rows[0][4]) > 0
     assert (sweep / "loss_curves.png").stat().st_size > 0 and (sweep / "load_imbalance.png").stat().st_size > 0
     assert "| 1 | failed | /nonexistent/last.ckpt |" in proc.stdout
