@@ -10,13 +10,16 @@ from lightning_moe.models.blocks import (
 )
 from lightning_moe.models.causal_lm import CausalLMModule, next_token_loss, warmup_cosine_factor
 from lightning_moe.models.moe_gpt import MoEGPT, is_moe_layer
+from lightning_moe.models.mtp import MultiTokenPrediction, add_mtp_targets
 
 __all__ = [
     "Attention",
     "CausalLMModule",
     "FeedForward",
     "MoEGPT",
+    "MultiTokenPrediction",
     "TransformerBlock",
+    "add_mtp_targets",
     "apply_rotary",
     "is_moe_layer",
     "next_token_loss",

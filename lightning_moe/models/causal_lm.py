@@ -81,7 +81,8 @@ class CausalLMModule(pl.LightningModule):
         - `loss(batch)`: the mean next-token cross entropy of a batch dict (`input_ids`, `labels`,
           optional `position_ids`, `loss_mask`, `loss_token_count`); `loss_from_logits` is the same
           loss from logits, which the strategy calls on the last pipeline stage;
-        - `training_step` (logs `train/loss`) and `validation_step` (logs `val/loss`);
+        - `training_step` (logs `train/loss`) and `validation_step` (logs `val/loss`), plus any
+          further terms `loss_terms` names (`train/mtp_loss`, ...);
         - `configure_optimizers`: AdamW with weight decay on matrices except embeddings, linear
           warmup then cosine decay to `min_lr_ratio`, stepped every optimizer step;
         - `optimizer_step`: the expert-bias update of every `MoELayer` once per optimizer step
@@ -128,17 +129,25 @@ class CausalLMModule(pl.LightningModule):
         pipeline parallelism the strategy calls it on the last stage for every micro-batch."""
         return next_token_loss(logits, labels, loss_mask, loss_token_count)
 
-    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def loss_terms(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The objective of a batch and its parts by log name (`loss` first). Here both are `loss()`;
+        a module with more terms (`MoEGPT`'s multi-token prediction) returns each beside it."""
         loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False,
-                 batch_size=batch["input_ids"].shape[0])
-        return loss
+        return loss, {"loss": loss}
+
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        objective, terms = self.loss_terms(batch)
+        for name, value in terms.items():
+            self.log(f"train/{name}", value, prog_bar=name == "loss", on_step=True, on_epoch=False,
+                     batch_size=batch["input_ids"].shape[0])
+        return objective
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("val/loss", loss, prog_bar=True, on_step=False, on_epoch=True, sync_dist=True,
-                 batch_size=batch["input_ids"].shape[0])
-        return loss
+        objective, terms = self.loss_terms(batch)
+        for name, value in terms.items():
+            self.log(f"val/{name}", value, prog_bar=name == "loss", on_step=False, on_epoch=True, sync_dist=True,
+                     batch_size=batch["input_ids"].shape[0])
+        return objective
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's step, then the aux-loss-free expert-bias update once per optimizer step (after

@@ -21,6 +21,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_moe.models.blocks import Attention, FeedForward, TransformerBlock, rotary_cos_sin
 from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer, next_token_loss, warmup_cosine_factor
+from lightning_moe.models.mtp import MultiTokenPrediction, add_mtp_targets
 from lightning_moe.moe import MoEConfig, MoELayer, token_keys
 from lightning_moe.moe.config import DEFAULT_NUM_EXPERTS
 from lightning_moe.parallel.init import seeded_generator
@@ -65,6 +66,14 @@ class MoEGPT(CausalLMModule):
             (`wo`, `w2`) use `init_std / sqrt(2 * num_layers)` (GPT-2). See `initial_value`: the
             same seed gives the same model on every layout, also when built on the meta device
             (`trainer.init_module(empty_init=True)`), where no rank ever holds the full model.
+        mtp_depth: multi-token prediction depths (DeepSeek-V3; 0: none). Depth `k` combines the
+            hidden state of depth `k - 1` with the embedding of the token `k` ahead, runs one
+            `TransformerBlock` and predicts through the shared `output` head
+            (`lightning_moe.models.mtp.MultiTokenPrediction`, in `self.mtp["0".."D-1"]`).
+        mtp_loss_weight: the training objective is `loss + mtp_loss_weight * mtp_loss`, `mtp_loss`
+            the mean over depths of each depth's cross entropy; both are logged
+            (`train/loss`, `train/mtp_loss`).
+        mtp_moe: whether the MTP blocks get an MoE FFN (None: as the last layer does).
 
     Conventions other parts of lightning-moe rely on:
         - attention goes through `F.scaled_dot_product_attention` (context parallel swaps it);
@@ -106,11 +115,15 @@ class MoEGPT(CausalLMModule):
         max_steps: int | None = None,
         init_std: float = 0.02,
         optimizer: str = "adamw",
+        mtp_depth: int = 0,
+        mtp_loss_weight: float = 0.3,
+        mtp_moe: bool | None = None,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer)
         if moe_layer_freq < 0:
             raise ValueError(f"moe_layer_freq must be >= 0 (0: no MoE layer), got {moe_layer_freq}")
+        _check_mtp(mtp_depth, mtp_loss_weight, max_seq_len)
         self.save_hyperparameters()
         if ffn_hidden_size is None:
             ffn_hidden_size = 64 * math.ceil(8 * hidden_size / 3 / 64)
@@ -118,20 +131,20 @@ class MoEGPT(CausalLMModule):
         moe_kwargs.update(dict(moe or {}))
         # Checked once, and only when some layer is an MoE layer (moe_layer_freq=0 never reads it).
         moe_layers = [i for i in range(num_layers) if is_moe_layer(i, moe_layer_freq)]
-        moe_config = MoEConfig(hidden_size, **moe_kwargs) if moe_layers else None
+        if mtp_moe is None:
+            mtp_moe = is_moe_layer(num_layers - 1, moe_layer_freq)
+        moe_config = MoEConfig(hidden_size, **moe_kwargs) if moe_layers or (mtp_depth and mtp_moe) else None
         self.max_seq_len = max_seq_len
         self.rope_theta = rope_theta
 
+        def block(moe_ffn: bool) -> TransformerBlock:
+            feed_forward = MoELayer(config=moe_config) if moe_ffn else FeedForward(hidden_size, ffn_hidden_size)
+            return TransformerBlock(Attention(hidden_size, num_heads, num_kv_heads), feed_forward, hidden_size)
+
         self.tok_embeddings = nn.Embedding(vocab_size, hidden_size)
-        self.layers = nn.ModuleDict()
-        for i in range(num_layers):
-            if moe_config is not None and i in moe_layers:
-                feed_forward: nn.Module = MoELayer(config=moe_config)
-            else:
-                feed_forward = FeedForward(hidden_size, ffn_hidden_size)
-            attention = Attention(hidden_size, num_heads, num_kv_heads)
-            self.layers[str(i)] = TransformerBlock(attention, feed_forward, hidden_size)
+        self.layers = nn.ModuleDict({str(i): block(i in moe_layers) for i in range(num_layers)})
         self.norm = nn.RMSNorm(hidden_size, eps=1e-6)
+        self.mtp = nn.ModuleDict({str(k): MultiTokenPrediction(block(mtp_moe), hidden_size) for k in range(mtp_depth)})
         self.output = nn.Linear(hidden_size, vocab_size, bias=False)
         self.head_dim = hidden_size // num_heads
         # The seed of the initial weights (torch.manual_seed / seed_everything before construction):
@@ -173,7 +186,8 @@ class MoEGPT(CausalLMModule):
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         sample_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        mtp_input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """`input_ids [B, S]` (int64) -> logits `[B, S, vocab]`.
 
         `position_ids [B, S]` or `[S]` drive RoPE (default `arange(S)`); context parallelism passes
@@ -181,6 +195,9 @@ class MoEGPT(CausalLMModule):
         `input_ids` is the hidden state `[B, S, hidden]`; without `output`, hidden states return.
         `sample_index [B]`: the samples' global indices (dataset batches carry them); with the
         positions they key each token for routing record/replay (`lightning_moe.moe.replay`).
+        `mtp_input_ids [B, S, D]`: the tokens `k` ahead for each MTP depth (`add_mtp_targets`);
+        with them the result is `(logits, [logits of depth 1..D])`. The loss goes through here, not
+        around it, so that a fully sharded module gathers its parameters once for both.
         """
         if position_ids is None:
             # input_ids, not the embeddings: under sequence parallelism those are sequence shards.
@@ -196,9 +213,77 @@ class MoEGPT(CausalLMModule):
         with token_keys(sample_index, position_ids):
             for layer in self.layers.values():
                 h = layer(h, cos, sin)
+            mtp_logits = []
+            if mtp_input_ids is not None:
+                depth_hidden = h
+                for k, module in enumerate(self.mtp.values()):
+                    ahead = self.tok_embeddings(mtp_input_ids[..., k])
+                    depth_hidden = module(depth_hidden, ahead, cos, sin)
+                    mtp_logits.append(self.output(module.norm(depth_hidden)))
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        logits = self.output(h) if self.output is not None else h
+        return (logits, mtp_logits) if mtp_input_ids is not None else logits
+
+    # -- multi-token prediction --------------------------------------------------------------------
+    def loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The training objective: the next-token loss, plus `mtp_loss_weight` times the MTP loss
+        when `mtp_depth > 0` (see `loss_terms`)."""
+        return self.loss_terms(batch)[0]
+
+    def loss_terms(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`(objective, {"loss": next-token loss, "mtp_loss": mean over depths})`; without MTP the
+        objective is the next-token loss alone.
+
+        Depth `k` trains on the batch's `mtp_*` entries (`lightning_moe.models.mtp.add_mtp_targets`,
+        added in `before_sequence_sharding`, so that under context parallelism they come from the
+        whole row); a batch without them gets them here. Under cp, `mtp_loss_token_count` (the
+        depths' loss tokens of the whole micro-batch over cp) divides each depth's local sum, as
+        `loss_token_count` does the main loss's.
+        """
+        if not self.mtp:
+            main = super().loss(batch)
+            return main, {"loss": main}
+        if "mtp_labels" not in batch:
+            batch = add_mtp_targets(batch, len(self.mtp))
+        logits, mtp_logits = self(
+            batch["input_ids"], batch.get("position_ids"), **self.sample_index_kwargs(batch),
+            mtp_input_ids=batch["mtp_input_ids"],
+        )
+        main = self.loss_from_logits(logits, batch["labels"], batch.get("loss_mask"), batch.get("loss_token_count"))
+        counts = batch.get("mtp_loss_token_count")
+        mtp_loss = torch.stack([
+            next_token_loss(depth_logits, batch["mtp_labels"][..., k], batch["mtp_loss_mask"][..., k],
+                            counts[k] if counts is not None else None)
+            for k, depth_logits in enumerate(mtp_logits)
+        ]).mean()
+        return main + self.hparams.mtp_loss_weight * mtp_loss, {"loss": main, "mtp_loss": mtp_loss}
+
+    def before_sequence_sharding(self, batch: Any) -> Any:
+        """Add the MTP targets (`MTP_KEYS`) while rows are whole: the strategy calls this before it
+        shards a batch for context parallelism (without cp, :meth:`loss_terms` adds them itself)."""
+        if self.mtp and isinstance(batch, Mapping) and "labels" in batch:
+            return add_mtp_targets(batch, len(self.mtp))
+        return batch
+
+    def setup(self, stage: str) -> None:
+        """Refuse what MTP cannot train on before any work: sequences not longer than `mtp_depth`
+        (the datamodule's `seq_len`), and pipeline parallelism (not supported yet)."""
+        if not self.mtp:
+            return
+        depth = len(self.mtp)
+        seq_len = getattr(self.trainer.datamodule, "seq_len", None)
+        if isinstance(seq_len, int) and depth >= seq_len:
+            raise ValueError(
+                f"mtp_depth={depth} needs sequences longer than {depth} tokens, got seq_len={seq_len}: "
+                "lower model.mtp_depth or raise data.seq_len"
+            )
+        dims = getattr(self.trainer.strategy, "parallel_dims", None)
+        if dims is not None and dims.pp > 1:
+            raise ValueError(
+                f"mtp_depth={depth} with pp={dims.pp}: multi-token prediction does not run under pipeline "
+                "parallelism yet; use pp=1 (tp/cp/ep/dp all work) or model.mtp_depth=0"
+            )
 
     def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
         """Tensor-parallel plan for `parallelize_module(self, tp_mesh, plan)` (Megatron layout).
@@ -226,36 +311,62 @@ class MoEGPT(CausalLMModule):
         if self.output is not None:
             plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
         for key, block in self.layers.items():
-            prefix = f"layers.{key}."
+            plan.update(_block_plan(f"layers.{key}.", block, sequence_parallel))
+        for key, module in self.mtp.items():
+            prefix = f"mtp.{key}."
             if sequence_parallel:
-                plan[prefix + "attention_norm"] = SequenceParallel(use_local_output=True)
-                plan[prefix + "ffn_norm"] = SequenceParallel(use_local_output=True)
-                # One all-gather for q, k and v together; cos/sin pass through unchanged.
-                plan[prefix + "attention"] = PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None),
-                    desired_input_layouts=(Replicate(), None, None),
-                )
-            for name in ("wq", "wk", "wv"):
-                plan[f"{prefix}attention.{name}"] = ColwiseParallel()
-            plan[prefix + "attention.wo"] = RowwiseParallel(output_layouts=seq)
-            if isinstance(block.feed_forward, MoELayer):
-                if sequence_parallel:
-                    # Tell the MoE layer its tokens are sequence shards (a plain tensor would mean
-                    # replicated tokens); the residual stream stays a local tensor.
-                    plan[prefix + "feed_forward"] = PrepareModuleInputOutput(
-                        input_layouts=(Shard(1),),
-                        desired_input_layouts=(Shard(1),),
-                        use_local_input=False,
-                        output_layouts=(Shard(1),),
-                        desired_output_layouts=(Shard(1),),
-                        use_local_output=True,
-                    )
-            elif isinstance(block.feed_forward, FeedForward):
-                if sequence_parallel:
-                    plan[prefix + "feed_forward"] = PrepareModuleInput(
-                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                    )
-                plan[prefix + "feed_forward.w1"] = ColwiseParallel()
-                plan[prefix + "feed_forward.w3"] = ColwiseParallel()
-                plan[prefix + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+                # Per-token modules on sequence shards: replicated weights, gradients summed over tp.
+                for name in ("enorm", "hnorm", "eh_proj", "norm"):
+                    plan[prefix + name] = SequenceParallel(use_local_output=True)
+            plan.update(_block_plan(prefix + "block.", module.block, sequence_parallel))
         return plan
+
+
+def _check_mtp(mtp_depth: int, mtp_loss_weight: float, max_seq_len: int) -> None:
+    if mtp_depth < 0:
+        raise ValueError(f"mtp_depth must be >= 0 (0: no multi-token prediction), got {mtp_depth}")
+    if mtp_depth >= max_seq_len:
+        raise ValueError(
+            f"mtp_depth={mtp_depth} needs sequences longer than {mtp_depth} tokens, got max_seq_len={max_seq_len}: "
+            "lower mtp_depth or raise max_seq_len"
+        )
+    if mtp_loss_weight < 0:
+        raise ValueError(f"mtp_loss_weight must be >= 0, got {mtp_loss_weight}")
+
+
+def _block_plan(prefix: str, block: TransformerBlock, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of one `TransformerBlock` under `prefix` (see `MoEGPT.tensor_parallel_plan`)."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {}
+    if sequence_parallel:
+        plan[prefix + "attention_norm"] = SequenceParallel(use_local_output=True)
+        plan[prefix + "ffn_norm"] = SequenceParallel(use_local_output=True)
+        # One all-gather for q, k and v together; cos/sin pass through unchanged.
+        plan[prefix + "attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None),
+            desired_input_layouts=(Replicate(), None, None),
+        )
+    for name in ("wq", "wk", "wv"):
+        plan[f"{prefix}attention.{name}"] = ColwiseParallel()
+    plan[prefix + "attention.wo"] = RowwiseParallel(output_layouts=seq)
+    if isinstance(block.feed_forward, MoELayer):
+        if sequence_parallel:
+            # Tell the MoE layer its tokens are sequence shards (a plain tensor would mean
+            # replicated tokens); the residual stream stays a local tensor.
+            plan[prefix + "feed_forward"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Shard(1),),
+                use_local_input=False,
+                output_layouts=(Shard(1),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
+            )
+    elif isinstance(block.feed_forward, FeedForward):
+        if sequence_parallel:
+            plan[prefix + "feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            )
+        plan[prefix + "feed_forward.w1"] = ColwiseParallel()
+        plan[prefix + "feed_forward.w3"] = ColwiseParallel()
+        plan[prefix + "feed_forward.w2"] = RowwiseParallel(output_layouts=seq)
+    return plan

@@ -10,16 +10,22 @@ import torch
 from lightning_moe.cp import check_seq_len, zigzag_shard
 from lightning_moe.parallel.dims import ParallelDims
 
-# Sequence-shaped batch entries sharded by default (DESIGN §6); users add their own keys.
-SEQUENCE_KEYS: tuple[str, ...] = ("input_ids", "labels", "loss_mask", "position_ids", "document_ids")
+# Sequence-shaped batch entries sharded by default (DESIGN §6); users add their own keys. The `mtp_*`
+# entries are multi-token prediction's targets `[batch, seq, depth]`, built from whole rows by the
+# module's `before_sequence_sharding` (lightning_moe.models.mtp) so that shifted tokens cross shard borders.
+SEQUENCE_KEYS: tuple[str, ...] = (
+    "input_ids", "labels", "loss_mask", "position_ids", "document_ids", "mtp_input_ids", "mtp_labels", "mtp_loss_mask"
+)
 LOSS_TOKEN_COUNT_KEY = "loss_token_count"
+MTP_LOSS_TOKEN_COUNT_KEY = "mtp_loss_token_count"
 
 
 def shard_batch_for_context_parallel(batch: Any, dims: ParallelDims, extra_keys: Iterable[str] = ()) -> Any:
     """This cp rank's zigzag shard of a dict batch, with global ``position_ids`` added first.
 
     Also adds ``loss_token_count``: the number of loss tokens of the whole micro-batch divided by
-    cp (a float tensor). A module that divides its local loss sum by it returns a loss whose mean
+    cp (a float tensor), and with multi-token prediction targets ``mtp_loss_token_count`` (the same,
+    per depth). A module that divides its local loss sum by it returns a loss whose mean
     over the cp ranks is the mean over all tokens, whatever each rank's share of masked tokens.
     """
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
@@ -32,6 +38,9 @@ def shard_batch_for_context_parallel(batch: Any, dims: ParallelDims, extra_keys:
         batch["position_ids"] = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
     mask = batch.get("loss_mask")
     count = (mask.sum() if mask is not None else torch.tensor(input_ids.numel())).to(torch.float32)
+    mtp_mask = batch.get("mtp_loss_mask")
+    if mtp_mask is not None:  # per depth, over the whole micro-batch, like loss_token_count
+        batch[MTP_LOSS_TOKEN_COUNT_KEY] = mtp_mask.sum(dim=(0, 1)).to(torch.float32) / dims.cp
     cp_rank = dims.cp_mesh.get_local_rank()
     keys = set(SEQUENCE_KEYS) | set(extra_keys)
     for key in keys:
@@ -71,6 +80,7 @@ def check_context_parallel_support(module: torch.nn.Module, dims: ParallelDims, 
 
 __all__ = [
     "LOSS_TOKEN_COUNT_KEY",
+    "MTP_LOSS_TOKEN_COUNT_KEY",
     "SEQUENCE_KEYS",
     "check_context_parallel_support",
     "shard_batch_for_context_parallel",

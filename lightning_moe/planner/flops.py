@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.mtp import mtp_flops_per_microbatch
 
 # Activation checkpointing cost in forward passes recomputed during backward: "full" recomputes the
 # whole layer forward (Chen et al. 2016, arXiv 1604.06174); "selective" recomputes the SwiGLU/expert
@@ -47,5 +48,7 @@ def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers
             out["dense"] += ffn
     if last:
         out["dense"] += 2 * tokens * h * model.vocab_size / tp
+        for kind, value in mtp_flops_per_microbatch(model, layout, seq_len).items():
+            out[kind] += value
     return out
 

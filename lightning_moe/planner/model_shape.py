@@ -82,6 +82,7 @@ class ModelShape:
     v_head_dim: int | None = None
     name: str = "model"
     optimizer: str = "adamw"  # "muon": the step adds lightning_moe.planner.muon's gathers and Newton-Schulz
+    mtp_depth: int = 0  # multi-token prediction depths on the last stage: lightning_moe.planner.mtp
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any], name: str | None = None, architecture: Mapping[str, Any] | None = None) -> ModelShape:
@@ -117,6 +118,7 @@ class ModelShape:
             **{key: None if value is None else int(value) for key, value in architecture.items()},
             name=name or str(cfg.get("name", "model")),
             optimizer=str(cfg.get("optimizer", "adamw")),
+            mtp_depth=int(cfg.get("mtp_depth", 0)),
         )
         shape.check()
         return shape
