@@ -12,9 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -44,8 +41,8 @@ from lightning_moe.conf import CONF_DIR
 from lightning_moe.plan import dry_run, model_shape, run_plan
 from lightning_moe.planner.presets import layout_from_parallel
 from lightning_moe.planner.report import plan_json
-from tests.cli import ROOT, TINY_RUN
-from tests.dist_pool import close_pools, get_pool
+from tests.cli import TINY_RUN, train_in_pool
+from tests.dist_pool import get_pool
 from tests.dist_pool import layout as pool_layout
 
 
@@ -534,15 +531,10 @@ def test_real_gloo_ranks_hold_the_planned_bytes(sizes):
 
 # -- communication bytes against the comm accounting of real runs --------------------------------------
 def _measured_comm(run_dir: Path, parallel: str, *extra: str) -> dict[str, float]:
-    """comm/<dim>_bytes of the last optimizer step of a 2-step CLI run (first-step set-up left out)."""
-    close_pools()
-    run_dir.mkdir(parents=True)
-    overrides = [*TINY_RUN, "trainer.max_steps=2", "++trainer.gradient_clip_val=null", "logger=csv",
-                 "trainer.log_every_n_steps=1", "~callbacks.progress_bar", "~callbacks.expert_load_plots",
-                 f"parallel={parallel}", f"hydra.run.dir={run_dir}", *extra]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "lightning_moe.train", *overrides], cwd=run_dir, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    """comm/<dim>_bytes of the last optimizer step of a 2-step training run in the test pool (first-step
+    set-up left out)."""
+    train_in_pool(run_dir, "trainer.max_steps=2", "++trainer.gradient_clip_val=null", "logger=csv", "trainer.log_every_n_steps=1",
+                  "~callbacks.progress_bar", "~callbacks.expert_load_plots", f"parallel={parallel}", *extra)
     rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("comm/dp_bytes")]
     last = rows[-1]
     # comm/other_bytes is logged only when some collective ran on a group of no dim
@@ -575,17 +567,13 @@ def _balanced_routing_trace(path: Path) -> Path:
 # micro-batch and per pipeline step) and pp; cp2_tp2_ep4_folded and pp2_tp2_ep2_folded add parallel
 # folding (the ep group over cp x tp, and over tp under a pipeline, where tp's norm-gradient
 # all-reduce follows FSDP2's reductions per pipeline step); dp2x2_hsdp and dp2_ep2_hsdp add HSDP (shard
-# groups of 2 ranks, and of 1 for the experts, with the replica all-reduce). The 2-process presets each take another
-# 20-50 s on 2 shared cores: LMOE_PLANNER_ALL_LAYOUTS=1 runs them too (they passed on 2026-12-01).
-_ALL_LAYOUTS = os.environ.get("LMOE_PLANNER_ALL_LAYOUTS") == "1"
-_EXTRA = pytest.mark.skipif(not _ALL_LAYOUTS, reason="set LMOE_PLANNER_ALL_LAYOUTS=1 for every CPU preset")
-
-
+# groups of 2 ranks, and of 1 for the experts, with the replica all-reduce); the 2-process presets each
+# dim alone. In the test pool each run takes a few seconds.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "parallel",
     ["cp2_tp2", "pp2_ep2", "cp2_tp2_ep4_folded", "pp2_tp2_ep2_folded", "dp2x2_hsdp", "dp2_ep2_hsdp",
-     *(pytest.param(p, marks=_EXTRA) for p in ("dp2", "tp2", "cp2", "ep2", "pp2", "tp2_ep2_folded"))],
+     "dp2", "tp2", "cp2", "ep2", "pp2", "tp2_ep2_folded"],
 )  # fmt: skip
 def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, parallel):
     """Every dim to the byte. The planner's ep figure assumes balanced routing ((ep-1)/ep of each
