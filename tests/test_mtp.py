@@ -126,6 +126,9 @@ def reference(tmp_path_factory, depth: int) -> list[float]:
 # ep2: experts of the MTP block across ranks; tp2: the MTP plan under sequence parallelism; cp2: the
 # shifted targets built from whole rows before zigzag sharding (depth 2: two tokens across shard
 # borders); tp2_ep2_folded: experts folded over tp.
+# Slow: the fast subset also runs on torch 2.11, whose DTensor cannot run eh_proj on a sequence-sharded
+# input under tp (docs/mtp.md).
+@pytest.mark.slow
 @pytest.mark.parametrize(("preset", "depth"), [("ep2", 1), ("tp2", 1), ("cp2", 1), ("tp2_ep2_folded", 1), ("cp2", 2)])
 def test_mtp_layouts_match_one_process(tmp_path, tmp_path_factory, preset, depth):
     expected = reference(tmp_path_factory, depth)
