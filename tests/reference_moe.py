@@ -223,3 +223,19 @@ def expert_grad_block(layer: nn.Module, name: str, ep_rank: int, ep: int, tp_ran
     local = grad.shape[0] // ep
     block = grad[ep_rank * local : (ep_rank + 1) * local]
     return block.chunk(tp, FFN_DIM[name])[tp_rank] if tp > 1 else block
+
+
+def expert_and_router_grad_errors(layer: nn.Module, step: ReferenceStep, reference: nn.Module, ep_rank: int, ep: int) -> dict[str, float]:
+    """Largest absolute differences from the reference of an ep layer's expert gradients (this rank's
+    block, ``w1``/``w2``/``w3``) and of its router gradient summed over all ranks (a collective)."""
+    import torch.distributed as dist
+
+    errors = {
+        name: (getattr(layer.experts, name).grad.to_local() - expert_grad_block(step.experts, name, ep_rank, ep)).abs().max().item()
+        for name in ("w1", "w2", "w3")
+    }
+    # The sum over ranks of the local router gradients equals the reference's over all micro-batches.
+    router_grad = layer.router.weight.grad.clone()
+    dist.all_reduce(router_grad)
+    errors["router"] = (router_grad - reference.router.weight.grad).abs().max().item()
+    return errors

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_pool import get_pool, layout
-from tests.reference_moe import expert_grad_block, reference_step
+from tests.reference_moe import expert_and_router_grad_errors, reference_step
 
 WORLD = 4
 H, F, E, K, TOKENS = 16, 24, 8, 2, 12
@@ -59,12 +59,7 @@ def dedup_case(ep: int, wire: str | None, chunks: int) -> dict:
     step = reference_step(reference, _inputs, rank, dist.get_process_group_ranks(dims.ep_group), world)
     report = {"measured": measured, "pairs": pairs, "remote_slots": remote_slots, "out": (y.detach() - step.out).abs().max().item(),
               "grad_x": (x.grad - step.grad_x).abs().max().item()}  # fmt: skip
-    for name in ("w1", "w2", "w3"):
-        got = getattr(layer.experts, name).grad.to_local()
-        report[name] = (got - expert_grad_block(step.experts, name, ep_rank, ep)).abs().max().item()
-    router_grad = layer.router.weight.grad.clone()
-    dist.all_reduce(router_grad)
-    report["router"] = (router_grad - reference.router.weight.grad).abs().max().item()
+    report.update(expert_and_router_grad_errors(layer, step, reference, ep_rank, ep))
     return report
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tests.dist_pool import get_pool
 from tests.dist_pool import layout
-from tests.reference_moe import expert_grad_block, reference_step
+from tests.reference_moe import expert_and_router_grad_errors, reference_step
 
 WORLD = 4
 H, F, E, K, TOKENS = 16, 24, 8, 2, 12
@@ -67,13 +67,7 @@ def ep_layer_case(
     report = {"out": (y.detach() - step.out).abs().max().item(), "grad_x": (x.grad - step.grad_x).abs().max().item()}
 
     ep_rank = dims.ep_mesh.get_local_rank()
-    for name in ("w1", "w2", "w3"):
-        got = getattr(layer.experts, name).grad.to_local()
-        report[name] = (got - expert_grad_block(step.experts, name, ep_rank, ep)).abs().max().item()
-    # The sum over ranks of the local router gradients equals the reference's over all micro-batches.
-    router_grad = layer.router.weight.grad.clone()
-    dist.all_reduce(router_grad)
-    report["router"] = (router_grad - reference.router.weight.grad).abs().max().item()
+    report.update(expert_and_router_grad_errors(layer, step, reference, ep_rank, ep))
     if one_rank:
         report["slots_outside_ep_rank0"] = layer.stats["tokens_per_expert"][E // ep :].sum().item()
     if expert_bias:

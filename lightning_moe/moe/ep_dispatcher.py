@@ -228,11 +228,7 @@ class PerRankAllToAllDispatcher(OverlappingDispatcher):
         self.inner = inner if inner is not None else LocalDispatcher(self.experts_per_rank, pad_rows)
         self.num_local_experts = self.inner.num_local_experts
         self.wire = wire
-        self.set_nodes(node_ids)
-
-    def set_nodes(self, node_ids: list[int] | None) -> None:
-        """Mark which ep peers sit on another node (``node_ids[r]``: the node of ep rank r)."""
-        self.remote = remote_peers(node_ids, self.group)
+        self.remote = remote_peers(node_ids, ep_group)  # peers on other nodes, for the inter-node byte count
 
     @property
     def pad_rows(self) -> bool | int | None:
