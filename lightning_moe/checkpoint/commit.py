@@ -21,11 +21,11 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_moe.checkpoint.state import STAGING_SUFFIX
+from lightning_moe.checkpoint.state import PREVIOUS_SUFFIX, STAGING_SUFFIX
 
 COMMIT_FILE = "commit.json"
 # What ModelCheckpoint names checkpoints (FILE_EXTENSION), plus the names a save passes through.
-_CHECKPOINT_SUFFIXES = (".ckpt", ".ckpt.previous", ".ckpt" + STAGING_SUFFIX)
+_CHECKPOINT_SUFFIXES = (".ckpt", ".ckpt" + PREVIOUS_SUFFIX, ".ckpt" + STAGING_SUFFIX)
 
 
 def write_commit_marker(folder: Path, global_step: int) -> None:

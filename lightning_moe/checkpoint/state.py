@@ -240,8 +240,12 @@ def load_one_file_checkpoint(
     Lightning's one-file loader nor torch's full-state loading reads: each whole tensor is laid out
     here as this rank's state of its parameter is (``distribute_tensor`` with its mesh and placements).
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     contents = load_safely(checkpoint)
