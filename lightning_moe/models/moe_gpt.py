@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -21,10 +22,11 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_moe.models.blocks import Attention, FeedForward, TransformerBlock, rotary_cos_sin
 from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer, next_token_loss, warmup_cosine_factor
-from lightning_moe.models.mtp import MultiTokenPrediction, add_mtp_targets
+from lightning_moe.models.mtp import MultiTokenPrediction, add_mtp_targets, mtp_loss
 from lightning_moe.moe import MoEConfig, MoELayer, token_keys
 from lightning_moe.moe.config import DEFAULT_NUM_EXPERTS
 from lightning_moe.parallel.init import seeded_generator
+from lightning_moe.parallel.pipeline import stage_layer_keys
 
 __all__ = ["MoEGPT", "is_moe_layer", "next_token_loss", "warmup_cosine_factor"]
 
@@ -81,7 +83,9 @@ class MoEGPT(CausalLMModule):
         - a pipeline stage is this module with `layers` entries deleted and `tok_embeddings`
           (first stage) or `norm`/`output` (last stage) set to None: `forward` then takes or
           returns hidden states; `loss_from_logits(logits, labels, ...)` is the loss the
-          strategy computes on the last stage for every pipeline micro-batch.
+          strategy computes on the last stage for every pipeline micro-batch. With MTP the last
+          stage also holds `mtp` and a copy of `tok_embeddings` that the strategy keeps equal to
+          the first stage's (`pipeline_last_stage_modules`), and its loss is `loss_terms_from_output`.
 
     Example:
         >>> model = MoEGPT(hidden_size=64, num_layers=2, moe={"num_experts": 4, "ffn_hidden_size": 64})
@@ -187,17 +191,19 @@ class MoEGPT(CausalLMModule):
         position_ids: torch.Tensor | None = None,
         sample_index: torch.Tensor | None = None,
         mtp_input_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """`input_ids [B, S]` (int64) -> logits `[B, S, vocab]`.
 
         `position_ids [B, S]` or `[S]` drive RoPE (default `arange(S)`); context parallelism passes
-        the global positions of its shard. On a pipeline stage without `tok_embeddings`,
-        `input_ids` is the hidden state `[B, S, hidden]`; without `output`, hidden states return.
+        the global positions of its shard. On a pipeline stage after the first, `input_ids` is the
+        hidden state `[B, S, hidden]` (floating point); on a stage without `output`, hidden states
+        return (and `mtp_input_ids` is ignored: the MTP modules sit on the last stage).
         `sample_index [B]`: the samples' global indices (dataset batches carry them); with the
         positions they key each token for routing record/replay (`lightning_moe.moe.replay`).
         `mtp_input_ids [B, S, D]`: the tokens `k` ahead for each MTP depth (`add_mtp_targets`);
-        with them the result is `(logits, [logits of depth 1..D])`. The loss goes through here, not
-        around it, so that a fully sharded module gathers its parameters once for both.
+        with them the result is the tuple `(logits, logits of depth 1, ..., logits of depth D)`. The
+        loss goes through here, not around it, so that a fully sharded module gathers its parameters
+        once for both.
         """
         if position_ids is None:
             # input_ids, not the embeddings: under sequence parallelism those are sequence shards.
@@ -209,10 +215,14 @@ class MoEGPT(CausalLMModule):
                 )
             position_ids = torch.arange(seq_len, device=input_ids.device)
         cos, sin = rotary_cos_sin(position_ids, self.head_dim, self.rope_theta)
-        h = self.tok_embeddings(input_ids) if self.tok_embeddings is not None else input_ids
+        # Token ids start the model; a pipeline stage after the first receives a hidden state. The
+        # last stage holds tok_embeddings too under multi-token prediction, so its presence cannot tell.
+        h = input_ids if input_ids.is_floating_point() else self.tok_embeddings(input_ids)
         with token_keys(sample_index, position_ids):
             for layer in self.layers.values():
                 h = layer(h, cos, sin)
+            if self.output is None:  # a pipeline stage before the last
+                return h
             mtp_logits = []
             if mtp_input_ids is not None:
                 depth_hidden = h
@@ -220,10 +230,9 @@ class MoEGPT(CausalLMModule):
                     ahead = self.tok_embeddings(mtp_input_ids[..., k])
                     depth_hidden = module(depth_hidden, ahead, cos, sin)
                     mtp_logits.append(self.output(module.norm(depth_hidden)))
-        if self.norm is not None:
-            h = self.norm(h)
-        logits = self.output(h) if self.output is not None else h
-        return (logits, mtp_logits) if mtp_input_ids is not None else logits
+        logits = self.output(self.norm(h))
+        # Flat: a pipeline's last stage may return only tensors.
+        return (logits, *mtp_logits) if mtp_input_ids is not None else logits
 
     # -- multi-token prediction --------------------------------------------------------------------
     def loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -241,48 +250,88 @@ class MoEGPT(CausalLMModule):
         depths' loss tokens of the whole micro-batch over cp) divides each depth's local sum, as
         `loss_token_count` does the main loss's.
         """
-        if not self.mtp:
+        depth = self.hparams.mtp_depth  # not len(self.mtp): a pipeline rank before the last holds none
+        if not depth:
             main = super().loss(batch)
             return main, {"loss": main}
         if "mtp_labels" not in batch:
-            batch = add_mtp_targets(batch, len(self.mtp))
-        logits, mtp_logits = self(
+            batch = add_mtp_targets(batch, depth)
+        output = self(
             batch["input_ids"], batch.get("position_ids"), **self.sample_index_kwargs(batch),
             mtp_input_ids=batch["mtp_input_ids"],
         )
-        main = self.loss_from_logits(logits, batch["labels"], batch.get("loss_mask"), batch.get("loss_token_count"))
-        counts = batch.get("mtp_loss_token_count")
-        mtp_loss = torch.stack([
-            next_token_loss(depth_logits, batch["mtp_labels"][..., k], batch["mtp_loss_mask"][..., k],
-                            counts[k] if counts is not None else None)
-            for k, depth_logits in enumerate(mtp_logits)
-        ]).mean()
-        return main + self.hparams.mtp_loss_weight * mtp_loss, {"loss": main, "mtp_loss": mtp_loss}
+        return self.loss_terms_from_output(output, batch)
+
+    @property
+    def loss_term_names(self) -> tuple[str, ...]:
+        """The names of `loss_terms`' terms, in order (each logged as `train/<name>`)."""
+        return ("loss", "mtp_loss") if self.hparams.mtp_depth else ("loss",)
+
+    def loss_terms_from_output(
+        self, output: torch.Tensor | tuple[torch.Tensor, ...], targets: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`loss_terms` from `forward`'s output: logits, or `(logits, *mtp_logits)`, with their targets
+        (`labels` and the optional `loss_mask`, `loss_token_count` and `mtp_*` entries of a batch).
+        Under pipeline parallelism the strategy calls it on the last stage for every micro-batch."""
+        logits, *depth_logits = output if isinstance(output, tuple) else (output,)
+        main = self.loss_from_logits(logits, targets["labels"], targets.get("loss_mask"), targets.get("loss_token_count"))
+        if not depth_logits:
+            return main, {"loss": main}
+        extra = mtp_loss(depth_logits, targets)
+        return main + self.hparams.mtp_loss_weight * extra, {"loss": main, "mtp_loss": extra}
 
     def before_sequence_sharding(self, batch: Any) -> Any:
         """Add the MTP targets (`MTP_KEYS`) while rows are whole: the strategy calls this before it
-        shards a batch for context parallelism (without cp, :meth:`loss_terms` adds them itself)."""
-        if self.mtp and isinstance(batch, Mapping) and "labels" in batch:
-            return add_mtp_targets(batch, len(self.mtp))
+        shards a batch for context parallelism, and under pipeline parallelism before it packs the
+        targets for the last stage (otherwise :meth:`loss_terms` adds them itself)."""
+        if self.hparams.mtp_depth and isinstance(batch, Mapping) and "labels" in batch:
+            return add_mtp_targets(batch, self.hparams.mtp_depth)
         return batch
+
+    @property
+    def pipeline_last_stage_modules(self) -> tuple[str, ...]:
+        """The last pipeline stage's modules: `norm` and `output`, with MTP also `mtp` and a copy of
+        `tok_embeddings` (tied to the first stage's: see `lightning_moe.parallel.pipeline`)."""
+        return ("norm", "output", "mtp", "tok_embeddings") if self.hparams.mtp_depth else ("norm", "output")
 
     def setup(self, stage: str) -> None:
         """Refuse what MTP cannot train on before any work: sequences not longer than `mtp_depth`
-        (the datamodule's `seq_len`), and pipeline parallelism (not supported yet)."""
-        if not self.mtp:
+        (the datamodule's `seq_len`), and under pipeline parallelism a last stage without a main
+        layer (`check_mtp_pipeline_split`)."""
+        depth = self.hparams.mtp_depth
+        if not depth:
             return
-        depth = len(self.mtp)
         seq_len = getattr(self.trainer.datamodule, "seq_len", None)
         if isinstance(seq_len, int) and depth >= seq_len:
             raise ValueError(
                 f"mtp_depth={depth} needs sequences longer than {depth} tokens, got seq_len={seq_len}: "
                 "lower model.mtp_depth or raise data.seq_len"
             )
-        dims = getattr(self.trainer.strategy, "parallel_dims", None)
+        strategy = self.trainer.strategy
+        dims = getattr(strategy, "parallel_dims", None)
         if dims is not None and dims.pp > 1:
+            self.check_mtp_pipeline_split(dims.pp * getattr(strategy, "pp_stages_per_rank", 1))
+
+    def check_mtp_pipeline_split(self, num_stages: int) -> None:
+        """The MTP blocks run on the last of `num_stages` pipeline stages, after its share of the
+        main layers: refuse a split (`pipeline_stage_layers`) that gives it none, and warn when they
+        make it at least twice as heavy, in blocks, as the heaviest other stage (the pipeline then
+        runs at the last stage's pace), naming the fix for both."""
+        depth = self.hparams.mtp_depth
+        stages = stage_layer_keys(self, num_stages)
+        last, heaviest_other = len(stages[-1]), max(len(keys) for keys in stages[:-1])
+        if last == 0:
             raise ValueError(
-                f"mtp_depth={depth} with pp={dims.pp}: multi-token prediction does not run under pipeline "
-                "parallelism yet; use pp=1 (tp/cp/ep/dp all work) or model.mtp_depth=0"
+                f"mtp_depth={depth} under pipeline parallelism: the last of {num_stages} stages runs the MTP blocks"
+                " after at least one main layer, but pipeline_stage_layers gives it none: move at least one layer"
+                " to the last stage"
+            )
+        if last + depth >= 2 * heaviest_other:
+            rank_zero_warn(
+                f"mtp_depth={depth} under pipeline parallelism: the last of {num_stages} stages runs {last} layers"
+                f" + {depth} MTP blocks, the others at most {heaviest_other} layers; to balance the stages give the"
+                " last one fewer layers (model.pipeline_stage_layers = [[...], ...] before fit) or use more layers"
+                " per stage"
             )
 
     def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
@@ -312,7 +361,7 @@ class MoEGPT(CausalLMModule):
             plan["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
         for key, block in self.layers.items():
             plan.update(_block_plan(f"layers.{key}.", block, sequence_parallel))
-        for key, module in self.mtp.items():
+        for key, module in (self.mtp or {}).items():  # None on pipeline stages before the last
             prefix = f"mtp.{key}."
             if sequence_parallel:
                 # Per-token modules on sequence shards: replicated weights, gradients summed over tp.

@@ -8,15 +8,16 @@ count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_moe.models.blocks import TransformerBlock
+from lightning_moe.models.causal_lm import next_token_loss
 
-__all__ = ["MTP_KEYS", "MultiTokenPrediction", "add_mtp_targets"]
+__all__ = ["MTP_KEYS", "MultiTokenPrediction", "add_mtp_targets", "mtp_loss"]
 
 #: Sequence-shaped batch entries `[batch, seq, depth]` built by `add_mtp_targets`: the tokens `k`
 #: ahead, their labels and which positions count. Under context parallelism they are built from the
@@ -86,6 +87,27 @@ def add_mtp_targets(batch: Mapping[str, Any], depth: int) -> dict[str, Any]:
     batch["mtp_labels"] = torch.stack(targets, dim=-1)
     batch["mtp_loss_mask"] = torch.stack(masks, dim=-1)
     return batch
+
+
+def mtp_loss(depth_logits: Sequence[torch.Tensor], batch: Mapping[str, Any]) -> torch.Tensor:
+    """The MTP loss: the mean over depths of each depth's next-token loss on the batch's `MTP_KEYS`.
+
+    `depth_logits[k - 1]`: depth `k`'s logits `[B, S, vocab]`. Under context parallelism the
+    batch's `mtp_loss_token_count` (each depth's loss tokens over the whole micro-batch) divides
+    that depth's local sum, as `loss_token_count` does the main loss's.
+
+    Example:
+        >>> batch = add_mtp_targets({"input_ids": torch.zeros(1, 4, dtype=torch.long),
+        ...                          "labels": torch.zeros(1, 4, dtype=torch.long)}, 1)
+        >>> torch.isclose(mtp_loss([torch.zeros(1, 4, 8)], batch), torch.tensor(8.0).log()).item()
+        True
+    """
+    counts = batch.get("mtp_loss_token_count")
+    return torch.stack([
+        next_token_loss(logits, batch["mtp_labels"][..., k], batch["mtp_loss_mask"][..., k],
+                        counts[k] if counts is not None else None)
+        for k, logits in enumerate(depth_logits)
+    ]).mean()
 
 
 def _shift_left(tokens: torch.Tensor, k: int) -> torch.Tensor:

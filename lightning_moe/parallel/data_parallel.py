@@ -68,8 +68,10 @@ def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> Non
         # shallow copy of it): each child holding parameters is a unit of its own, so every unit's
         # hooks run in the stages' forward and backward.
         for child in module.children():
-            if child is not blocks and _has_unwrapped_parameters(child):
-                wrap(child, mesh=dense_mesh)
+            if child is not blocks:
+                for unit in _stage_units(child):
+                    if _has_unwrapped_parameters(unit):
+                        wrap(unit, mesh=dense_mesh)
         return
     wrap(module, mesh=dense_mesh)
 
@@ -149,6 +151,23 @@ def wrap_averaged(
 
 def _has_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
+
+
+def _stage_units(child: nn.Module) -> list[nn.Module]:
+    """The data-parallel units of a pipeline stage's child: the child itself, or for a container
+    (no forward of its own, e.g. ``MoEGPT.mtp``) the parts of each member, since the model may call a
+    part outside its member's forward (an MTP depth's ``norm``, before the shared head)."""
+    if not isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+        return [child]
+    units = []
+    for member in child.children():
+        if any(True for _ in member.parameters(recurse=False)):
+            raise ValueError(
+                f"{type(member).__name__} in a module container holds parameters of its own: under pipeline"
+                " parallelism data parallelism wraps its submodules one by one; move them into a submodule"
+            )
+        units.extend(member.children())
+    return units
 
 
 def _has_unwrapped_parameters(module: nn.Module) -> bool:

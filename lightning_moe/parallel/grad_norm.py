@@ -10,6 +10,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+_COUNTED_ELSEWHERE = "_lightning_moe_norm_counted_elsewhere"
+
+
+def count_norm_elsewhere(param: torch.Tensor) -> None:
+    """Leave ``param`` out of :func:`clip_grad_norm_`'s norm (it is still clipped): a copy of a
+    parameter that another rank of the combining ``group`` holds and counts, such as the last pipeline
+    stage's copy of a tied embedding."""
+    setattr(param, _COUNTED_ELSEWHERE, True)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],
@@ -22,8 +32,8 @@ def clip_grad_norm_(
 
     Gradients are grouped by mesh and placements; each group's norm is reduced over its own mesh,
     then the groups combine. ``group``: ranks that hold the *other* parameters of the model (the
-    pipeline stages, pp): their norms combine too. Returns the total norm (a plain tensor, identical
-    on every rank).
+    pipeline stages, pp): their norms combine too. Parameters marked by :func:`count_norm_elsewhere`
+    are clipped but not counted. Returns the total norm (a plain tensor, identical on every rank).
 
     Example::
 
@@ -38,7 +48,10 @@ def clip_grad_norm_(
         return torch.tensor(0.0)
     norms = []
     for members in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in members], norm_type=norm_type)
+        counted = [p.grad for p in members if not getattr(p, _COUNTED_ELSEWHERE, False)]
+        if not counted:
+            continue
+        norm = torch.nn.utils.get_total_norm(counted, norm_type=norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.nn.utils.get_total_norm(norms, norm_type=norm_type) if norms else torch.tensor(0.0)
     if group is not None and dist.get_world_size(group) > 1:

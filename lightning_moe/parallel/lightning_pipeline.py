@@ -32,6 +32,7 @@ from lightning_moe.parallel.pipeline import (
     check_pipeline_config,
     pipeline_batch,
     pipeline_stage_modules,
+    unpack_target,
     unpack_target_loss,
 )
 from lightning_moe.parallel.pipeline_runner import PipelineRunner
@@ -65,6 +66,8 @@ class PipelineEngine(StepEngine):
         self.runner: PipelineRunner | None = None
         self._stashed_grads: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
         self._precision: Any = None
+        self._term_names: tuple[str, ...] = ("loss",)
+        self._step_terms: list[torch.Tensor] = []
 
     @property
     def stages_group(self) -> torch.distributed.ProcessGroup:  # type: ignore[override]
@@ -111,9 +114,17 @@ class PipelineEngine(StepEngine):
                 " in configure_model"
             )
         cp = self.dims.cp
+        # A module whose objective has several terms (MoEGPT's multi-token prediction) computes them
+        # from the last stage's output; each is logged like the objective.
+        terms_from_output = getattr(module, "loss_terms_from_output", None)
+        self._term_names = tuple(getattr(module, "loss_term_names", ("loss",)))
 
         def loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-            return unpack_target_loss(module.loss_from_logits, output, target, cp)
+            if terms_from_output is None:
+                return unpack_target_loss(module.loss_from_logits, output, target, cp)
+            objective, terms = terms_from_output(output, unpack_target(target, cp))
+            self._step_terms.append(torch.stack([terms[name].detach().float() for name in self._term_names]))
+            return objective
 
         self.runner = PipelineRunner(
             stages,
@@ -134,14 +145,21 @@ class PipelineEngine(StepEngine):
     def training_step(self, step: Callable[[], Any], batch: Any, trainer: Any, optimizers: list[torch.optim.Optimizer],
                       module: Any, step_context: Callable[[], contextlib.AbstractContextManager]) -> Any:
         """Forward and backward of every micro-batch of ``batch`` by the schedule (the module's own
-        ``step`` does not run): the mean loss on every rank, logged as ``train/loss``.
+        ``step`` does not run): the mean loss on every rank, logged as ``train/loss`` (with several
+        loss terms, ``loss_term_names``, each term ``train/<name>``, and the objective returned).
 
         The gradients of the ``optimizers``' parameters (``module``'s without optimizers) are
         stashed until :meth:`backward`.
         """
         with step_context(), self._precision.train_step_context():
             loss, size = self._schedule_step(batch, trainer.accumulate_grad_batches, optimizers, module)
-        module.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=size)
+        terms = {"loss": loss}
+        if self._term_names != ("loss",):
+            runner = self._built()
+            means = runner.broadcast_mean(self._step_terms if runner.holds_last_stage else None, (len(self._term_names),))
+            terms = dict(zip(self._term_names, means.unbind()))
+        for name, value in terms.items():
+            module.log(f"train/{name}", value, prog_bar=name == "loss", on_step=True, on_epoch=False, batch_size=size)
         return loss
 
     def _schedule_step(
@@ -164,6 +182,7 @@ class PipelineEngine(StepEngine):
         grad_scale = 1.0 / (accumulate_grad_batches * self.microbatches)
         # Each cp rank holds a partial aux loss while gradients are averaged over cp: hence the factor cp.
         set_aux_loss_scale(self.dims.cp * grad_scale)
+        self._step_terms = []
         losses = runner.step(inputs, kwargs, target, train=True, grad_scale=grad_scale)
         loss = runner.broadcast_mean(losses)
         self._stashed_grads = [(p, p.grad) for p, _ in previous]

@@ -12,6 +12,9 @@ A module says how it splits in one of three ways (first match wins):
    ``("norm", "output")``); on other stages these attributes are None, so ``forward`` must accept a
    hidden state as input and return one (``MoEGPT`` does). Blocks keep their keys on every stage
    (a ``ModuleList`` stage iterates over its own blocks, named ``blocks.2``, ``blocks.3``, ...).
+   A module named in both lists (``MoEGPT``'s ``tok_embeddings`` under multi-token prediction) is
+   *tied*: the first and the last stage each hold it under its own name, and
+   :class:`~lightning_moe.parallel.pipeline_runner.PipelineRunner` keeps the two copies equal.
 
 Rank ``r`` of the pp group runs the stages ``r, r + pp, r + 2 pp, ...`` (``stages_per_rank`` of them,
 "virtual" stages for the interleaved schedule); under the V schedules (:data:`lightning_moe.layout.V_SCHEDULES`) the two
@@ -48,7 +51,10 @@ __all__ = [
     "pipeline_stage_modules",
     "split_module",
     "stage_ids",
+    "stage_layer_keys",
     "stage_rank",
+    "tied_end_modules",
+    "unpack_target",
     "unpack_target_loss",
 ]
 
@@ -159,6 +165,21 @@ def check_pipeline_split(module: nn.Module, num_stages: int) -> None:
 def pipeline_stage_modules(module: nn.Module) -> list[tuple[int, nn.Module]] | None:
     """``[(stage_index, stage_module), ...]`` of this rank after :func:`split_module`, else None."""
     return getattr(module, _STAGES_ATTR, None)
+
+
+def stage_layer_keys(module: nn.Module, num_stages: int) -> list[list[str]]:
+    """The keys of the blocks each of ``num_stages`` stages runs under the default convention (an
+    even split, or ``pipeline_stage_layers``); ``ValueError`` naming the fix when there is none."""
+    return _layer_keys_per_stage(module, num_stages)
+
+
+def tied_end_modules(module: nn.Module) -> tuple[str, ...]:
+    """The modules that both the first and the last stage hold (named in ``pipeline_first_stage_modules``
+    and ``pipeline_last_stage_modules``), e.g. ``("tok_embeddings",)`` for ``MoEGPT`` with MTP."""
+    if callable(getattr(module, "pipeline_split", None)):
+        return ()
+    first, last = _end_modules(module)
+    return tuple(name for name in first if name in last)
 
 
 def _layer_keys_per_stage(module: nn.Module, num_stages: int) -> list[list[str]]:
@@ -311,10 +332,12 @@ def pipeline_batch(
     ``with_sample_index`` (the stages' forward takes it: routing replay keys tokens by it), and its
     ``document_ids`` (each stage's pre-hook hands them to the attention mode, see
     :func:`lightning_moe.parallel.documents.take_document_ids`).
-    Without ``loss_mask`` and context parallelism the target is ``labels``; otherwise a float64 ``[B, S, 2 or 3]`` packing of labels,
-    each sample's loss tokens over the whole sequence (all ranks of ``cp_group``) and the mask,
-    which :func:`unpack_target_loss` turns into ``loss_token_count`` per micro-batch: the schedule
-    splits it by sample like the inputs.
+    Without ``loss_mask``, context parallelism and multi-token prediction the target is ``labels``;
+    otherwise a float64 ``[B, S, F]`` packing of labels, each sample's loss tokens over the whole
+    sequence (all ranks of ``cp_group``) and the mask, and the same three per MTP depth (the batch's
+    ``mtp_labels``/``mtp_loss_mask``, from ``add_mtp_targets``), which :func:`unpack_target` turns into
+    the loss entries of each micro-batch: the schedule splits it by sample like the inputs. With MTP
+    the batch's ``mtp_input_ids`` go to every stage as a keyword (the last stage's MTP modules embed them).
     """
     if not isinstance(batch, Mapping) or "input_ids" not in batch or "labels" not in batch:
         raise TypeError("pipeline parallelism needs dict batches with 'input_ids' and 'labels' [batch, seq] entries")
@@ -334,30 +357,73 @@ def pipeline_batch(
         # Split per micro-batch with the inputs; each stage hands them to the attention mode.
         kwargs["document_ids"] = batch["document_ids"]
     mask = batch.get("loss_mask")
-    if mask is None and cp_group is None:
+    mtp_labels = batch.get("mtp_labels")
+    if mtp_labels is None and mask is None and cp_group is None:
         return (input_ids,), kwargs, labels
+    if mask is None and mtp_labels is not None:  # the packing's layout: a mask field whenever MTP fields follow
+        mask = torch.ones_like(labels, dtype=torch.float64)
+    fields = [labels.to(torch.float64), _per_sample_count(mask, size, seq, cp_group, input_ids.device)]
+    if mask is not None:
+        fields.append(mask.to(torch.float64))
+    if mtp_labels is not None:
+        # The last stage's forward takes the tokens ahead; its loss the depths' labels and masks.
+        kwargs["mtp_input_ids"] = batch["mtp_input_ids"]
+        mtp_mask = batch["mtp_loss_mask"]
+        for k in range(mtp_labels.shape[-1]):
+            depth_mask = mtp_mask[..., k]
+            count = _per_sample_count(depth_mask, size, seq, cp_group, input_ids.device)
+            fields += [mtp_labels[..., k].to(torch.float64), count, depth_mask.to(torch.float64)]
+    return (input_ids,), kwargs, torch.stack(fields, dim=-1)
+
+
+def _per_sample_count(
+    mask: torch.Tensor | None, size: int, seq: int, cp_group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """Each sample's loss tokens over the whole sequence (all cp ranks), float64 ``[B, S]`` (repeated along S)."""
     if mask is not None:
         per_sample = mask.to(torch.float64).sum(1)
     else:
-        per_sample = torch.full((size,), float(seq), dtype=torch.float64, device=input_ids.device)
+        per_sample = torch.full((size,), float(seq), dtype=torch.float64, device=device)
     if cp_group is not None:
         dist.all_reduce(per_sample, group=cp_group)
-    fields = [labels.to(torch.float64), per_sample[:, None].expand(size, seq)]
-    if mask is not None:
-        fields.append(mask.to(torch.float64))
-    return (input_ids,), kwargs, torch.stack(fields, dim=-1)
+    return per_sample[:, None].expand(size, seq)
+
+
+def unpack_target(target: torch.Tensor, cp: int = 1) -> dict[str, torch.Tensor]:
+    """The loss entries of one micro-batch's :func:`pipeline_batch` target, named as in a batch dict:
+    ``labels``, and when packed ``loss_mask``, ``loss_token_count`` (the micro-batch's loss tokens
+    divided by ``cp``, as :func:`lightning_moe.parallel.context_parallel.shard_batch_for_context_parallel`
+    gives it) and with multi-token prediction ``mtp_labels``/``mtp_loss_mask`` ``[B, S, D]`` and
+    ``mtp_loss_token_count [D]``.
+
+    The packing: ``labels, count[, mask]``, then ``label, count, mask`` per MTP depth (a mask field
+    is always present when MTP fields follow, so the field count decides the layout).
+    """
+    if target.dtype != torch.float64:  # plain labels
+        return {"labels": target}
+    fields = target.unbind(-1)
+
+    def count(field: torch.Tensor) -> torch.Tensor:
+        return field[:, 0].sum().to(torch.float32) / cp
+
+    entries = {"labels": fields[0].long(), "loss_token_count": count(fields[1])}
+    if len(fields) > 2:
+        entries["loss_mask"] = fields[2]
+    depths = [fields[i : i + 3] for i in range(3, len(fields), 3)]
+    if depths:
+        entries["mtp_labels"] = torch.stack([label.long() for label, _, _ in depths], dim=-1)
+        entries["mtp_loss_token_count"] = torch.stack([count(c) for _, c, _ in depths])
+        entries["mtp_loss_mask"] = torch.stack([mask for _, _, mask in depths], dim=-1)
+    return entries
 
 
 def unpack_target_loss(
     loss_from_logits: Callable[..., torch.Tensor], output: Any, target: torch.Tensor, cp: int = 1
 ) -> torch.Tensor:
-    """``loss_from_logits(output, labels, loss_mask=..., loss_token_count=...)`` of a :func:`pipeline_batch` target.
-
-    ``loss_token_count`` is the micro-batch's loss tokens divided by ``cp``, as
-    :func:`lightning_moe.parallel.context_parallel.shard_batch_for_context_parallel` gives it.
-    """
+    """``loss_from_logits(output, labels, loss_mask=..., loss_token_count=...)`` of a :func:`pipeline_batch`
+    target (see :func:`unpack_target`)."""
     if target.dtype != torch.float64:  # plain labels
         return loss_from_logits(output, target)
-    labels, per_sample, *mask = target.unbind(-1)
-    count = per_sample[:, 0].sum().to(torch.float32) / cp
-    return loss_from_logits(output, labels.long(), loss_mask=mask[0] if mask else None, loss_token_count=count)
+    entries = unpack_target(target, cp)
+    return loss_from_logits(output, entries["labels"], loss_mask=entries.get("loss_mask"),
+                            loss_token_count=entries["loss_token_count"])

@@ -30,7 +30,8 @@ from lightning_moe.cp.documents import current_document_ids
 from lightning_moe.layout import V_SCHEDULES
 from lightning_moe.comm.interleave import run_interleaved
 from lightning_moe.parallel.documents import take_document_ids
-from lightning_moe.parallel.pipeline import stage_rank
+from lightning_moe.parallel.grad_norm import count_norm_elsewhere
+from lightning_moe.parallel.pipeline import stage_rank, tied_end_modules
 
 __all__ = ["PipelineRunner", "is_inferring_shapes", "scale_gradient"]
 
@@ -146,6 +147,14 @@ class PipelineRunner:
     divide gradients accumulated by earlier steps). It returns the micro-batch losses on the rank
     that holds the last stage and None elsewhere. :meth:`forward_only` is the whole model's forward.
 
+    Tied end modules (:func:`~lightning_moe.parallel.pipeline.tied_end_modules`, e.g. the token
+    embedding that multi-token prediction uses on the last stage): when the first and the last stage
+    run on different ranks, each holds a copy, equal at the start (same initialisation or
+    checkpoint); after each training step the gradients of the two copies are summed over those two
+    ranks (:attr:`tied_group`, sharded gradients shard by shard), so that any optimizer keeps them
+    equal, and gradient-norm clipping counts the last stage's copy once (on the first stage). When one
+    rank holds both stages (the V schedules) one tensor serves both and nothing is reduced.
+
     Example::
 
         runner = PipelineRunner(pipeline_stage_modules(model), num_stages=2, group=dims.pp_group,
@@ -184,6 +193,37 @@ class PipelineRunner:
             module.register_forward_pre_hook(take_document_ids, with_kwargs=True)
         self.stats = _MoEStatsAccumulator(self.modules)
         self._schedules: dict[str, Any] = {}
+        self.tied_parameters, self.tied_group = self._tie_end_stages()
+
+    def _tie_end_stages(self) -> tuple[list[nn.Parameter], dist.ProcessGroup | None]:
+        """This rank's copy of the tied end modules' parameters and the group {first-stage rank,
+        last-stage rank} of its pipeline; nothing when it holds both end stages or neither."""
+        if self.holds_first_stage == self.holds_last_stage:
+            return [], None
+        end = self.stage_indices.index(0 if self.holds_first_stage else self.num_stages - 1)
+        module = self.modules[end]
+        params = [p for name in tied_end_modules(module) for p in getattr(module, name).parameters()]
+        if not params:
+            return [], None
+        if self.holds_last_stage:
+            for param in params:
+                count_norm_elsewhere(param)
+        ranks = dist.get_process_group_ranks(self.group)
+        if len(ranks) == 2:
+            return params, self.group
+        # Only the two end ranks of this pipeline create (and ever use) their group.
+        pair = [ranks[0], ranks[self.last_stage_group_rank]]
+        return params, dist.new_group(pair, use_local_synchronization=True)
+
+    @torch.no_grad()
+    def _sum_tied_gradients(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for param in self.tied_parameters:
+            if param.grad is None:  # a copy the step did not use still joins the sum
+                param.grad = torch.zeros_like(param)
+            grad = param.grad
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.tied_group)
 
     def _loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         return scale_gradient(self.loss_fn(output, target), self.grad_scale)
@@ -254,6 +294,7 @@ class PipelineRunner:
             with self.stats.collect():
                 self._schedule("train").step(*args, target=tgt, losses=losses, return_outputs=False, **kwargs)
             reduce_fsdp_gradients(units)
+            self._sum_tied_gradients()
         else:
             self._run_forward_only("eval", args, dict(kwargs, target=tgt, losses=losses))
         return [loss.detach() for loss in losses] if losses is not None else None
@@ -305,12 +346,13 @@ class PipelineRunner:
         units = {id(sub): sub for module in self.modules for sub in module.modules() if isinstance(sub, FSDPModule)}
         return list(units.values())
 
-    def broadcast_mean(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
-        """Mean of the micro-batch losses, sent from the last stage to every rank of the pp group."""
+    def broadcast_mean(self, losses: list[torch.Tensor] | None, shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """Mean of the micro-batch losses (scalars, or tensors of ``shape``, e.g. one entry per loss
+        term), sent from the last stage to every rank of the pp group."""
         if losses is not None:
-            value = torch.stack([loss.float() for loss in losses]).mean()
+            value = torch.stack([loss.float() for loss in losses]).mean(0)
         else:
-            value = torch.zeros((), dtype=torch.float32, device=self.device)
+            value = torch.zeros(shape, dtype=torch.float32, device=self.device)
         dist.broadcast(value, group=self.group, group_src=self.last_stage_group_rank)
         return value
 
