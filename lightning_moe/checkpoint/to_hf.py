@@ -25,7 +25,8 @@ def checkpoint_to_hf(checkpoint: str | Path, output: str | Path, model: str | No
     """Write ``config.json`` and safetensors that ``AutoModelForCausalLM.from_pretrained(output)`` loads.
 
     ``model``: ``"moegpt"`` (written as a Mixtral model; refused where MoEGPT's options have no
-    Mixtral equivalent) or ``"hf"`` (an ``HFMoEModule`` built from a config or a local folder);
+    Mixtral equivalent) or ``"hf"`` (an ``HFMoEModule`` built from a config or a local folder; its
+    multi-token prediction layers are written under the published names);
     ``None`` tells them apart by the checkpoint's hyper-parameters. Needs the ``[hf]`` extra.
 
     Example::
@@ -56,6 +57,8 @@ def checkpoint_to_hf(checkpoint: str | Path, output: str | Path, model: str | No
                 "this HFMoEModule was built from a model object, which the checkpoint does not record: build the"
                 " module again, load the checkpoint, and call module.save_hf(folder)"
             )
+        # A checkpoint written before multi-token prediction trained none (its state holds no MTP layers).
+        hparams.setdefault("mtp_depth", 0)
         with torch.device("meta"):
             module = HFMoEModule(**hparams)
         module.load_state_dict(state, assign=True)

@@ -8,6 +8,8 @@ The only part of lightning-moe that imports ``transformers``; see docs/hf.md.
 - :class:`HFMoEModule`: a LightningModule around such a model (loading and SDPA: ``loading``; TP
   plan and pipeline split: ``plans``; what differs between families: ``families``);
 - :func:`save_hf`: gather from any layout and write a folder ``from_pretrained`` loads;
+- ``mtp``: DeepSeek-V3's multi-token prediction layers (``model.layers.{num_hidden_layers + k}``),
+  which transformers drops, built, loaded, trained and written back by ``HFMoEModule``;
 - :func:`upcycle`: a dense Llama/Mistral/Qwen2/Qwen3 becomes an equal MoE module (sparse upcycling).
 """
 

@@ -202,7 +202,7 @@ def convert_moe_blocks(
     z_loss_coeff: float = 0.0,
     load_balancing: str | None = None,
     capacity_factor: float | None = None,
-    dispatcher: str = "alltoall",
+    dispatcher: str = "alltoall_dedup",
     bias_update_rate: float = 1e-3,
 ) -> nn.Module:
     """Replace, in place, every transformers sparse-MoE block of ``model`` by an equal ``MoELayer``.

@@ -38,6 +38,9 @@ class ModelFamily:
     shared_rotary_key: bool = False
     # Aux-loss-free balancing through the router's expert bias: no aux loss unless one is asked for.
     expert_bias_balancing: bool = False
+    # Multi-token prediction depths published as extra decoder layers ``model.layers.{num_hidden_layers + k}``
+    # (``config.num_nextn_predict_layers`` of them), which transformers' causal LM drops: lightning_moe.hf.mtp.
+    mtp_layers: bool = False
 
 
 MODEL_FAMILIES: dict[str, ModelFamily] = {
@@ -51,7 +54,9 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
             unsupported={"tp": "its q/k norms span all heads (a tp shard holds only some heads)"},
             qk_norm="all_heads",
         ),
-        ModelFamily("deepseek_v3", narrow_value_heads=True, shared_rotary_key=True, expert_bias_balancing=True),
+        ModelFamily(
+            "deepseek_v3", narrow_value_heads=True, shared_rotary_key=True, expert_bias_balancing=True, mtp_layers=True
+        ),
         ModelFamily(
             "gpt_oss",
             unsupported={

@@ -17,10 +17,12 @@ from lightning_moe._compat import attached_trainer, attention_implementation
 from lightning_moe.hf.convert import check_supported, convert_moe_blocks, hf_state_dict
 from lightning_moe.hf.families import model_family
 from lightning_moe.hf.loading import PADDED_SDPA, load_causal_lm, use_padded_sdpa_if_needed
+from lightning_moe.hf.mtp import add_mtp_layers, main_layers, mtp_forward, mtp_layers, resolve_mtp_depth
 from lightning_moe.hf.plans import split_pipeline_stage, tensor_parallel_plan
-from lightning_moe.hf.sharded_load import PretrainedShards
+from lightning_moe.hf.sharded_load import PretrainedShards, SafetensorsFolder, load_mtp_layers
 from lightning_moe.layout import size_problems
 from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer
+from lightning_moe.models.mtp import add_mtp_targets, mtp_loss
 from lightning_moe.moe import MoELayer, TopKRouter
 from lightning_moe.parallel.init import seeded_generator
 
@@ -42,6 +44,14 @@ class HFMoEModule(CausalLMModule):
             :func:`~lightning_moe.hf.convert_moe_blocks` (``aux_loss_coeff=None``: the config's
             ``router_aux_loss_coef``).
         attn_implementation: ``"sdpa"`` (default; context parallelism swaps SDPA for ring attention).
+        mtp_depth: multi-token prediction depths (DeepSeek-V3's ``config.num_nextn_predict_layers``
+            layers, :mod:`lightning_moe.hf.mtp`). None (default): every depth whose weights the
+            pretrained folder holds (none when built from a config or a model object); 0: none;
+            ``k``: the first ``k`` (from a config or model object: ``k`` new ones). Refused above the
+            folder's count and for families without MTP layers.
+        mtp_loss_weight: the training objective is ``loss + mtp_loss_weight * mtp_loss``, ``mtp_loss``
+            the mean over depths of each depth's cross entropy (logged as ``train/mtp_loss``), as
+            in ``MoEGPT``.
 
     ``module.model`` is the converted transformers model; ``module(input_ids, position_ids=None)``
     returns logits. Training (batch dicts ``input_ids``, ``labels``, optional
@@ -58,6 +68,9 @@ class HFMoEModule(CausalLMModule):
         trainer = L.Trainer(strategy=MoE5DStrategy(ep=2), devices=2, max_steps=10)
         trainer.fit(module, datamodule=ByteTextDataModule(seq_len=64))
         module.save_hf("out/hf")           # rank 0 writes; from_pretrained("out/hf") loads it
+
+        HFMoEModule(pretrained="deepseek-v3-folder/")                   # its MTP layers train too
+        HFMoEModule(pretrained="deepseek-v3-folder/", mtp_depth=0)      # main model only
     """
 
     def __init__(
@@ -72,14 +85,18 @@ class HFMoEModule(CausalLMModule):
         aux_loss_coeff: float | None = None,
         z_loss_coeff: float = 0.0,
         capacity_factor: float | None = None,
-        dispatcher: str = "alltoall",
+        dispatcher: str = "alltoall_dedup",
         bias_update_rate: float = 1e-3,
         attn_implementation: str | None = "sdpa",
         pretrained: str | os.PathLike | None = None,
         optimizer: str = "adamw",
+        mtp_depth: int | None = None,
+        mtp_loss_weight: float = 0.3,
     ) -> None:
         super().__init__()
         check_optimizer(optimizer)
+        if mtp_loss_weight < 0:
+            raise ValueError(f"mtp_loss_weight must be >= 0, got {mtp_loss_weight}")
         if (model is None) == (pretrained is None):
             raise ValueError("pass exactly one of model (a model, config or folder) and pretrained (a local folder)")
         model = pretrained if model is None else model
@@ -95,10 +112,19 @@ class HFMoEModule(CausalLMModule):
         self._pretrained_shards: Any = None
         hf = load_causal_lm(model, attn_implementation, weights=self.pretrained_folder is None)
         check_supported(hf)
+        folder = Path(model).expanduser() if isinstance(model, (str, os.PathLike)) else None
+        has_mtp = model_family(hf.config.model_type).mtp_layers
+        checkpoint = (folder, SafetensorsFolder(folder).files) if folder is not None and has_mtp else None
+        self.mtp_depth = resolve_mtp_depth(hf.config, mtp_depth, checkpoint)
+        # The resolved count: a checkpoint of this module rebuilds it without reading the folder's names.
+        self.hparams["mtp_depth"] = self.mtp_depth
+        add_mtp_layers(hf, self.mtp_depth)
         convert_moe_blocks(
             hf, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor,
             dispatcher=dispatcher, bias_update_rate=bias_update_rate,
         )
+        if self.mtp_depth and folder is not None and self.pretrained_folder is None:
+            load_mtp_layers(hf, folder)
         hf.config.use_cache = False
         use_padded_sdpa_if_needed(hf)
         self.model = hf
@@ -113,23 +139,30 @@ class HFMoEModule(CausalLMModule):
     def vocab_size(self) -> int:
         return int(self.model.get_input_embeddings().num_embeddings) if self.model.model.embed_tokens is not None else int(self.config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, mtp_input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """``input_ids [B, S]`` -> logits ``[B, S, vocab]`` (hidden states in and/or out on a pipeline stage).
 
         ``position_ids`` (``[B, S]`` or ``[S]``) drive RoPE; context parallelism passes the global
         positions of the local shard. Attention gets no mask (SDPA's ``is_causal``), except for
         models whose attention needs one (sliding windows, GPT-OSS), built for the local sequence.
+        ``mtp_input_ids [B, S, D]``: the tokens ``k`` ahead for each MTP depth
+        (:func:`~lightning_moe.models.mtp.add_mtp_targets`); with them the result is
+        ``(logits, [logits of depth 1..D])``.
         """
         # Through ``self.model.__call__`` with this loop as its forward: hooks on the transformers
         # model (FSDP units under pipeline parallelism) run, and ``module.model`` keeps its own forward.
         lm = self.model
         lm.forward = partial(self._decoder_loop, lm)
         try:
-            return lm(input_ids, position_ids)
+            return lm(input_ids, position_ids, mtp_input_ids)
         finally:
             del lm.forward
 
-    def _decoder_loop(self, lm: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def _decoder_loop(
+        self, lm: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mtp_input_ids: torch.Tensor | None
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         inner = lm.model
         embed = inner.embed_tokens
         h = embed(input_ids) if embed is not None else input_ids
@@ -142,13 +175,52 @@ class HFMoEModule(CausalLMModule):
         masks = self._attention_masks(local, seq_len)
         position_embeddings = inner.rotary_emb(local, position_ids)
         layer_types = getattr(self.config, "layer_types", None)
-        for key, layer in inner.layers.named_children():
+        for key, layer in main_layers(lm):
             kind = layer_types[int(key)] if layer_types else "full_attention"
             mask = masks.get(kind, masks["full_attention"]) if masks else None
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=position_embeddings)
+        depth_logits = []
+        if mtp_input_ids is not None:
+            depth_hidden = h
+            mask = masks["full_attention"] if masks else None
+            for k, (_, layer) in enumerate(mtp_layers(lm)):
+                depth_hidden = mtp_forward(
+                    layer, depth_hidden, embed(mtp_input_ids[..., k]), attention_mask=mask, position_ids=position_ids,
+                    position_embeddings=position_embeddings,
+                )
+                depth_logits.append(lm.lm_head(layer.shared_head.norm(depth_hidden)))
         if inner.norm is not None:
             h = inner.norm(h)
-        return lm.lm_head(h) if lm.lm_head is not None else h
+        logits = lm.lm_head(h) if lm.lm_head is not None else h
+        return (logits, depth_logits) if mtp_input_ids is not None else logits
+
+    # -- multi-token prediction ----------------------------------------------------------------------
+    def loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The training objective: the next-token loss, plus ``mtp_loss_weight`` times the MTP loss
+        when the module has MTP depths (see :meth:`loss_terms`)."""
+        return self.loss_terms(batch)[0]
+
+    def loss_terms(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(objective, {"loss": next-token loss, "mtp_loss": mean over depths})``; without MTP depths
+        the objective is the next-token loss alone. As ``MoEGPT``'s: the batch's ``mtp_*`` entries
+        (added by :meth:`before_sequence_sharding` under context parallelism, else here), one
+        forward for all terms (a fully sharded module gathers its parameters once)."""
+        if not self.mtp_depth:
+            main = super().loss(batch)
+            return main, {"loss": main}
+        if "mtp_labels" not in batch:
+            batch = add_mtp_targets(batch, self.mtp_depth)
+        logits, depth_logits = self(batch["input_ids"], batch.get("position_ids"), mtp_input_ids=batch["mtp_input_ids"])
+        main = self.loss_from_logits(logits, batch["labels"], batch.get("loss_mask"), batch.get("loss_token_count"))
+        extra = mtp_loss(depth_logits, batch)
+        return main + self.hparams.mtp_loss_weight * extra, {"loss": main, "mtp_loss": extra}
+
+    def before_sequence_sharding(self, batch: Any) -> Any:
+        """Add the MTP targets while rows are whole: the strategy calls this before it shards a batch
+        for context parallelism (without cp, :meth:`loss_terms` adds them itself)."""
+        if self.mtp_depth and isinstance(batch, Mapping) and "labels" in batch:
+            return add_mtp_targets(batch, self.mtp_depth)
+        return batch
 
     def _attention_masks(self, h: torch.Tensor, seq_len: int) -> dict[str, Any] | None:
         config = self.config
@@ -196,12 +268,19 @@ class HFMoEModule(CausalLMModule):
         return self._pretrained_shards.folder.bytes_read if self._pretrained_shards is not None else 0
 
     def setup(self, stage: str) -> None:
-        """Refuse layouts this model cannot take and tokenizers larger than its embeddings, before any work."""
+        """Refuse layouts this model cannot take, tokenizers larger than its embeddings and sequences
+        not longer than its MTP depths, before any work."""
         trainer = attached_trainer(self)
         dims = getattr(getattr(trainer, "strategy", None), "parallel_dims", None)
         if dims is not None:
             self.check_layout(tp=dims.tp, cp=dims.cp, ep=dims.ep, pp=dims.pp)
         datamodule = getattr(trainer, "datamodule", None)
+        seq_len = getattr(datamodule, "seq_len", None)
+        if self.mtp_depth and isinstance(seq_len, int) and self.mtp_depth >= seq_len:
+            raise ValueError(
+                f"mtp_depth={self.mtp_depth} needs sequences longer than {self.mtp_depth} tokens, got seq_len={seq_len}:"
+                " lower mtp_depth (++model.mtp_depth) or raise data.seq_len"
+            )
         data_vocab = getattr(datamodule, "vocab_size", None)
         if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
             raise ValueError(
@@ -242,6 +321,11 @@ class HFMoEModule(CausalLMModule):
             tp, cp, ep, pp=pp, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             num_experts=experts,
         )
+        if pp > 1 and self.mtp_depth:
+            problems.append(
+                f"mtp_depth={self.mtp_depth} with pp={pp}: the multi-token prediction layers of Hugging Face models do not"
+                " run under pipeline parallelism; use pp=1 or mtp_depth=0 (on the command line: ++model.mtp_depth=0)"
+            )
         # Not a size_problems rule (it knows no layer count): each stage must get as many layers.
         layers = config.num_hidden_layers
         if pp > 1 and layers % pp:

@@ -122,7 +122,8 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = True, prefi
     ``o_proj`` row-wise; dense MLPs ``gate/up`` column-wise, ``down`` row-wise; embeddings
     row-wise (vocab split) and ``lm_head`` column-wise with replicated logits. With
     ``sequence_parallel`` the norms run on sequence shards and the MoE layers receive
-    sequence-sharded DTensors; otherwise the MoE layers receive replicated tokens.
+    sequence-sharded DTensors; otherwise the MoE layers receive replicated tokens. Multi-token
+    prediction layers (after the main ones) get a layer's plan too.
     ``prefix``: where ``model`` sits in the module the plan is applied to (``"model."``).
     """
     family = model_family(model.config.model_type)
@@ -175,6 +176,11 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = True, prefi
             plan[at + "mlp.gate_proj"] = ColwiseParallel()
             plan[at + "mlp.up_proj"] = ColwiseParallel()
             plan[at + "mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        if sequence_parallel and hasattr(layer, "eh_proj"):
+            # A multi-token prediction layer's own per-token parts (lightning_moe.hf.mtp) on sequence
+            # shards: replicated weights, their gradients summed over tp.
+            for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm"):
+                plan[at + name] = SequenceParallel(use_local_output=True)
     return plan
 
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe._compat import attached_trainer_or_none, tied_weights_keys
 from lightning_moe.hf.convert import hf_state_dict
+from lightning_moe.hf.mtp import add_mtp_layers, add_published_copies, checkpoint_mtp_depth
 
 __all__ = ["save_hf"]
 
@@ -63,15 +64,26 @@ def save_hf(module: Any, path: str | os.PathLike) -> None:
 
 
 def write_hf_folder(config: Any, state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
-    """Load ``state`` into a fresh transformers model of ``config`` (strictly) and ``save_pretrained`` it."""
+    """Load ``state`` into a fresh transformers model of ``config`` (strictly) and ``save_pretrained`` it.
+
+    Multi-token prediction layers in ``state`` (``model.layers.{num_hidden_layers + k}``) are written
+    under the published names with the published copies of the embedding and ``lm_head``
+    (:mod:`lightning_moe.hf.mtp`), in the layout transformers writes the main layers in.
+    """
     from transformers import AutoModelForCausalLM
 
     config = type(config).from_dict(config.to_dict())
     if hasattr(config, "output_router_logits"):
         config.output_router_logits = False
     dtype = next(iter(state.values())).dtype
+    depth = checkpoint_mtp_depth(state, config)
+    if depth:
+        state = add_published_copies(config, state)
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # save_pretrained writes every module of the model: the MTP layers (published names and
+        # expert layout) once they are part of it.
+        add_mtp_layers(fresh, depth, published_copies=True)
     missing, unexpected = fresh.load_state_dict(state, strict=False, assign=True)
     tied = set(tied_weights_keys(fresh))
     missing = [k for k in missing if k not in tied]

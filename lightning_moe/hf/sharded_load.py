@@ -9,12 +9,14 @@ transformers' fused ``experts.gate_up_proj [E, 2F, H]`` / ``experts.down_proj [E
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_moe.hf.convert import family_of, moe_layers
+from lightning_moe.hf.mtp import MTP_COPIES, mtp_copy_keys, mtp_layers
 
 Index = tuple[slice, ...]
 
@@ -71,6 +73,10 @@ class PretrainedShards:
 
     ``prefix``: what the module's parameter names put before the transformers model's own names
     (``"model."`` for :class:`~lightning_moe.hf.HFMoEModule`, whose ``model`` is the transformers model).
+
+    A model with multi-token prediction layers (:mod:`lightning_moe.hf.mtp`) reads them under their
+    published names like any layer; the block of the embedding or ``lm_head`` a rank reads is
+    compared with the same block of each depth's published copy (:meth:`check_copies`).
     """
 
     def __init__(self, folder: str | Path, model: torch.nn.Module, prefix: str = "model.") -> None:
@@ -87,13 +93,33 @@ class PretrainedShards:
                 )
             own = next(name for name, module in model.named_modules() if module is layer)
             self.moe[own] = (block, family, layer.experts.w1.shape[-1])
+        depth = len(mtp_layers(model)) if hasattr(model, "model") else 0
+        self.copies = {main: mtp_copy_keys(model.config, main, depth) for main in MTP_COPIES.values()}
 
     def __call__(self, name: str, tensor: torch.Tensor, index: Index) -> torch.Tensor:
         key = name.removeprefix(self.prefix)
         for own, (block, family, ffn) in self.moe.items():
             if key.startswith(own + "."):
                 return self._moe(key[len(own) + 1 :], block, family, ffn, tensor, index)
-        return self.folder.read(key, index)
+        block = self.folder.read(key, index)
+        self.check_copies(key, block, index)
+        return block
+
+    def check_copies(self, key: str, block: torch.Tensor, index: Index) -> None:
+        """Warn where an MTP layer's published copy of ``key`` (the embedding or ``lm_head``) differs
+        from ``block``, its part ``index``: the depths use the main tensor, and ``save_hf`` writes copies
+        of it, so a differing copy is not what the checkpoint's MTP layers were trained with."""
+        for copy in self.copies.get(key, ()):
+            if copy not in self.folder.files:
+                continue
+            theirs = self.folder.read(copy, index)
+            if not torch.equal(theirs, block):
+                diff = (theirs.float() - block.float()).abs().max().item()
+                warnings.warn(
+                    f"{self.folder.path}: the MTP copy {copy} differs from {key} (max abs difference {diff:.3g}):"
+                    f" the MTP layers use {key} (the copy is ignored, and save_hf writes {key} in its place)",
+                    stacklevel=2,
+                )
 
     def _layout(self, block: str) -> tuple[str, str]:
         """(the block's name on disk, how its experts are stored): transformers keeps experts fused in
@@ -143,3 +169,23 @@ class PretrainedShards:
         if rest not in names:
             raise KeyError(f"no pretrained tensor for {block}.{rest}")
         return self.folder.read(f"{on_disk}.{names[rest]}", index)
+
+
+@torch.no_grad()
+def load_mtp_layers(model: torch.nn.Module, folder: str | Path) -> None:
+    """Fill the MTP layers of ``model`` (a converted transformers model loaded whole, whose
+    ``from_pretrained`` dropped them) from ``folder``, and check the folder's copies of the embedding
+    and ``lm_head`` against the model's (:meth:`PretrainedShards.check_copies`)."""
+    shards = PretrainedShards(folder, model, prefix="")
+    for key, layer in mtp_layers(model):
+        prefix = f"model.layers.{key}"
+        for name, tensor in [*layer.named_parameters(prefix=prefix), *layer.named_buffers(prefix=prefix)]:
+            tensor.copy_(shards(name, tensor, _whole(tensor)))
+    state = model.state_dict()
+    for main in MTP_COPIES.values():
+        if main in state:
+            shards.check_copies(main, state[main], _whole(state[main]))
+
+
+def _whole(tensor: torch.Tensor) -> Index:
+    return tuple(slice(None) for _ in tensor.shape)
