@@ -24,7 +24,7 @@ def test_keyword_layer_holds_the_equal_config():
     # The attributes other code reads come from it.
     assert (layer.hidden_size, layer.num_experts, layer.top_k) == (H, E, 2)
     assert (layer.load_balancing, layer.capacity_factor, layer.drop_policy) == ("none", 1.5, "position")
-    assert (layer.z_loss_coeff, layer.aux_loss_coeff, layer.dispatcher_kind, layer.routing) == (1e-3, 1e-2, "alltoall", "topk")
+    assert (layer.z_loss_coeff, layer.aux_loss_coeff, layer.dispatcher_kind, layer.routing) == (1e-3, 1e-2, "alltoall_dedup", "topk")
     assert (layer.dispatch_chunks, layer.dispatch_dtype, layer.num_nodes, layer.max_nodes_per_token) == (1, None, None, None)
 
 

@@ -41,7 +41,8 @@ from lightning_moe.conf import CONF_DIR
 from lightning_moe.plan import dry_run, model_shape, run_plan
 from lightning_moe.planner.presets import layout_from_parallel
 from lightning_moe.planner.report import plan_json
-from tests.cli import TINY_RUN, train_in_pool
+from tests.cli import train_in_pool
+from tests.test_dispatch_dedup import routing_trace_by_position
 from tests.dist_pool import get_pool
 from tests.dist_pool import layout as pool_layout
 
@@ -273,10 +274,14 @@ def test_fsdp_buffers_hold_four_of_the_largest_unit_and_the_root():
     assert ep2.fsdp_buffers == experts // 2 * 16 + root * 8
 
 
-def test_expert_bytes_scale_with_the_share_of_slots_leaving_the_rank():
-    shape = ModelShape.from_config(TINY)
+# Top-2 of 4 experts. Per slot: (ep - 1) / ep of the slots leave a rank. One copy per rank: at ep 2 a
+# token's two experts share a rank for 2 of the 6 expert pairs, so it reaches 5/3 ranks, 1/2 of them
+# other ranks; at ep 4 (one expert a rank) it reaches 2 ranks, 3/4 of them other ranks.
+@pytest.mark.parametrize("dispatcher,ratio", [("alltoall", (3 / 4) / (1 / 2)), ("alltoall_dedup", (2 * 3 / 4) / (5 / 3 * 1 / 2))])
+def test_expert_bytes_scale_with_the_share_of_rows_leaving_the_rank(dispatcher, ratio):
+    shape = ModelShape.from_config({**TINY, "moe": {**TINY["moe"], "dispatcher": dispatcher}})
     ep_bytes = {ep: sum(r.bytes for r in comm_records(shape, Layout(ep=ep, microbatches=1), 32) if r.dim == "ep" and r.routing_dependent) for ep in (2, 4)}
-    assert ep_bytes[4] / ep_bytes[2] == pytest.approx((3 / 4) / (1 / 2))
+    assert ep_bytes[4] / ep_bytes[2] == pytest.approx(ratio)
 
 
 def test_mixtral_on_256_h100_plans_in_seconds_and_writes_its_outputs(tmp_path, capsys):
@@ -541,25 +546,28 @@ def _measured_comm(run_dir: Path, parallel: str, *extra: str) -> dict[str, float
     return {d: float(last.get(f"comm/{d}_bytes") or 0) for d in (*PARALLEL_DIMS, "other")}
 
 
-def _balanced_routing_trace(path: Path) -> Path:
-    """A routing trace (docs/routing-replay.md) of every training window of TINY_RUN's corpus that
-    sends exactly (ep-1)/ep of each rank's token slots to other ranks, as the planner assumes: the
-    token at position s takes experts s % 4 and (s + 2) % 4 in every layer. At ep 2 (experts 0-1 |
-    2-3) one of its two slots leaves; at ep 4 (one expert per rank) the owner of expert e keeps one
-    slot of each token whose position has e's parity, half the tokens of any even-length run of
-    positions (every tp, cp-zigzag and sample shard of these presets), so 3 of 4 slots leave."""
-    from lightning_moe.moe import RoutingTrace
-
-    corpus = next(int(o.split("=")[1]) for o in TINY_RUN if o.startswith("data.max_corpus_bytes="))
-    windows = corpus // (TINY_SEQ + 1) + 1
-    experts, top_k, layers = TINY["moe"]["num_experts"], TINY["moe"]["top_k"], TINY["num_layers"]
-    assert (experts, top_k) == (4, 2), "the pattern below balances 4 experts, top-2"
+def _balanced_experts() -> torch.Tensor:
+    """``[TINY_SEQ, 2]``: the token at position s takes experts s % 4 and (s + 2) % 4. At ep 2 (experts
+    0-1 | 2-3) one of its two slots leaves its rank; at ep 4 (one expert per rank) the owner of expert
+    e keeps one slot of each token whose position has e's parity, half the tokens of any even-length
+    run of positions (every tp, cp-zigzag and sample shard of these presets), so 3 of 4 slots leave:
+    exactly the (ep-1)/ep the planner assumes. Every token reaches 2 ranks at ep 2 and 4."""
+    experts, top_k = TINY["moe"]["num_experts"], TINY["moe"]["top_k"]
+    assert (experts, top_k) == (4, 2), "the pattern balances 4 experts, top-2"
     s = torch.arange(TINY_SEQ)
-    pair = torch.stack([s % experts, (s + experts // 2) % experts], -1)
-    trace = RoutingTrace(torch.arange(windows), pair[None, :, None, :].expand(windows, TINY_SEQ, layers, top_k).contiguous(),
-                         [f"layers.{i}.feed_forward" for i in range(layers)], [experts] * layers)  # fmt: skip
-    trace.save(path)
-    return path
+    return torch.stack([s % experts, (s + experts // 2) % experts], -1)
+
+
+def _balanced_routing_trace(path: Path) -> Path:
+    """A routing trace of every training window of TINY_RUN's corpus, each taking
+    :func:`_balanced_experts` in every layer."""
+    return routing_trace_by_position(path, _balanced_experts(), TINY["moe"]["num_experts"])
+
+
+def _ranks_per_token(ep: int) -> float:
+    """The mean number of distinct ep ranks holding a token's experts under :func:`_balanced_experts`."""
+    owner = _balanced_experts() // (TINY["moe"]["num_experts"] // ep)
+    return sum(len(set(row)) for row in owner.tolist()) / owner.shape[0]
 
 
 # cp2_tp2 and pp2_ep2 (4 processes each) cover every dim between them: tp (DTensor plan and expert
@@ -576,10 +584,13 @@ def _balanced_routing_trace(path: Path) -> Path:
      "dp2", "tp2", "cp2", "ep2", "pp2", "tp2_ep2_folded"],
 )  # fmt: skip
 def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, parallel):
-    """Every dim to the byte. The planner's ep figure assumes balanced routing ((ep-1)/ep of each
-    rank's token slots leave it); the untrained router's share on these few tokens strays by a few
-    percent (pp2_tp2_ep2_folded: +5.3%), so the ep layouts replay a routing with exactly that
-    share: the check is of the byte model, not of the router."""
+    """Every dim to the byte, with the default dispatcher (one row per (token, destination rank)).
+    The planner's ep figure assumes balanced routing ((ep-1)/ep of the ranks a token reaches are
+    other ranks) and, unless told, uniform routing's count of those ranks; the untrained router's
+    share on these few tokens strays by a few percent (pp2_tp2_ep2_folded: +5.3%), so the ep
+    layouts replay a routing with exactly that share and give the planner its count of ranks per
+    token (2 at ep 2, where uniform routing expects 5/3): the check is of the byte model, not of the
+    router."""
     cfg = compose_plan("model=tiny", f"parallel={parallel}").parallel
     sizes = {d: cfg.get(d) if isinstance(cfg.get(d), int) else 1 for d in PARALLEL_DIMS}  # dp "auto": 1
     sizes["ep"] = unfolded_ep(sizes["ep"], normalize_fold_ep(cfg.get("fold_ep")), sizes["tp"], sizes["cp"])
@@ -587,7 +598,9 @@ def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, paralle
     replay = [f"+routing.replay={_balanced_routing_trace(tmp_path / 'routing.safetensors')}"] if lay.ep > 1 else []
     measured = _measured_comm(tmp_path / parallel, parallel, *replay)
     shape = ModelShape.from_config(TINY)
-    planned = accounted_comm_bytes(shape, lay, TINY_SEQ, precision="32-true")
+    assert shape.dispatcher == "alltoall_dedup"
+    ranks = _ranks_per_token(lay.ep) if lay.ep > 1 else None
+    planned = accounted_comm_bytes(shape, lay, TINY_SEQ, precision="32-true", ep_ranks_per_token=ranks)
     for dim in ("tp", "cp", "ep", "dp", "pp", "other"):  # other: pp x tp leaves the world group no dim
         assert measured[dim] == pytest.approx(planned[dim], abs=0.5), (dim, measured, planned)
     assert (measured["ep"] > 0) == (lay.ep > 1), (measured, lay)
@@ -618,14 +631,17 @@ def test_auto_layout_hands_a_folded_choice_to_the_strategy():
     folding ep (over tp or cp: 0.04% apart), and the strategy builds it with that folding (4
     processes, mesh ep 1). Balanced routing (``load_imbalance=1``): with the default expected
     imbalance (1.23) the tiny model's experts lose to tp2·pp2 without ep, and this test is about the
-    hand-over of a folded choice."""
+    hand-over of a folded choice. The per-slot dispatcher, for the same reason: the one-copy-per-rank
+    default adds three small exchanges per layer (expert ids, gate weights, their gradient), 1.5 ms
+    each on cpu_local, which at this size outweigh the rows it saves (folded layouts 0.8% behind)."""
     import lightning.pytorch as pl
 
     from lightning_moe import MoE5DStrategy
     from lightning_moe.planner import resolve_auto_layout
 
     slow_nodes = {**OmegaConf.to_container(compose_plan("cluster=cpu_local").cluster), "gpus_per_node": 2, "inter_node_bandwidth": 1e6}
-    model = {**TINY, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 8, "moe": {**TINY["moe"], "num_experts": 8, "ffn_hidden_size": 2048}}
+    moe = {**TINY["moe"], "num_experts": 8, "ffn_hidden_size": 2048, "dispatcher": "alltoall"}
+    model = {**TINY, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 8, "moe": moe}
     options = {"model": model, "cluster": slow_nodes, "seq_len": 64, "global_batch_size": 8, "micro_batch_size": 2, "load_imbalance": 1.0}
     best, _ = resolve_auto_layout(4, **options)
     assert best.layout.fold_ep in (("tp",), ("cp",)) and best.ep_internode_bytes == 0, best.layout.label()

@@ -204,7 +204,12 @@ def test_fp8_dispatch_sends_the_rows_in_one_byte_and_their_gradients_in_bf16():
     layout = Layout(ep=2, microbatches=2)
     rows = {wire: sum(r.bytes for r in comm_records(toy_model(dispatch_dtype=wire), layout, SEQ, "bf16-mixed")
                       if r.routing_dependent) for wire in (None, "fp8")}  # fmt: skip
-    assert rows["fp8"] / rows[None] == pytest.approx((64 + 4 + 3 * 128) / (4 * 128))
+    # One copy per (token, rank): each row also sends its 2 slots' expert ids (int32) and gate
+    # weights (fp32, forward and backward), 24 bytes whatever the wire.
+    assert rows["fp8"] / rows[None] == pytest.approx((64 + 4 + 3 * 128 + 24) / (4 * 128 + 24))
+    per_slot = {wire: sum(r.bytes for r in comm_records(toy_model(dispatch_dtype=wire, dispatcher="alltoall"), layout, SEQ,
+                                                        "bf16-mixed") if r.routing_dependent) for wire in (None, "fp8")}  # fmt: skip
+    assert per_slot["fp8"] / per_slot[None] == pytest.approx((64 + 4 + 3 * 128) / (4 * 128))
 
 
 def test_node_limited_routing_sends_each_token_to_few_nodes_under_the_hierarchical_dispatcher():

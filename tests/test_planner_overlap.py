@@ -3,7 +3,8 @@ expert and ``overlap_ep_comm`` (micro-batch pairing), each capped by the compute
 
 Pure Python, on a toy machine whose figures make the seconds easy to check by hand: 1 GFLOP/s at
 every op kind's full efficiency, no latency, no concurrency limit, collectives asynchronous; routing
-balanced (``load_imbalance=1.0``: the hand counts send exactly the mean share of slots).
+balanced (``load_imbalance=1.0``: the hand counts send exactly the mean share of slots), one row per
+slot (``dispatcher="alltoall"``: the hand counts are of slots).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def toy_cluster(bandwidth: float) -> Cluster:
 def toy_model(**moe) -> ModelShape:
     return ModelShape.from_config({
         "vocab_size": 256, "hidden_size": HIDDEN, "num_layers": LAYERS, "num_heads": 4, "ffn_hidden_size": 128,
-        "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN, **moe},
+        "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN, "dispatcher": "alltoall", **moe},
     })  # fmt: skip
 
 
@@ -52,7 +53,7 @@ def run(model: ModelShape, layout: Layout, bandwidth: float):
 
 
 TOY_3_LAYERS = {"vocab_size": 256, "hidden_size": HIDDEN, "num_layers": 3, "num_heads": 4, "ffn_hidden_size": 128,
-                "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN}}  # fmt: skip
+                "moe": {"num_experts": 4, "top_k": TOP_K, "ffn_hidden_size": EXPERT_FFN, "dispatcher": "alltoall"}}  # fmt: skip
 BANDWIDTH = 1e6  # bytes/s: 32 KiB of tokens a micro-batch, 33 ms, against ~40 ms of compute
 FAST, SLOW = 1e9, 1e4  # comm far below / far above the compute
 

@@ -154,7 +154,7 @@ def test_router_sweep_covers_every_balancing_method_with_a_coefficient_grid():
 
 
 def test_dispatcher_sweep_and_layout_sweep_grids():
-    assert _sweep_params("dispatcher_sweep") == {"parallel.ep": [2, 4], "model.moe.dispatcher": ["alltoall", "allgather"]}
+    assert _sweep_params("dispatcher_sweep") == {"parallel.ep": [2, 4], "model.moe.dispatcher": ["alltoall_dedup", "alltoall", "allgather"]}
     (layouts,) = _sweep_params("layout_sweep").values()
     assert layouts == valid_layouts(4, num_experts=8) == [{"dp": 4, "ep": 1}, {"dp": 2, "ep": 2}, {"dp": 1, "ep": 4}]
     assert sweep_override(valid_layouts(8, num_experts=4)) == "parallel={dp:8,ep:1},{dp:4,ep:2},{dp:2,ep:4}"

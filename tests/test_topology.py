@@ -162,8 +162,11 @@ def internode_case(ep: int, ranks_per_node: int, dispatcher: str, max_nodes: int
     slot_nodes = topk // (E // nodes)
     remote_slots = int((slot_nodes != my_node).sum())
     remote_rows = sum(len(set(row) - {my_node}) for row in slot_nodes.tolist())
-    return {"measured": measured, "remote_slots": remote_slots, "remote_rows": remote_rows,
-            "remote_peers": sum(n != my_node for n in dims.ep_node_ids), "nodes": nodes}
+    # (token, ep rank on another node holding one of its experts): the default dispatcher's rows
+    slot_ranks = topk // (E // ep)
+    remote_rank_rows = sum(len({r for r in row if dims.ep_node_ids[r] != my_node}) for row in slot_ranks.tolist())
+    return {"measured": measured, "remote_slots": remote_slots, "remote_rows": remote_rows, "remote_rank_rows": remote_rank_rows,
+            "remote_peers": sum(n != my_node for n in dims.ep_node_ids), "nodes": nodes}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -172,12 +175,16 @@ def test_internode_bytes_equal_what_the_routing_implies(ep, ranks_per_node):
     pool = get_pool(WORLD)
     row = H * 4
     totals = {}
-    for dispatcher, max_nodes in (("alltoall", None), ("hierarchical", None), ("hierarchical", 1)):
+    for dispatcher, max_nodes in (("alltoall", None), ("alltoall_dedup", None), ("hierarchical", None), ("hierarchical", 1)):
         reports = pool.run(internode_case, ep=ep, ranks_per_node=ranks_per_node, dispatcher=dispatcher, max_nodes=max_nodes)
         measured = sum(r["measured"] for r in reports)
         if dispatcher == "alltoall":
             # Each remote slot: dispatch, combine and both gradients; counts: E/ep int64 per remote peer.
             expected = sum(4 * r["remote_slots"] * row + r["remote_peers"] * (E // ep) * 8 for r in reports)
+        elif dispatcher == "alltoall_dedup":
+            # Each (token, rank on another node) row: its 4 hidden transfers, slot ids and gate weights;
+            # counts: one int64 per remote peer.
+            expected = sum(r["remote_rank_rows"] * (4 * row + 3 * K * 4) + r["remote_peers"] * 8 for r in reports)
         else:
             # Each (token, remote node) row: its 4 hidden transfers, slot ids (int32) and gate weights
             # (fp32) forward and back; counts: one int64 per remote node.

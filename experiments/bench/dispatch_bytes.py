@@ -1,9 +1,10 @@
 """Bytes the EP dispatchers move per training step, next to the theoretical minimum.
 
-The minimum counts, for one forward, the routed slots whose expert lives on another ep rank,
-times hidden size times bytes per element, each way (dispatch and combine); the backward moves
-the same again. Measured bytes come from :mod:`lightning_moe.comm`, which wraps the collectives
-the dispatchers actually issue (the per-expert count exchange included).
+The minimum counts, for one forward, one row per (token, other ep rank holding one of its
+experts), times hidden size times bytes per element, each way (dispatch and combine); the
+backward moves the same again. Measured bytes come from :mod:`lightning_moe.comm`, which wraps the
+collectives the dispatchers actually issue (the count exchanges, and the default dispatcher's
+expert ids and gate weights, included).
 
 The second table counts the copies of a token each (token, other ep rank) pair costs: one per
 routed slot with ``dispatcher="alltoall"``, one per pair with ``"alltoall_dedup"`` (rows read off the
@@ -46,11 +47,10 @@ def _worker(rank: int, world: int, store_file: str, case: dict, out: dict) -> No
     comm.reset()
     layer(x).sum().backward()
     measured = comm.snapshot().get("ep", {"bytes": 0, "calls": 0})
-    counts = layer.stats["tokens_per_expert"]
-    local = EXPERTS // dims.ep
-    mine = slice(micro_batch * local, (micro_batch + 1) * local)
-    remote_slots = counts.sum().item() - counts[mine].sum().item()
-    minimum = remote_slots * HIDDEN * x.element_size() * 2 * 2  # dispatch + combine, forward + backward
+    with torch.no_grad():
+        owner = layer.router(x.reshape(-1, HIDDEN)).topk_idx // (EXPERTS // dims.ep)
+    remote_pairs = sum(len(set(row) - {micro_batch}) for row in owner.tolist())
+    minimum = remote_pairs * HIDDEN * x.element_size() * 2 * 2  # dispatch + combine, forward + backward
     total = torch.tensor([measured["bytes"], measured["calls"], minimum], dtype=torch.float64)
     dist.all_reduce(total)
     if rank == 0:
@@ -70,7 +70,7 @@ def run_dispatch_bytes_bench(ep_sizes: tuple[int, ...] = (2, 4)) -> list[dict]:
     """Per-rank bytes and calls per step of each dispatcher against the minimum."""
     rows = []
     for ep in ep_sizes:
-        for dispatcher in ("alltoall", "allgather"):
+        for dispatcher in ("alltoall_dedup", "alltoall", "allgather"):
             result = _measure(ep, {"ep": ep, "dispatcher": dispatcher})
             rows.append({
                 "dispatcher": dispatcher, "ep": ep,
@@ -131,9 +131,9 @@ def run_copies_bench(ep_sizes: tuple[int, ...] = (4, 8)) -> list[dict]:
 def run_tp_dedup_bench() -> list[dict]:
     """ep=2 x tp=2 without SP: dispatch bytes per token with and without the deduplication."""
     tokens = 2 * TOKENS  # two micro-batches, one per ep coordinate
-    dedup = _measure(4, {"ep": 2, "tp": 2, "dispatcher": "alltoall"})
+    dedup = _measure(4, {"ep": 2, "tp": 2, "dispatcher": "alltoall_dedup"})
     # The naive layout: both "tp" replicas of an ep coordinate dispatch all of its tokens.
-    naive = _measure(4, {"ep": 2, "tp": 1, "dispatcher": "alltoall"})
+    naive = _measure(4, {"ep": 2, "tp": 1, "dispatcher": "alltoall_dedup"})
     return [
         {"tp=2, sequence parallel off": "deduplicated (ours)", "ep bytes/token": dedup["bytes"] / tokens},
         {"tp=2, sequence parallel off": "naive duplicated", "ep bytes/token": naive["bytes"] / tokens},

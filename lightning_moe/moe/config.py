@@ -27,7 +27,8 @@ __all__ = ["DEFAULT_NUM_EXPERTS", "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "
 
 LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 ROUTINGS: tuple[str, ...] = ("topk", "expert_choice")
-# "alltoall": one row per (token, expert) slot; "alltoall_dedup": one per (token, destination rank).
+# "alltoall_dedup" (the default): one row per (token, destination rank); "alltoall": one per (token,
+# expert) slot, kept for comparison.
 DISPATCHERS: tuple[str, ...] = ("alltoall", "alltoall_dedup", "allgather", "hierarchical")
 
 # The expert count of a model config that names none (MoEGPT's ``moe`` and the planner's ModelShape);
@@ -43,8 +44,8 @@ def check_dispatcher(kind: str, wire: str | None) -> None:
     check_wire(wire)
     if kind == "allgather" and wire is not None:
         raise ValueError(
-            f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher='alltoall' or"
-            " 'hierarchical', or dispatch_dtype=None"
+            f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher='alltoall_dedup',"
+            " 'alltoall' or 'hierarchical', or dispatch_dtype=None"
         )
 
 
@@ -94,7 +95,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     # token exchange
-    dispatcher: str = "alltoall"
+    dispatcher: str = "alltoall_dedup"
     dispatch_dtype: str | None = None
     dispatch_chunks: int = 1
 

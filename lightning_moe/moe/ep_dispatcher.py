@@ -4,11 +4,11 @@ Experts are split contiguously over the ep group: rank r owns experts ``[r*L, (r
 ``L = num_experts // ep``. Every dispatcher is differentiable end to end and follows the contract
 of :mod:`lightning_moe.moe.dispatcher` (``dispatch`` -> context, ``combine`` -> ``[T, H]``).
 
-- :class:`AllToAllDispatcher` (``dispatcher="alltoall"``, the default): one row per (token, expert)
-  slot each way.
-- :class:`PerRankAllToAllDispatcher` (``dispatcher="alltoall_dedup"``): each token goes once to each
-  rank holding one of its experts, which expands it to its experts and sums their gate-weighted
-  outputs before one row goes back.
+- :class:`PerRankAllToAllDispatcher` (``dispatcher="alltoall_dedup"``, the default): each token goes
+  once to each rank holding one of its experts, which expands it to its experts and sums their
+  gate-weighted outputs before one row goes back.
+- :class:`AllToAllDispatcher` (``dispatcher="alltoall"``): one row per (token, expert) slot each way;
+  more rows whenever a token has several experts on one rank, kept to compare against.
 - :class:`AllGatherDispatcher` (``dispatcher="allgather"``).
 """
 

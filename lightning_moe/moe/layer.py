@@ -128,10 +128,10 @@ class MoELayer(nn.Module):
       ranks_per_node=2).ep_num_nodes``, to route the same way on one device and any layout); each
       token's top-k experts come from at most ``max_nodes_per_token`` of them (DeepSeek-V3's rule,
       see :class:`TopKRouter`).
-    - ``dispatcher="alltoall"`` (default) sends one row per (token, expert) slot each way;
-      ``"alltoall_dedup"`` sends each token once to each ep rank holding one of its experts, which
-      expands it and sums its experts' outputs before one row goes back
-      (:mod:`lightning_moe.moe.ep_dispatcher`).
+    - ``dispatcher="alltoall_dedup"`` (default) sends each token once to each ep rank holding one of
+      its experts, which expands it and sums its experts' outputs before one row goes back;
+      ``"alltoall"`` sends one row per (token, expert) slot each way (the former default, kept for
+      comparison; :mod:`lightning_moe.moe.ep_dispatcher`).
     - ``dispatcher="hierarchical"``: each token crosses the node boundary once, then fans out inside
       the node (:mod:`lightning_moe.moe.hierarchical`).
     - ``dispatch_dtype``: ``None``, ``"bf16"`` or ``"fp8"`` (``float8_e4m3fn`` with one fp32 scale per

@@ -35,16 +35,19 @@ def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
     return accounted_dim(spans, layout.mesh_sizes()) or "other"
 
 
-def accounted_comm_bytes(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> dict[str, float]:
+def accounted_comm_bytes(
+    model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true", *, ep_ranks_per_token: float | None = None
+) -> dict[str, float]:
     """Bytes per optimizer step and rank, per dim, as ``comm/<dim>_bytes`` of
-    :class:`~lightning_moe.callbacks.CommAccountingCallback` records them (mean over ranks).
+    :class:`~lightning_moe.callbacks.CommAccountingCallback` records them (mean over ranks);
+    ``ep_ranks_per_token``: as :func:`~lightning_moe.planner.communication.comm_records` takes it.
 
     Example::
 
         accounted_comm_bytes(shape, Layout(ep=2, microbatches=2), seq_len=32)["ep"]
     """
     out = {d: 0.0 for d in (*PARALLEL_DIMS, "other")}
-    for rec in comm_records(model, layout, seq_len, precision):
+    for rec in comm_records(model, layout, seq_len, precision, ep_ranks_per_token=ep_ranks_per_token):
         out[_accounted_dim(rec, layout)] += rec.bytes
     return out
 

@@ -244,17 +244,30 @@ def hierarchical_dispatch_records(
 
 
 def comm_records(
-    model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true", *, gpus_per_node: int | None = None
+    model: ModelShape,
+    layout: Layout,
+    seq_len: int,
+    precision: str = "32-true",
+    *,
+    gpus_per_node: int | None = None,
+    ep_ranks_per_token: float | None = None,
 ) -> list[CommRecord]:
     """Every collective of one optimizer step, bytes per rank averaged over all ranks.
 
     Expert dispatch bytes assume balanced routing: each token slot lands on any ep rank with equal
     probability, so ``(ep - 1) / ep`` of a rank's slots leave it (and as many arrive); dropless.
-    ``dispatcher="alltoall_dedup"`` sends a token once per other ep rank among the expected
-    :func:`expected_nodes_per_token` ranks holding its experts (each rank a "node" of ``E / ep``).
+    ``dispatcher="alltoall_dedup"`` (the default) sends a token once per other ep rank among the
+    ranks holding its experts: ``ep_ranks_per_token`` of them on average, by default the expectation
+    of uniform routing (:func:`expected_nodes_per_token`, each rank a "node" of ``E / ep``); pass a
+    measured or replayed routing's mean to count that routing's rows.
     Everything else is deterministic. Sequence parallelism is on (the strategy's default).
     ``gpus_per_node``: where nodes begin, which the hierarchical dispatcher needs (its stages are the
     ep group's nodes and the ranks inside each).
+
+    Example::
+
+        comm_records(shape, Layout(ep=4, microbatches=2), seq_len=4096, precision="bf16-mixed")
+        comm_records(shape, Layout(ep=2, microbatches=2), 32, ep_ranks_per_token=2.0)  # every token on both ranks
     """
     a = ACTIVATION_BYTES[precision]
     w = FSDP_GATHER_BYTES[precision]  # unsharded parameters (and their gradients) in FSDP's param dtype
@@ -346,7 +359,14 @@ def comm_records(
             # ep ranks (node limits left out); each with its slots' expert ids (int32) and gate weights
             # (fp32, and their gradient); one int64 row count per peer.
             per_step = m * moe_per_rank
-            ranks = expected_nodes_per_token(ep, model.num_experts // ep, model.top_k)
+            ranks = ep_ranks_per_token
+            if ranks is None:
+                ranks = expected_nodes_per_token(ep, model.num_experts // ep, model.top_k)
+            elif not 1 <= ranks <= min(ep, model.top_k):
+                raise ValueError(
+                    f"ep_ranks_per_token={ranks} must lie in [1, min(ep, top_k)] = [1, {min(ep, model.top_k)}]: the mean"
+                    " number of distinct ep ranks holding a token's experts (None: uniform routing's expectation)"
+                )
             pairs = tokens * ranks * (ep - 1) / ep
             add("dedup dispatch counts all-to-all", "ep", "ep", peer_share_bytes(ep * INT64_BYTES, ep) * per_step, per_step, recorded_as="ep")
             add("dedup expert ids and gate weights", "ep", "ep", pairs * model.top_k * (INT32_BYTES + 2 * FP32_BYTES) * per_step,

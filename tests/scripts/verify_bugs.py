@@ -25,17 +25,19 @@ class ExpertGradientTimesTwo(L.Callback):
 
 
 class DropLastTokenDispatcher(L.Callback):
-    """The all-to-all dispatcher drops every micro-batch's last token (an off-by-one in its splits)."""
+    """The all-to-all dispatchers drop every micro-batch's last token (an off-by-one in their splits)."""
 
     def setup(self, trainer, pl_module, stage) -> None:  # noqa: ANN001
         if trainer.world_size == 1:
             return
-        from lightning_moe.moe.ep_dispatcher import AllToAllDispatcher
+        from lightning_moe.moe.ep_dispatcher import AllToAllDispatcher, PerRankAllToAllDispatcher
 
-        # Every entry point that takes the keep mask (dropping twice is the same as once).
-        for method in ("dispatch", "dispatch_start"):
-            if method in vars(AllToAllDispatcher):
-                setattr(AllToAllDispatcher, method, _dropping_last_token(vars(AllToAllDispatcher)[method]))
+        # Every entry point that takes the keep mask (dropping twice is the same as once), in the
+        # per-slot and the default one-copy-per-rank dispatcher.
+        for cls in (AllToAllDispatcher, PerRankAllToAllDispatcher):
+            for method in ("dispatch", "dispatch_start"):
+                if method in vars(cls):
+                    setattr(cls, method, _dropping_last_token(vars(cls)[method]))
 
 
 def _dropping_last_token(original):  # noqa: ANN001, ANN202
