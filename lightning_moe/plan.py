@@ -3,8 +3,9 @@
 Ranks every valid (tp, cp, ep, dp, pp) layout of a model preset on a cluster preset with the cost
 model of :mod:`lightning_moe.planner`, prints the top ones as a table (estimated step
 time, MFU and its range from no overlap to perfect overlap, memory per GPU by part and per
-activation-checkpointing mode, bytes per step per dimension split intra/inter-node), the first
-one's estimate as a range, lists the layouts that do not fit with the reason, and writes
+activation-checkpointing mode, bytes per step per dimension split intra/inter-node), which of the
+cluster's constants are measured and which assumed (:func:`format_constants`), the first one's
+estimate as a range, lists the layouts that do not fit with the reason, and writes
 ``plan.json`` and ``plan.png`` (estimated time vs memory per layout, the chosen one marked) in the
 Hydra output directory. ``dry_run=true`` then builds the chosen layout for real on torch's fake
 process group (:func:`dry_run`).
@@ -35,6 +36,7 @@ from lightning_moe.planner.report import (
     GIB,
     MFU_CONVENTION,
     format_bounds,
+    format_constants,
     format_dry_run,
     format_rejected,
     format_same_sizes,
@@ -132,6 +134,7 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
           f" {len(result.rejected)} do not ({planned_s:.1f} s)")  # fmt: skip
     if top:
         print(format_table(top, cfg.checkpointing))
+        print(format_constants(cluster))
         print()
         print(format_bounds(top[0]))
     else:
@@ -145,6 +148,7 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
     out: dict[str, Any] = {
         "model": shape.name,
         "cluster": cluster.name,
+        "constants": cluster.constants(),
         "world_size": world_size,
         "seq_len": seq_len,
         "global_batch_size": gbs,

@@ -34,8 +34,9 @@ processes (cp = 4, one thread each):
    Predicted a2a/ring time ratio, by the planner's rules (``lightning_moe.planner.step_time``):
    comm seconds = ``record_seconds(record, Layout(cp=4), cluster)`` with the simulated bandwidth
    (``comm_efficiency`` 1, no latency, no ring-step overhead); all-to-all comm is exposed, ring comm
-   hides behind compute up to the compute's length (``fsdp_overlap``: a backend with asynchronous
-   P2P, as the simulator models it). *measured compute*: each method's time without a link as its
+   hidden by the planner's own rule (``overlapped_hidden_seconds``, what ``estimate`` hides on a
+   backend with asynchronous P2P, as the simulator models it), each hidden second slowing the
+   compute by ``cpu_local``'s ``overlap_slowdown``. *measured compute*: each method's time without a link as its
    compute; *planner compute*: the planner's own attention FLOPs (causal ``S^2 / 2`` for both
    methods, documents or not) at ``cpu_local``'s peak and attention efficiency.
 
@@ -329,19 +330,26 @@ def _cpu_local() -> Any:
 
 
 def predicted_ratio(records: dict[str, Any], bandwidth: float | None, compute: dict[str, float]) -> float:
-    """a2a/ring time by the planner's rules: ``compute + exposed comm``; a2a's comm exposed in full,
-    the ring's beyond its compute only; comm seconds from ``record_seconds`` at ``bandwidth``
+    """a2a/ring time by the planner's rules: ``compute + comm - hidden + overlap_slowdown x hidden``;
+    a2a's comm exposed in full (the planner overlaps none of it), the ring's shifts hidden as the
+    planner hides them in a step (``overlapped_hidden_seconds``: one call's forward and backward as
+    the step's compute, its backward the last); comm seconds from ``record_seconds`` at ``bandwidth``
     (None: infinite)."""
-    from lightning_moe.planner.step_time import record_seconds
+    from lightning_moe.planner.flops import RECOMPUTE_FORWARDS
+    from lightning_moe.planner.step_time import overlapped_hidden_seconds, record_seconds
+
+    cluster = dataclasses.replace(_cpu_local(), comm_efficiency=1.0, collective_latency=0.0, ring_step_overhead=0.0)
+    if bandwidth is not None:
+        cluster = dataclasses.replace(cluster, intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth)
 
     def comm_seconds(method: str) -> float:
-        if bandwidth is None:
-            return 0.0
-        cluster = dataclasses.replace(_cpu_local(), intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
-                                      comm_efficiency=1.0, collective_latency=0.0, ring_step_overhead=0.0)
-        return record_seconds(records[method], records[f"{method} layout"], cluster)
+        return 0.0 if bandwidth is None else record_seconds(records[method], records[f"{method} layout"], cluster)
 
-    ring = compute["ring"] + max(0.0, comm_seconds("ring") - compute["ring"])
+    passes = 3.0 + RECOMPUTE_FORWARDS["none"]  # a forward and a backward of twice its FLOPs
+    ring_comm = comm_seconds("ring")
+    hidden = overlapped_hidden_seconds(records["ring layout"], compute["ring"], compute["ring"] * (passes - 1) / passes,
+                                       0.0, ring_comm, 0.0)
+    ring = compute["ring"] + ring_comm - hidden + cluster.overlap_slowdown * hidden
     return (compute["a2a"] + comm_seconds("a2a")) / ring
 
 
@@ -478,7 +486,7 @@ def run(smoke: bool = False) -> dict[str, Any]:
           " ones); all-to-all on CPU runs SDPA with a dense [S, S] boolean mask, every pair. ring comm hidden:"
           " 1 - (time under the link - time without) / simulated ring comm time.")
     print("predicted: the planner's rules, compute + exposed comm, comm = record_seconds(cp record) at the link's"
-          " bandwidth; a2a exposed in full, ring hidden up to its compute. measured compute: each method's time"
+          " bandwidth; a2a exposed in full, ring hidden by the planner's overlapped_hidden_seconds. measured compute: each method's time"
           " without a link; planner compute: causal attention FLOPs (no document sparsity) at cpu_local's"
           f" {cluster.peak_flops / 1e9:.0f} GFLOP/s x {cluster.attention_efficiency} with {CP} ranks on"
           f" {cluster.concurrent_ranks} cores, the same for both methods"

@@ -36,6 +36,15 @@ table also gives ``hidden (by blocking)``: ``1 - ep blocked / ep comm``, where e
 time the ranks' threads spent blocked on ep calls, real call and simulated wait together
 (``stats["blocked"]``, mean over ranks): compute noise does not enter it, and without overlap it is
 about 0.
+
+Beside each case, the planner's prediction for the same shapes and option (:func:`planner_hidden`):
+the planner's own :func:`~lightning_moe.planner.step_time.estimate` of the bench's model and layout
+on ``cpu_local`` with asynchronous collectives, no latency and an ep bandwidth set as the bench sets
+its link (the planner's ep comm time of a step = its expert compute time of a step), the hidden
+share of its ep comm time; and whether measurement and prediction agree within
+:data:`AGREEMENT`, on the share hidden by blocking and on the same share less the no-overlap case's
+(``gain by blocking``: the waits on a slower peer and on the FIFO link that every case pays, which
+the planner does not model, taken out).
 A model, not a measurement of real links: see docs/link-simulator.md.
 
     python -m experiments.bench.ep_overlap
@@ -43,6 +52,7 @@ A model, not a measurement of real links: see docs/link-simulator.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import statistics
@@ -57,6 +67,7 @@ import torch.multiprocessing as mp
 MICRO_BATCHES, SAMPLES, SEQ = 8, 2, 128  # per rank and step: 8 x 2 x 128 = 2048 tokens
 HIDDEN, FFN, EXPERTS, TOP_K, LAYERS, HEADS = 256, 512, 8, 2, 2, 4
 EP = 2
+VOCAB = 256  # MoEGPT's default, which _build keeps
 # MoE options of each case, and whether micro-batches overlap.
 CASES: dict[str, tuple[dict, bool]] = {
     "no overlap": ({}, False),
@@ -64,6 +75,10 @@ CASES: dict[str, tuple[dict, bool]] = {
     "shared expert": ({"shared_expert_hidden_size": FFN}, False),
     "micro-batch overlap": ({}, True),
 }
+# The pipeline part's cases: overlap_ep_comm under DualPipeV or not.
+PIPELINE_CASES: dict[str, bool] = {"DualPipeV pp2": False, "DualPipeV pp2 + overlap_ep_comm": True}
+# Measurement and the planner's prediction agree when their hidden shares differ by at most this.
+AGREEMENT = 0.1
 
 
 def _slowest(seconds: float) -> float:
@@ -206,7 +221,7 @@ def _pipeline_worker(rank: int, world: int, store_file: str, rounds: int, out: d
     runners = {
         label: PipelineRunner(pipeline_stage_modules(model), num_stages=4, group=dims.pp_group, device=torch.device("cpu"),
                               schedule="DualPipeV", microbatches=MICRO_BATCHES, loss_fn=next_token_loss, overlap_ep_comm=overlap)
-        for label, overlap in (("DualPipeV pp2", False), ("DualPipeV pp2 + overlap_ep_comm", True))
+        for label, overlap in PIPELINE_CASES.items()
     }  # fmt: skip
 
     def step(runner: PipelineRunner) -> None:
@@ -229,11 +244,62 @@ def run_ep_overlap_bench(rounds: int = 3) -> tuple[dict, list[dict], dict, list[
         mp.start_processes(_pipeline_worker, args=(2 * EP, f"{tmp}/store_pp", rounds, out), nprocs=2 * EP, start_method="spawn")
         parts = (dict(out["setting"]), [dict(r) for r in out["rows"]],
                  dict(out["pipeline_setting"]), [dict(r) for r in out["pipeline_rows"]])  # fmt: skip
-    for row in (*parts[1], *parts[3]):
-        exposed = row["step s (simulated)"] - row["step s (inf bw)"]
-        row["fraction hidden"] = 1 - exposed / row["ep comm s (simulated)"]
-        row["hidden (by blocking)"] = 1 - row["ep blocked s"] / row["ep comm s (simulated)"]
+    predicted = planner_hidden_fractions()
+    for rows in (parts[1], parts[3]):
+        for row in rows:
+            exposed = row["step s (simulated)"] - row["step s (inf bw)"]
+            row["fraction hidden"] = 1 - exposed / row["ep comm s (simulated)"]
+            row["hidden (by blocking)"] = 1 - row["ep blocked s"] / row["ep comm s (simulated)"]
+        baseline = rows[0]["hidden (by blocking)"]  # the part's case without overlap
+        for row in rows:
+            planner = predicted[row["overlap"]]
+            row["gain by blocking"] = row["hidden (by blocking)"] - baseline
+            row["planner"] = planner
+            row[f"agree (blocking, {AGREEMENT})"] = "yes" if abs(row["hidden (by blocking)"] - planner) <= AGREEMENT else "no"
+            row[f"agree (gain, {AGREEMENT})"] = "yes" if abs(row["gain by blocking"] - planner) <= AGREEMENT else "no"
     return parts
+
+
+def planner_hidden(moe_options: dict, num_layers: int, **layout_options: object) -> float:
+    """The planner's share of the step's ep comm time hidden, for the bench's model with ``moe_options``
+    and ``num_layers`` layers, on ep2 with the bench's micro-batches (``layout_options``: the rest of
+    the :class:`~lightning_moe.planner.Layout`), estimated as the bench measures: ``cpu_local``'s
+    compute, collectives asynchronous as the link simulator runs them, no latency, routing balanced,
+    and the ep bandwidth that makes the planner's ep comm time of a step equal to its expert compute
+    time (forward and backward) of a step.
+
+    Example::
+
+        planner_hidden({"dispatch_chunks": 2}, 2)   # 0.5: the first dispatch and last combine stay exposed
+    """
+    from lightning_moe.planner import Cluster, Layout, ModelShape, comm_records, estimate
+    from lightning_moe.planner.step_time import forward_seconds_by_kind, record_seconds
+    from omegaconf import OmegaConf
+
+    from experiments.bench.cli import ROOT
+
+    cpu_local = Cluster.from_config(OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_moe/conf/cluster/cpu_local.yaml")))
+    cluster = dataclasses.replace(cpu_local, fsdp_overlap=True, collective_latency=0.0, comm_efficiency=1.0)
+    shape = ModelShape.from_config({
+        "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_layers": num_layers, "num_heads": HEADS,
+        "moe": {"num_experts": EXPERTS, "top_k": TOP_K, "ffn_hidden_size": FFN, **moe_options},
+    })  # fmt: skip
+    layout = Layout(ep=EP, micro_batch_size=SAMPLES, microbatches=MICRO_BATCHES, **layout_options)  # type: ignore[arg-type]
+    expert = 3 * forward_seconds_by_kind(shape, layout, cluster, SEQ, precision="32-true")["expert"] * MICRO_BATCHES
+    ep_bytes = sum(r.bytes for r in comm_records(shape, layout, SEQ, "32-true") if r.dim == "ep")
+    cluster = dataclasses.replace(cluster, intra_node_bandwidth=ep_bytes / expert, inter_node_bandwidth=ep_bytes / expert)
+    est = estimate(shape, layout, cluster, SEQ, EP * MICRO_BATCHES * SAMPLES, precision="32-true", load_imbalance=1.0)
+    ep_seconds = sum(record_seconds(r, layout, cluster) for r in est.records if r.dim == "ep")
+    return sum(est.hidden_ep_comm_time.values()) / ep_seconds
+
+
+def planner_hidden_fractions() -> dict[str, float]:
+    """:func:`planner_hidden` of every case of both parts, by the case's name."""
+    out = {case: planner_hidden(moe, LAYERS, gather_once_per_step=overlap, overlap_ep_comm=overlap)
+           for case, (moe, overlap) in CASES.items()}  # fmt: skip
+    for case, overlap in PIPELINE_CASES.items():
+        out[case] = planner_hidden({}, 2 * LAYERS, pp=2, pp_schedule="DualPipeV", pp_stages_per_rank=2, overlap_ep_comm=overlap)
+    return out
 
 
 def main() -> None:
@@ -251,6 +317,12 @@ def main() -> None:
             f" and step / {part['expert_seconds'] * 1e3:.0f} ms of expert GEMMs (fwd+bwd): ep comm time = expert compute time"
         )
         print_table(table)
+    print(
+        "planner: the share of the ep comm time planner.estimate hides for the same model, layout and option on cpu_local"
+        " (asynchronous collectives, no latency, balanced routing) at the link the bench sets (its ep comm time = its"
+        " expert compute time); gain by blocking: hidden (by blocking) less the part's no-overlap case (the waits on a"
+        f" slower peer and on the FIFO link every case pays); agree: within {AGREEMENT}"
+    )
 
 
 if __name__ == "__main__":

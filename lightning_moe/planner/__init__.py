@@ -29,6 +29,13 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
   The expert token all-to-alls hide behind the expert GEMMs (``moe.dispatch_chunks``), the shared
   expert, and the paired micro-batch's compute (``Layout.overlap_ep_comm``), each as far as its
   compute reaches (:func:`~lightning_moe.planner.step_time.hidden_ep_seconds`).
+- **Multi-token prediction** (:mod:`.mtp`): the last stage's MTP depths in its FLOPs, memory-bound
+  traffic, parameters, FSDP2 units, activations and logits, with the last stage's embedding copy
+  under pp > 1.
+- **Calibration** (:mod:`.calibrate`, ``python -m lightning_moe.planner.calibrate bench_gpu.json
+  --cluster h200_sxm``): the efficiencies ``make bench-gpu`` measures, written into
+  ``conf/cluster/<cluster>_calibrated.yaml`` with their sources; :meth:`Cluster.constants` says which
+  constants are measured and which assumed, and the plan prints it.
 - **Search** (:mod:`.search`): :func:`plan` estimates every valid layout, parallel folding included
   (``Layout.fold_ep``: the expert ep group spans tp and/or cp ranks too) and HSDP where dp spans
   nodes (a replica group per node: gathers and reduce-scatters inside it, the gradient shards'

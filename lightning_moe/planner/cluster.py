@@ -6,6 +6,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+# The cost model's efficiency and per-call constants: what a datasheet does not give and a run on the
+# machine can measure. A cluster names those it measured (``measured``); the others are assumptions.
+MODEL_CONSTANTS: tuple[str, ...] = (
+    "gemm_efficiency", "grouped_gemm_efficiency", "attention_efficiency", "comm_efficiency", "collective_latency",
+    "ring_step_overhead", "overlap_slowdown", "elementwise_efficiency", "fp8_gemm_efficiency",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Cluster:
     """A machine type: node size, memory, peak FLOP/s, link bandwidths and efficiency factors.
@@ -21,6 +29,12 @@ class Cluster:
     fraction of ``hbm_bandwidth`` the memory-bound ops (norms, activation, permutation, loss) reach
     (None: those ops are not charged, as on the tests' toy machines); ``fp8_peak_flops`` and
     ``fp8_gemm_efficiency``, the GEMMs of a run with FP8 GEMMs (None: the machine has no FP8 path).
+
+    Provenance: ``measured`` pairs each of :data:`MODEL_CONSTANTS` measured on the machine with its
+    source (file, date, device, how it was derived; the YAML's ``measured:`` mapping, written by
+    ``python -m lightning_moe.planner.calibrate``); every other one is an assumption
+    (:meth:`constants`). ``device_name``: the word the GPU's name contains (``H200``), which
+    calibration checks a benchmark's device against (None: nothing to calibrate from).
 
     Example::
 
@@ -48,6 +62,8 @@ class Cluster:
     elementwise_efficiency: float | None = None
     fp8_peak_flops: float | None = None
     fp8_gemm_efficiency: float | None = None
+    device_name: str | None = None
+    measured: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> Cluster:
@@ -58,6 +74,7 @@ class Cluster:
         if unknown:
             raise ValueError(f"cluster config has unknown keys {unknown}: the keys are {sorted(known)}")
         values = {k: v for k, v in cfg.items()}
+        values["measured"] = _measured_pairs(values.get("measured"))
         floats = ("memory_bytes", "peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth",
                   "gemm_efficiency", "grouped_gemm_efficiency", "attention_efficiency", "comm_efficiency",
                   "collective_latency", "ring_step_overhead", "memory_reserve_bytes", "overlap_slowdown",
@@ -80,6 +97,16 @@ class Cluster:
                 raise ValueError(f"cluster.{key}={value} must be in (0, 1] (or null)")
         return cluster
 
+    def constants(self) -> dict[str, dict[str, Any]]:
+        """``{"measured": {name: {"value", "source"}}, "assumed": {name: value}}`` over
+        :data:`MODEL_CONSTANTS`: which the cost model takes from a measurement on the machine, and
+        which are assumptions (their reasoning in the cluster's YAML)."""
+        sources = dict(self.measured)
+        return {
+            "measured": {k: {"value": getattr(self, k), "source": sources[k]} for k in MODEL_CONSTANTS if k in sources},
+            "assumed": {k: getattr(self, k) for k in MODEL_CONSTANTS if k not in sources},
+        }
+
     def gemm_peak(self, fp8: bool) -> tuple[float, float | None]:
         """``(peak FLOP/s, efficiency override)`` of the GEMMs: bf16's peak with the op kinds' own
         efficiencies, or with ``fp8`` the FP8 peak at ``fp8_gemm_efficiency``. ``ValueError`` if the
@@ -98,3 +125,15 @@ class Cluster:
         """Bytes per GPU a layout may use: the memory less the reserve."""
         return self.memory_bytes - self.memory_reserve_bytes
 
+
+
+def _measured_pairs(measured: Any) -> tuple[tuple[str, str], ...]:
+    """The ``measured:`` mapping of a cluster config (constant -> source) as sorted pairs, checked."""
+    if measured is None or isinstance(measured, tuple):
+        return measured or ()
+    if not isinstance(measured, Mapping):
+        raise ValueError(f"cluster.measured must map constants to their source, got {type(measured).__name__}")
+    unknown = sorted(set(measured) - set(MODEL_CONSTANTS))
+    if unknown:
+        raise ValueError(f"cluster.measured names {unknown}, which are not measurable constants: use {list(MODEL_CONSTANTS)}")
+    return tuple(sorted((str(k), str(v)) for k, v in measured.items()))

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.dtypes import ACTIVATION_BYTES, FP32_BYTES
 from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.mtp import mtp_elementwise_bytes_per_token
 
 # A backward reads the forward's input and the output's gradient and writes the input's gradient:
 # twice a forward's traffic, the same ratio as the GEMMs' 2 x forward FLOPs.
@@ -32,8 +33,10 @@ def elementwise_bytes_per_microbatch(
     k (read and write them); a dense FFN's SwiGLU (read ``2F``, write ``F``); an MoE layer's router
     softmax over ``E`` fp32 scores, and per routed slot the permutation and the weighted un-permutation
     (read and write ``h`` each) and the SwiGLU of ``F_e``, and the shared expert's SwiGLU; the last
-    stage's loss over the vocabulary. Each rank holds ``1/tp`` of these elements (sequence-parallel
-    norms, heads and FFN columns over tp); tokens are the rank's ``micro_batch x seq_len / cp``.
+    stage's loss over the vocabulary, and there the multi-token prediction depths'
+    (:func:`~lightning_moe.planner.mtp.mtp_elementwise_bytes_per_token`). Each rank holds ``1/tp`` of
+    these elements (sequence-parallel norms, heads and FFN columns over tp); tokens are the rank's
+    ``micro_batch x seq_len / cp``.
 
     Example::
 
@@ -49,9 +52,12 @@ def elementwise_bytes_per_microbatch(
     shared = 3 * model.shared_expert_hidden_size * a if model.shared_expert_hidden_size else 0
     routed = model.top_k * (2 * (2 * h) + 3 * model.moe_ffn_hidden_size) * a
     router = 2 * model.num_experts * FP32_BYTES
-    per_token = 0.0
-    for i in layers:
-        per_token += attention_part + (router + routed + shared if model.is_moe(i) else dense_ffn)
+
+    def layer(i: int) -> float:
+        return attention_part + (router + routed + shared if model.is_moe(i) else dense_ffn)
+
+    per_token = sum(layer(i) for i in layers)
     if last:
-        per_token += model.vocab_size * (a + LOSS_PASSES_FP32 * FP32_BYTES)
+        loss = model.vocab_size * (a + LOSS_PASSES_FP32 * FP32_BYTES)
+        per_token += loss + mtp_elementwise_bytes_per_token(model, layer(model.num_layers - 1), loss, precision)
     return per_token * tokens / layout.tp

@@ -14,6 +14,10 @@ total on one process, ep4, ep2·dp2 and ep2·dp2 as HSDP):
   until the pipeline step's last backward);
 - activations of the micro-batches in flight and the logits (compute dtype, fp32 copy, gradient).
 
+The last stage's rank adds multi-token prediction's terms (:mod:`~lightning_moe.planner.mtp`): its
+depths' parameters in their FSDP2 units (under pp > 1 with the last stage's embedding copy), their
+activations and each depth's logits.
+
 Shards are FSDP2's padded allocation (:func:`~lightning_moe.planner.parameters.local_shape`): experts
 fewer per ep rank than their edp group split evenly on a non-expert dim
 (:func:`~lightning_moe.planner.parameters.expert_fsdp_dim`), so gradients and Adam states, which
@@ -27,6 +31,7 @@ from lightning_moe.layout import experts_split_over_tp
 from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES, FSDP_REDUCE_BYTES
 from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.mtp import mtp_activation_bytes, mtp_units
 from lightning_moe.planner.parameters import kind_counts, representative_numels
 from lightning_moe.planner.v_schedules import v_schedule_timeline
 
@@ -125,10 +130,13 @@ def fsdp_buffer_bytes(unit_sizes: dict[str, float], unit_counts: dict[str, int],
     return held + nested * 2 * g + reduced * (g + FSDP_REDUCE_BYTES)
 
 
-def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true") -> tuple[Memory, int]:
-    """Memory of the pipeline rank that needs the most (``(memory, pp_rank)``)."""
+def memory_per_rank(
+    model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true", *, pp_rank: int | None = None
+) -> tuple[Memory, int]:
+    """Memory of the pipeline rank that needs the most (``(memory, pp_rank)``), of the first and the
+    last (:func:`~lightning_moe.planner.candidate.edge_pp_ranks`); with ``pp_rank``, that rank's."""
     best: tuple[Memory, int] | None = None
-    for pp_rank in edge_pp_ranks(layout):
+    for pp_rank in edge_pp_ranks(layout) if pp_rank is None else [pp_rank]:
         rank = pp_rank * (layout.world_size // layout.pp)
         counts = kind_counts(model, layout, pp_rank)
         params = gathered = 0.0
@@ -143,6 +151,12 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
             # every unit, over one rank too: fully_shard wraps it all the same and FSDP2's unshard
             # then copies the shard into a buffer of its own (FSDPParamGroup.unshard, world_size == 1)
             unit_sizes[spec.unit] = unit_sizes.get(spec.unit, 0) + unsharded
+            gathered += n * unsharded
+        last_stage = holds_last_stage(layout, pp_rank)
+        for unit, (n, shard, unsharded, _) in (mtp_units(model, layout, rank) if last_stage else {}).items():
+            unit_counts.setdefault(unit, n)  # "last" (pp = 1): the MTP modules join the root unit
+            params += n * shard
+            unit_sizes[unit] = unit_sizes.get(unit, 0) + unsharded
             gathered += n * unsharded
         buffers = fsdp_buffer_bytes(unit_sizes, unit_counts, gathered, layout, precision)
         layers = rank_layers(model, layout, pp_rank)
@@ -169,13 +183,18 @@ def memory_per_rank(model: ModelShape, layout: Layout, seq_len: int, precision: 
             mode: in_flight * sum(counts[kind] * per_layer[(kind, mode)] for kind, i in examples.items() if i is not None)
             for mode in CHECKPOINT_MODES
         }
+        if last_stage:  # the MTP depths run after the last layer, on every micro-batch in flight
+            for mode in CHECKPOINT_MODES:
+                acts[mode] += in_flight * mtp_activation_bytes(model, layout, seq_len, mode, precision)
         if layers:  # full recompute rebuilds one layer's activations at a time
             acts["full"] += max(per_layer[(kind, "none")] for kind, i in examples.items() if i is not None)
         logits = 0.0
-        if holds_last_stage(layout, pp_rank):
-            # logits in the compute dtype, their fp32 copy for the loss and its gradient
+        if last_stage:
+            # logits in the compute dtype, their fp32 copy for the loss and its gradient: the main
+            # head's and each MTP depth's, all held until the loss's backward
             tokens = layout.micro_batch_size * seq_len / layout.cp
-            logits = tokens * model.vocab_size / layout.tp * (ACTIVATION_BYTES[precision] + 2 * FP32_BYTES)
+            heads = 1 + model.mtp_depth
+            logits = heads * tokens * model.vocab_size / layout.tp * (ACTIVATION_BYTES[precision] + 2 * FP32_BYTES)
         mem = Memory(params * FP32_BYTES, params * FP32_BYTES, params * ADAM_STATE_BYTES, buffers, acts, logits)
         if best is None or mem.total("none") > best[0].total("none"):
             best = (mem, pp_rank)

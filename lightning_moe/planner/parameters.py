@@ -197,18 +197,26 @@ def _layer_kinds(model: ModelShape, layers: tuple[int, ...]) -> tuple[int, int]:
 
 
 def rank_parameters(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False) -> dict[str, tuple[int, ...]]:
-    """``{name: local shape}`` of every parameter ``rank`` holds (FSDP shards included).
+    """``{name: local shape}`` of every parameter ``rank`` holds (FSDP shards included), the last
+    stage's multi-token prediction depths and embedding copy among them (:mod:`.mtp`).
 
     Example::
 
         rank_parameters(shape, Layout(tp=2, dp=2), rank=3)["layers.0.attention.wq.weight"]
     """
+    from lightning_moe.planner.mtp import mtp_parameter_specs
+
     pp_rank = layout.coordinates(rank)["pp"]
-    return {
+    out = {
         spec.name: local_shape(spec, layout, rank, padded=padded)
         for spec in parameter_specs(model, layout)
         if _rank_holds(spec, model, layout, pp_rank)
     }
+    if model.mtp_depth and holds_last_stage(layout, pp_rank):  # every depth shards as the first
+        for spec in mtp_parameter_specs(model, layout):
+            shape = local_shape(spec, layout, rank, padded=padded)
+            out.update({spec.name.replace("mtp.0.", f"mtp.{k}.", 1): shape for k in range(model.mtp_depth)})
+    return out
 
 
 def parameter_bytes_per_rank(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False, dtype_bytes: int = FP32_BYTES) -> int:
@@ -223,7 +231,8 @@ def fsdp_units(model: ModelShape, layout: Layout) -> list[FsdpUnit]:
     not reshard after forward; under pp > 1 each of those children is a unit of its own and every
     top-level unit (embedding, norm, output, each block) is first called on its own and becomes a
     root. Experts and router units nest inside a block and never are. ``count``: units of that
-    kind in the whole model.
+    kind in the whole model. The last stage's multi-token prediction depths add theirs
+    (:func:`~lightning_moe.planner.mtp.mtp_units`).
     """
     totals: dict[tuple[str, str], float] = {}
     groups: dict[tuple[str, str], str] = {}
@@ -243,5 +252,12 @@ def fsdp_units(model: ModelShape, layout: Layout) -> list[FsdpUnit]:
             continue
         root = kind in ("first", "last") or (layout.pp > 1 and name == "block")
         units.append(FsdpUnit(name, groups[(kind, name)], root, numel, 1.0 / layout.pp, counts[kind]))
+    from lightning_moe.planner.mtp import mtp_units
+
+    for name, (count, shard, _, group) in mtp_units(model, layout, rank=0).items():
+        if name == "last":  # pp = 1: the MTP modules' own parameters are the root's
+            next(u for u in units if u.name == "root").padded_shard_numel += shard
+            continue
+        units.append(FsdpUnit(name, group, "." not in name, shard, 1.0 / layout.pp, count))
     return units
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_moe.layout import MESH_DIMS, PARALLEL_DIMS
 from lightning_moe.planner.candidate import Layout
+from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.search import Plan
 from lightning_moe.planner.step_time import Estimate
@@ -17,7 +18,7 @@ from lightning_moe.planner.step_time import Estimate
 if TYPE_CHECKING:
     from lightning_moe.parallel.dry_run import RankView
 
-__all__ = ["GIB", "MFU_CONVENTION", "format_bounds", "format_dry_run", "format_rejected", "format_same_sizes", "format_table", "plan_json", "plot_plan"]
+__all__ = ["GIB", "MFU_CONVENTION", "format_bounds", "format_constants", "format_dry_run", "format_rejected", "format_same_sizes", "format_table", "plan_json", "plot_plan"]
 
 GIB = 2**30
 MFU_CONVENTION = (
@@ -88,6 +89,28 @@ def format_bounds(e: Estimate) -> str:
         f" the last backward {e.end_of_step_reduction_time:.3g} s), bubble {e.bubble_fraction:.1%}, optimizer {e.optimizer_time:.3g} s",
         f"  MFU: {MFU_CONVENTION}: {e.mfu_causal:.1%} with causal attention FLOPs",
     ]
+    return "\n".join(lines)
+
+
+def format_constants(cluster: Cluster) -> str:
+    """Which of the cost model's constants (:meth:`Cluster.constants`) the estimates take from a
+    measurement on the machine, each with its source, and which are assumptions.
+
+    Example::
+
+        print(format_constants(cluster))   # Constants of h200_sxm: measured none; assumed gemm_efficiency 0.7, ...
+    """
+    constants = cluster.constants()
+
+    def listed(values: Mapping[str, Any]) -> str:
+        return ", ".join(f"{k} {'none' if v is None else f'{v:.4g}'}" for k, v in values.items()) or "none"
+
+    measured = {k: entry["value"] for k, entry in constants["measured"].items()}
+    lines = [f"Constants of {cluster.name}: measured {listed(measured)}; assumed {listed(constants['assumed'])}"]
+    lines += [f"  {k} measured: {entry['source']}" for k, entry in constants["measured"].items()]
+    if cluster.device_name and not measured:
+        lines.append("  (calibrate them: `make bench-gpu` on the machine, then"
+                     f" `python -m lightning_moe.planner.calibrate bench_gpu.json --cluster {cluster.name}`)")
     return "\n".join(lines)
 
 

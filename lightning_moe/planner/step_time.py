@@ -330,6 +330,21 @@ def overlap_budget(
     }
 
 
+def overlapped_hidden_seconds(
+    layout: Layout, compute: float, last_backward: float, hidden_ep: float, spread: float, reductions: float
+) -> float:
+    """Seconds of the overlapped FSDP and ring attention traffic hidden behind compute: in each phase of
+    :func:`overlap_budget` (same arguments) its traffic up to the compute the phase has left. What
+    :func:`estimate` hides on a backend with asynchronous collectives; the rest is exposed.
+
+    Example (one ring attention call: 0.4 s of shifts behind 0.3 s of forward and backward compute)::
+
+        overlapped_hidden_seconds(Layout(cp=4), 0.3, 0.2, 0.0, 0.4, 0.0)   # 0.3
+    """
+    phases = overlap_budget(layout, compute, last_backward, hidden_ep, spread, reductions)
+    return sum(min(traffic, max(0.0, left)) for traffic, left in phases.values())
+
+
 def optimizer_seconds(mem: Memory, cluster: Cluster) -> float:
     """Seconds of the optimizer step on one rank: AdamW's memory-bound pass over the rank's fp32
     parameters (:data:`OPTIMIZER_HBM_BYTES_PER_PARAM`). An optimizer with other terms adds them here."""
@@ -384,10 +399,9 @@ def estimate(
     # a backend that runs collectives synchronously (cluster.fsdp_overlap False: gloo on CPU) hides nothing
     asynchronous = cluster.fsdp_overlap
     hidden_ep = hidden_ep_seconds(model, layout, forward, token_exchange if asynchronous else 0.0)
-    phases = overlap_budget(layout, compute, last_backward, sum(hidden_ep.values()), spread, reductions)
     hidden = sum(hidden_ep.values())
     if asynchronous:
-        hidden += sum(min(traffic, max(0.0, left)) for traffic, left in phases.values())
+        hidden += overlapped_hidden_seconds(layout, compute, last_backward, hidden, spread, reductions)
     end_of_step = reductions if layout.pp > 1 else 0.0  # after the pipeline's last backward: outside the bubble
     in_step_comm = all_comm - end_of_step
     slowdown = cluster.overlap_slowdown * hidden
