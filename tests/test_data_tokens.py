@@ -13,6 +13,7 @@ import torch
 
 from lightning_moe.data import IndexedCorpusWriter, TokenDataModule, blend_schedule, parse_blend, stdlib_source_files
 from tests.cli import TINY_MODEL, compose_train_config, train_in_pool
+from tests.test_strategy_invariance import CP_OVERRIDES, CP_STEPS
 
 REL = 1e-5
 
@@ -224,21 +225,23 @@ def test_hydra_group_composes(corpora, tmp_path):
 # --- every layout ---------------------------------------------------------------------------------
 
 
-def token_run(corpora: tuple[Path, Path]) -> list[str]:
-    """The tiny model on a 2-source blend with document positions and the EOD loss mask."""
-    model = [o for o in TINY_MODEL if not o.startswith("data.")]
+def token_run(corpora: tuple[Path, Path], model: str = "tiny") -> list[str]:
+    """The tiny model (or the tiny config ``model`` as it is) on a 2-source blend with document positions and
+    the EOD loss mask."""
+    shrunk = [o for o in TINY_MODEL if not o.startswith("data.")] if model == "tiny" else [f"model={model}"]
     return [
         "logger=none", "trainer.max_steps=4", "++trainer.gradient_clip_val=0.05", "trainer.val_check_interval=null",
         "trainer.limit_val_batches=0", "~callbacks.progress_bar", "data=tokens", f"data.blend=[0.6,{corpora[0]},0.4,{corpora[1]}]",
-        "data.seq_len=32", "data.global_batch_size=16", "data.document_mask=true", "data.eod_mask_loss=true", *model,
+        "data.seq_len=32", "data.global_batch_size=16", "data.document_mask=true", "data.eod_mask_loss=true", *shrunk,
     ]
 
 
 def _presets() -> list:
+    """The presets of at most 8 processes without context parallelism (the cp presets run 20 steps below)."""
     from tests.presets import presets_this_torch_builds
-    from tests.test_strategy_invariance import _presets_up_to_8_processes
+    from tests.test_strategy_invariance import presets_without_cp_up_to_8_processes
 
-    return presets_this_torch_builds(_presets_up_to_8_processes())
+    return presets_this_torch_builds(presets_without_cp_up_to_8_processes())
 
 
 @pytest.fixture(scope="module")
@@ -265,17 +268,52 @@ def test_preset_with_token_data_matches_single_process(tmp_path, corpora, single
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single_token_losses(num_layers)), rtol=REL, atol=0.0)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["cp2_ep2", "cp2_tp2_ep2", "cp2_tp2_ep4_folded"])
-def test_cp_preset_by_all_to_all_with_packed_documents_matches_single_process(tmp_path, corpora, single_token_losses, preset):
-    """cp_comm=a2a: the heads' all-to-all and full-sequence attention under the document mask (the other
-    cp presets run a2a with the default data in test_strategy_invariance.py)."""
-    from tests.test_strategy_invariance import PRESET_LAYERS
+# The cp presets run 20 steps, as test_strategy_invariance.py runs them on the default data (CP_OVERRIDES:
+# a global batch of 8 in micro-batches of 4, the callbacks that do not change the losses off), and so does
+# a Hugging Face family at cp2: Qwen3-MoE (grouped-query attention, RoPE at the documents' positions).
+HF_MODEL = "hf_tiny_qwen3_moe"
 
-    num_layers = PRESET_LAYERS.get(preset, 2)
-    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", "parallel.cp_comm=a2a", f"model.num_layers={num_layers}",
-                            base=token_run(corpora))
-    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single_token_losses(num_layers)), rtol=REL, atol=0.0)
+
+@pytest.fixture(scope="module")
+def single_cp_token_losses(tmp_path_factory, corpora):
+    """One-process losses of CP_OVERRIDES per model config, run once each on first use."""
+    cache: dict[str, list[float]] = {}
+
+    def losses(model: str) -> list[float]:
+        if model not in cache:
+            run = tmp_path_factory.mktemp(f"single_cp_tokens_{model}") / "run"
+            cache[model] = train_in_pool(run, "parallel=single", *CP_OVERRIDES, base=token_run(corpora, model))["losses"]
+            assert len(cache[model]) == CP_STEPS
+        return cache[model]
+
+    return losses
+
+
+def _cp_cases() -> list:
+    from tests.test_strategy_invariance import cp_presets_up_to_8_processes
+
+    cases = []
+    for preset in cp_presets_up_to_8_processes():  # by process count: the runs of one count share a pool
+        cases += [pytest.param(preset, comm, "tiny", id=f"{preset}-{comm}") for comm in ("ring", "a2a")]
+        if preset == "cp2":
+            cases += [pytest.param(preset, comm, HF_MODEL, id=f"{preset}-{comm}-qwen3_moe") for comm in ("ring", "a2a")]
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,cp_comm,model", _cp_cases())
+def test_cp_preset_with_packed_documents_matches_single_process_over_20_steps(
+    tmp_path, corpora, single_cp_token_losses, preset, cp_comm, model
+):
+    """Every cp preset, ring and all-to-all attention under the document mask (and one HF family at cp2):
+    the one-process masked losses at every one of 20 steps."""
+    if model == HF_MODEL:
+        pytest.importorskip("transformers")
+    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"parallel.cp_comm={cp_comm}", *CP_OVERRIDES,
+                            base=token_run(corpora, model))
+    single = single_cp_token_losses(model)
+    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single), rtol=REL, atol=0.0)
+    assert single[-1] < single[0]  # it trains
 
 
 @pytest.mark.slow

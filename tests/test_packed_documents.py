@@ -1,7 +1,12 @@
 """Packed documents: a row of several documents under their mask gives each document's own logits, on one
-process and under context parallel (ring and all-to-all), tp x cp and pp x cp; nothing leaks between them."""
+process and under context parallel (ring and all-to-all), tp x cp and pp x cp; nothing leaks between them.
+The CUDA branch of the mask (flex attention's block mask) runs forward on CPU tensors too."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +15,7 @@ import torch.nn.functional as F
 from lightning_moe.cp import document_attention
 from lightning_moe.models import MoEGPT
 from tests.dist_pool import close_pools, get_pool
+from tests.test_cuda import _cuda_test
 
 SEQ = 32
 LENGTHS = [(5, 11, 16), (20, 3, 1, 8)]  # documents per row, tokens each (sum SEQ)
@@ -118,6 +124,89 @@ def test_selective_checkpointing_recomputes_under_the_same_mask():
     for other in grads[1:]:
         for name, grad in grads[0].items():
             torch.testing.assert_close(other[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+# --- the CUDA branch (flex attention's block mask), forward on CPU -------------------------------------
+
+
+@contextlib.contextmanager
+def flex_attention_on_cpu() -> Iterator[list[tuple]]:
+    """Within the block, document masks take the CUDA branch (flex attention's block mask) on CPU tensors too;
+    flex attention has no backward on CPU, so forward only. Yields the q, k, v shapes of every flex call."""
+    from lightning_moe.cp import documents
+
+    flex, calls = documents._flex_attention, []
+
+    def counted(q, k, v, *args):  # noqa: ANN001, ANN202
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        return flex(q, k, v, *args)
+
+    with mock.patch.object(documents, "_masks_by_blocks", lambda q: True), \
+            mock.patch.object(documents, "_flex_attention", counted):
+        yield calls
+
+
+def _long_documents(batch: int, seq: int) -> torch.Tensor:
+    """Documents longer and shorter than flex attention's 128-token blocks (so blocks are skipped, partial
+    and full), single-token ones included."""
+    starts = torch.zeros(batch, seq, dtype=torch.int64)
+    starts[0, [1, 2, 130, 131, 300]] = 1
+    starts[1, torch.randperm(seq - 1, generator=torch.Generator().manual_seed(5))[:9] + 1] = 1
+    return starts.cumsum(1)
+
+
+@pytest.mark.parametrize("heads,kv_heads,scale,compiled", [
+    (4, 4, None, False), (8, 2, 0.3, False), (6, 1, None, False), (8, 2, 0.3, True),
+], ids=["mha", "gqa-scale", "mqa", "gqa-scale-compiled"])
+def test_the_flex_block_mask_equals_the_dense_mask_forward(heads, kv_heads, scale, compiled):
+    """`compiled`: the kernel CUDA runs (compiled flex attention, which skips masked blocks), compiled for CPU."""
+    from lightning_moe.cp import documents
+
+    if compiled:
+        stack = mock.patch.object(documents, "_flex_kernel", lambda q: documents._compiled_flex_attention())
+    else:
+        stack = contextlib.nullcontext()
+    seq, dim = 320, 8
+    gen = torch.Generator().manual_seed(heads)
+    q = torch.randn(2, heads, seq, dim, generator=gen)
+    k, v = (torch.randn(2, kv_heads, seq, dim, generator=gen) for _ in range(2))
+    ids = _long_documents(2, seq)
+    gqa = heads != kv_heads
+    with torch.no_grad(), stack, flex_attention_on_cpu() as flex_calls, document_attention(ids):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    assert flex_calls == [(tuple(q.shape), tuple(k.shape), tuple(v.shape))]
+    from lightning_moe.cp import document_causal_mask
+
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(ids, ids), scale=scale, enable_gqa=gqa)
+    torch.testing.assert_close(out, dense, **TOLERANCE)
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    assert not torch.allclose(out, causal, **TOLERANCE)  # the documents do mask
+
+
+@_cuda_test
+def test_the_flex_block_mask_on_cuda_forward_and_backward():
+    """On a GPU the branch runs for real, backward included."""
+    seq, ids = 320, _long_documents(2, 320).cuda()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, h, seq, 8, generator=gen).cuda() for h in (8, 2, 2, 8))
+    outputs = []
+    for flex in (True, False):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        with mock.patch("lightning_moe.cp.documents._masks_by_blocks", lambda q: flex), document_attention(ids):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.3, enable_gqa=True)
+        out.backward(grad)
+        outputs.append([out.detach(), *(t.grad for t in leaves)])
+    for flex, dense in zip(*outputs):
+        torch.testing.assert_close(flex, dense, **TOLERANCE)
+
+
+def test_the_flex_block_mask_gives_the_models_packed_logits():
+    """MoEGPT (grouped-query attention, RoPE at the documents' positions) through the block mask."""
+    model, batch = tiny_model(), packed_batch()
+    with flex_attention_on_cpu() as flex_calls:
+        flex = one_process_logits(model, batch)
+    assert len(flex_calls) == 2  # one call per layer
+    torch.testing.assert_close(flex, one_process_logits(model, batch), **TOLERANCE)
 
 
 # --- under the strategy -------------------------------------------------------------------------------

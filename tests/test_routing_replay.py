@@ -263,27 +263,70 @@ SAMPLES = (3, 8, 11, 20)
 RTOL = 1e-5
 
 
-def replay_layout_case(tp: int, cp: int, ep: int, trace_path: str) -> dict:
-    """This rank's share of the batch replayed under a layout: its loss, the gathered chosen experts, the counts."""
+# Packed rows of SAMPLES: documents (tokens each) spanning the cp shards, single-token ones included.
+PACKED = [(5, 11), (3, 1, 12), (16,), (7, 2, 7)]
+
+
+def _packed_batch() -> dict[str, torch.Tensor]:
+    """``_batch(SAMPLES)`` packed: ``document_ids`` and ``position_ids`` restarting at each document."""
+    documents = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in PACKED])
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED])
+    return {**_batch(SAMPLES), "document_ids": documents, "position_ids": positions}
+
+
+def _one_process_context(batch: dict) -> contextlib.AbstractContextManager:
+    """What the strategy's step enters on one process: the document mask for attention and MoE (none unpacked)."""
+    from lightning_moe.cp import document_attention
+    from lightning_moe.parallel.documents import packed_documents
+
+    documents = batch.get("document_ids")
+    return contextlib.nullcontext() if documents is None else packed_documents(document_attention(documents), documents)
+
+
+def _step_context(dims, batch: dict, cp_comm: str) -> contextlib.AbstractContextManager:  # noqa: ANN001
+    """What the strategy's step enters on this rank (MoE5DStrategy._step_context) for this rank's ``batch``."""
+    from lightning_moe.cp import all_to_all_attention, context_parallel_attention, document_attention
+    from lightning_moe.parallel.documents import packed_documents
+
+    documents = batch.get("document_ids")
+    if dims.cp > 1:
+        attention = (all_to_all_attention(dims.cp_group, document_ids=documents) if cp_comm == "a2a"
+                     else context_parallel_attention(dims.cp_group, document_ids=documents))
+    elif documents is not None:
+        attention = document_attention(documents)
+    else:
+        return contextlib.nullcontext()
+    return packed_documents(attention, documents, dims.tp_mesh.get_local_rank(), dims.tp)
+
+
+def replay_layout_case(tp: int, cp: int, ep: int, trace_path: str, packed: bool = False, cp_comm: str = "ring") -> dict:
+    """Under a layout, on this rank's share of the batch: the unperturbed model's routing recorded (gathered from
+    every rank), and the one-process trace replayed by the perturbed model: its loss, the gathered chosen
+    experts, the counts. ``packed``: the batch of packed documents."""
     import torch.distributed as dist
 
     from lightning_moe import parallelize
-    from lightning_moe.cp import context_parallel_attention
     from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
     from tests.dist_pool import layout
 
     dims = layout(tp=tp, cp=cp, ep=ep)
-    model = _model()
-    _perturb_routers(model)
-    parallelize(model, dims, data_parallel="none", sequence_parallel=True)
-    batch = _batch(SAMPLES)
+    batch = _packed_batch() if packed else _batch(SAMPLES)
     share = len(SAMPLES) // dims.dp_ep_mesh.size()
     rank = dims.dp_ep_mesh.get_local_rank()
     batch = {k: v[rank * share : (rank + 1) * share] for k, v in batch.items()}
-    context = context_parallel_attention(dims.cp_group) if cp > 1 else contextlib.nullcontext()
     if cp > 1:
         batch = shard_batch_for_context_parallel(batch, dims)
-    with replay_routing(model, trace_path), record_routing(model) as seen, context:
+
+    unperturbed = _model()
+    parallelize(unperturbed, dims, data_parallel="none", sequence_parallel=True)
+    with record_routing(unperturbed) as recorder, _step_context(dims, batch, cp_comm):
+        unperturbed.loss(batch)
+    recorded = recorder.trace(group=dist.group.WORLD)
+
+    model = _model()
+    _perturb_routers(model)
+    parallelize(model, dims, data_parallel="none", sequence_parallel=True)
+    with replay_routing(model, trace_path), record_routing(model) as seen, _step_context(dims, batch, cp_comm):
         loss = model.loss(batch)
         loss.backward()
     chosen = seen.trace(group=dist.group.WORLD)
@@ -297,22 +340,56 @@ def replay_layout_case(tp: int, cp: int, ep: int, trace_path: str) -> dict:
             counts.append(c)
     grads = [layer.router.weight.grad.abs().sum().item() for layer in model.modules() if isinstance(layer, MoELayer)]
     return {"loss": total.item() / dist.get_world_size(), "experts": chosen.experts, "samples": chosen.sample_index,
-            "counts": torch.stack(counts), "router_grad": grads}
+            "counts": torch.stack(counts), "router_grad": grads, "recorded": recorded}
+
+
+def _one_process_replay(path: str, packed: bool) -> dict:
+    """The trace of the unperturbed model (saved at ``path``) and the one-process replay of it by the perturbed model."""
+    model, batch = _model(), _packed_batch() if packed else _batch(SAMPLES)
+    with _one_process_context(batch):
+        trace = _record(model, batch)
+    trace.save(path)
+    _perturb_routers(model)
+    with _one_process_context(batch):
+        free = model.loss(batch).item()
+    replayed = _replay_on_one_process(model, batch, path)
+    assert abs(free - replayed["loss"]) > 1e-4 * abs(replayed["loss"])  # the perturbed router alone would route otherwise
+    return {"path": path, "trace": trace, **replayed}
+
+
+def _replay_on_one_process(model: MoEGPT, batch: dict, trace: RoutingTrace | str) -> dict:
+    with replay_routing(model, trace), record_routing(model) as seen, _one_process_context(batch):
+        loss = model.loss(batch).item()
+    counts = torch.stack([m.stats["tokens_per_expert"] for m in model.modules() if isinstance(m, MoELayer)])
+    return {"loss": loss, "experts": seen.trace().experts, "samples": seen.trace().sample_index, "counts": counts}
 
 
 @pytest.fixture(scope="module")
 def one_process_replay(tmp_path_factory):
-    """The trace of the unperturbed model and the one-process replay of it by the perturbed model."""
-    path = str(tmp_path_factory.mktemp("trace") / "routing.safetensors")
-    model, batch = _model(), _batch(SAMPLES)
-    _record(model, batch).save(path)
+    return _one_process_replay(str(tmp_path_factory.mktemp("trace") / "routing.safetensors"), packed=False)
+
+
+@pytest.fixture(scope="module")
+def one_process_packed_replay(tmp_path_factory):
+    return _one_process_replay(str(tmp_path_factory.mktemp("packed_trace") / "routing.safetensors"), packed=True)
+
+
+def _check_layout_replay(reports: list[dict], reference: dict, packed: bool) -> None:
+    """Every rank: the layout's record is the one-process trace, and the layout's replay of that trace is
+    the one-process replay (experts, counts, loss); the layout's record replayed on one process too."""
+    for rank, report in enumerate(reports):
+        assert torch.equal(report["recorded"].sample_index, reference["trace"].sample_index), f"rank {rank}"
+        assert torch.equal(report["recorded"].experts, reference["trace"].experts), f"rank {rank}: recorded other experts"
+        assert torch.equal(report["samples"], reference["samples"]), f"rank {rank}"
+        assert torch.equal(report["experts"], reference["experts"]), f"rank {rank}: other experts"
+        assert torch.equal(report["counts"], reference["counts"]), f"rank {rank}: {report['counts']}"
+        assert report["loss"] == pytest.approx(reference["loss"], rel=RTOL), f"rank {rank}"
+        assert all(g > 0 for g in report["router_grad"])
+    model = _model()
     _perturb_routers(model)
-    free = model.loss(batch).item()
-    with replay_routing(model, path), record_routing(model) as seen:
-        loss = model.loss(batch).item()
-    counts = torch.stack([m.stats["tokens_per_expert"] for m in model.modules() if isinstance(m, MoELayer)])
-    assert abs(free - loss) > 1e-4 * abs(loss)  # the perturbed router alone would route otherwise
-    return {"path": path, "loss": loss, "experts": seen.trace().experts, "counts": counts}
+    back = _replay_on_one_process(model, _packed_batch() if packed else _batch(SAMPLES), reports[0]["recorded"])
+    assert torch.equal(back["experts"], reference["experts"]) and torch.equal(back["counts"], reference["counts"])
+    assert back["loss"] == pytest.approx(reference["loss"], rel=RTOL)
 
 
 @pytest.mark.slow
@@ -321,14 +398,29 @@ def test_trace_recorded_on_one_process_replays_on_other_layouts(one_process_repl
     from tests.dist_pool import get_pool
 
     reference = one_process_replay
+    assert reference["samples"].tolist() == list(SAMPLES)
     reports = get_pool(WORLD).run(replay_layout_case, tp=tp, cp=cp, ep=ep, trace_path=reference["path"])
-    for rank, report in enumerate(reports):
-        assert report["samples"].tolist() == list(SAMPLES)
-        assert torch.equal(report["experts"], reference["experts"]), f"rank {rank}: other experts"
-        assert torch.equal(report["counts"], reference["counts"]), f"rank {rank}: {report['counts']}"
-        assert report["loss"] == pytest.approx(reference["loss"], rel=RTOL), f"rank {rank}"
-        assert all(g > 0 for g in report["router_grad"])
+    _check_layout_replay(reports, reference, packed=False)
     print(f"{tp=} {cp=} {ep=}: loss rel diff {abs(reports[0]['loss'] - reference['loss']) / reference['loss']:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,cp,ep,cp_comm", [(1, 2, 2, "ring"), (1, 2, 2, "a2a"), (2, 2, 1, "ring")],
+                         ids=["cp2-ep2-ring", "cp2-ep2-a2a", "tp2-cp2-sp"])
+def test_packed_documents_record_and_replay_across_layouts(one_process_packed_replay, tp, cp, ep, cp_comm):
+    """Packed rows (each document keyed as a sample of its own) recorded on one process replay under the
+    layout, and recorded under the layout replay on one process: the same experts, counts and loss."""
+    from lightning_moe.moe import document_sample_key
+    from tests.dist_pool import get_pool
+
+    reference = one_process_packed_replay
+    keys = [int(key) for sample, lengths in zip(SAMPLES, PACKED)
+            for key in document_sample_key(torch.tensor(sample), torch.arange(len(lengths)))]
+    assert reference["samples"].tolist() == keys and reference["trace"].seq_len == max(max(row) for row in PACKED)
+    reports = get_pool(WORLD).run(replay_layout_case, tp=tp, cp=cp, ep=ep, trace_path=reference["path"], packed=True,
+                                  cp_comm=cp_comm)
+    _check_layout_replay(reports, reference, packed=True)
+    print(f"{tp=} {cp=} {ep=} {cp_comm}: loss rel diff {abs(reports[0]['loss'] - reference['loss']) / reference['loss']:.2e}")
 
 
 # ------------------------------------------------------------------------------------------- CLI

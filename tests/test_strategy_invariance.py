@@ -41,10 +41,6 @@ LAYOUTS = [
      {"tp": 2, "dp": 2, "etp": 2}),
     ("pp2_dp2", ["parallel=pp2", "parallel.dp=2"], {"pp": 2, "dp": 2}),
     ("pp2_cp2", ["parallel=pp2", "parallel.cp=2"], {"pp": 2, "cp": 2}),
-    # Context parallel by all-to-all (sequence shards to head shards and back) instead of the ring.
-    ("cp2_a2a", ["parallel=cp2", "parallel.cp_comm=a2a"], {"cp": 2}),
-    ("cp4_a2a", ["parallel=cp4", "parallel.cp_comm=a2a"], {"cp": 4}),
-    ("cp2_tp2_a2a", ["parallel=cp2_tp2", "parallel.cp_comm=a2a"], {"cp": 2, "tp": 2}),
 ]
 
 # What a user types: the default data layout (global_batch_size 16, micro_batch_size unset), only
@@ -85,6 +81,22 @@ def _presets_up_to_8_processes() -> list[str]:
     return sorted(names, key=_preset_processes)
 
 
+def cp_presets_up_to_8_processes() -> list[str]:
+    """The presets of :func:`_presets_up_to_8_processes` with context parallelism (cp > 1)."""
+    import yaml
+
+    from lightning_moe.conf import CONF_DIR
+
+    return [name for name in _presets_up_to_8_processes()
+            if (yaml.safe_load((CONF_DIR / "parallel" / f"{name}.yaml").read_text()) or {}).get("cp", 1) > 1]
+
+
+def presets_without_cp_up_to_8_processes() -> list[str]:
+    """The other presets of :func:`_presets_up_to_8_processes` (the cp presets run 20 steps in tests of their own)."""
+    with_cp = cp_presets_up_to_8_processes()
+    return [name for name in _presets_up_to_8_processes() if name not in with_cp]
+
+
 # The interleaved and V presets run 4 stages (2 per rank), so they need 4 layers; 2 keep the other runs quick.
 PRESET_LAYERS = {"pp2_interleaved": 4, "pp2_ep2_dualpipev": 4}
 
@@ -106,13 +118,40 @@ def single_default_losses(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", _presets_up_to_8_processes())
+@pytest.mark.parametrize("preset", presets_without_cp_up_to_8_processes())
 def test_preset_with_default_data_matches_single_process(tmp_path, single_default_losses, preset):
-    """Nothing but ``parallel=<preset>``: the single-process per-step losses over 6 steps (rel 1e-5)."""
+    """Nothing but ``parallel=<preset>``: the single-process per-step losses over 6 steps (rel 1e-5); the
+    cp presets in test_cp_preset_matches_single_process_over_20_steps."""
     num_layers = PRESET_LAYERS.get(preset, 2)
     summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
     assert devices_per_node(OmegaConf.create(summary["layout"])) == _preset_processes(preset)
     _assert_same_curve(summary["losses"], single_default_losses(num_layers))
+
+
+# Every cp preset with the ring and by all-to-all (sequence shards to head shards and back), over 20 steps
+# of the default data: a global batch of 8 in micro-batches of 4 (every layout accumulates at most 2),
+# so that 20 steps cost less than the 6 steps above do; the callbacks that do not change the losses are
+# off. (With packed documents: test_data_tokens.py, 20 steps too.)
+CP_STEPS = 20
+CP_OVERRIDES = [f"trainer.max_steps={CP_STEPS}", "data.global_batch_size=8", "data.micro_batch_size=4", "~callbacks.moe_metrics",
+                "~callbacks.comm_accounting", "~callbacks.throughput", "~callbacks.expert_load_plots", "~callbacks.model_summary"]
+CP_RUN = [*DEFAULT_DATA_RUN, *CP_OVERRIDES]
+
+
+@pytest.fixture(scope="module")
+def single_cp_run_losses(tmp_path_factory) -> list[float]:
+    summary = train_in_pool(tmp_path_factory.mktemp("single_cp_run") / "run", "parallel=single", base=CP_RUN)
+    assert len(summary["losses"]) == CP_STEPS and summary["losses"][-1] < summary["losses"][0]
+    return summary["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,cp_comm",
+                         [(preset, comm) for preset in cp_presets_up_to_8_processes() for comm in ("ring", "a2a")])
+def test_cp_preset_matches_single_process_over_20_steps(tmp_path, single_cp_run_losses, preset, cp_comm):
+    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"parallel.cp_comm={cp_comm}", base=CP_RUN)
+    assert devices_per_node(OmegaConf.create(summary["layout"])) == _preset_processes(preset) and summary["layout"]["cp"] > 1
+    _assert_same_curve(summary["losses"], single_cp_run_losses)
 
 
 # DeepSeek-V3 routing: sigmoid scores, aux-loss-free expert bias (loads reduced over every rank).

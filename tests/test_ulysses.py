@@ -126,6 +126,37 @@ def test_documents_match_masked_attention(cp: int, heads: int, kv_heads: int, la
     _assert_close(get_pool(WORLD).run(attention_case, **case))
 
 
+def flex_forward_case(cp: int, heads: int, kv_heads: int) -> dict:
+    """The CUDA branch of the full-sequence document mask (flex attention's block mask) on CPU tensors,
+    forward only (flex attention has no backward on CPU)."""
+    from lightning_moe.cp import document_causal_mask, zigzag_shard
+    from lightning_moe.cp.ulysses import ulysses_attention
+    from tests.test_packed_documents import flex_attention_on_cpu
+
+    group = _cp_group(cp)
+    rank = dist.get_rank(group)
+    q, k, v, _ = _full_inputs(heads, kv_heads)
+    doc_ids = _documents()
+    with torch.no_grad(), flex_attention_on_cpu() as flex_calls:
+        out = ulysses_attention(*(zigzag_shard(t, rank, cp, dim=2) for t in (q, k, v)), group, enable_gqa=heads != kv_heads,
+                                document_ids=zigzag_shard(doc_ids, rank, cp))
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids, doc_ids), enable_gqa=True)
+    return {"errors": {"out": (out - zigzag_shard(dense, rank, cp, dim=2)).abs().max().item()}, "flex_calls": flex_calls}
+
+
+@pytest.mark.parametrize("cp,heads,kv_heads", [(2, 4, 4), (4, 8, 2), (2, 4, 1)], ids=["cp2-mha", "cp4-gqa", "cp2-mqa"])
+def test_documents_by_the_flex_block_mask_forward(cp: int, heads: int, kv_heads: int) -> None:
+    """Each rank's heads over the whole sequence go through the block mask once (K/V heads repeated to cp)."""
+    results = get_pool(WORLD).run(flex_forward_case, cp=cp, heads=heads, kv_heads=kv_heads)
+    _assert_close(results)
+    from lightning_moe.cp.ulysses import ulysses_kv_heads
+
+    kv_local = ulysses_kv_heads(heads, kv_heads, cp) // cp
+    for result in results:
+        assert result["flex_calls"] == [((BATCH, heads // cp, SEQ, HEAD_DIM), (BATCH, kv_local, SEQ, HEAD_DIM),
+                                         (BATCH, kv_local, SEQ, HEAD_DIM))]
+
+
 def leak_case(cp: int) -> dict:
     """Change the tokens of document 3 (row 0, positions [5, 17), on every rank's shard) and see who notices."""
     from lightning_moe.cp import zigzag_shard

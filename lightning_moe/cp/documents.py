@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -79,16 +80,41 @@ def document_causal_mask(
     return (same & causal).unsqueeze(1)
 
 
+def _masks_by_blocks(q: torch.Tensor) -> bool:
+    """Whether document masks of attention on ``q`` take :func:`_flex_attention` (CUDA) instead of a dense
+    boolean mask (CPU, where flex attention has no backward). One place, so that a test can send CPU
+    tensors through the CUDA branch (forward only)."""
+    return q.is_cuda
+
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_kernel(q: torch.Tensor) -> Any:
+    """Compiled flex attention on CUDA: eager flex attention computes the whole [S, S] score matrix, the
+    compiled kernel skips the blocks the mask leaves out. Eager elsewhere (CPU tests run the branch forward
+    only, and eager needs no compile per shape)."""
+    if q.is_cuda:
+        return _compiled_flex_attention()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
 def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor, scale: float | None,
                     enable_gqa: bool) -> torch.Tensor:
-    """CUDA: a flex-attention block mask (no [S, S] dense mask; blocks no document spans are skipped)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    """CUDA: flex attention under a block mask (no dense [S, S] mask; blocks no document spans are skipped)."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (kv_idx <= q_idx)
 
     mask = create_block_mask(visible, document_ids.shape[0], None, q.shape[-2], k.shape[-2], device=q.device)
-    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return _flex_kernel(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def sdpa_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -183,7 +209,7 @@ class DocumentAttentionMode(DocumentAwareMode):
                 f"document_ids of shape {tuple(documents.shape)} do not match attention over queries"
                 f" {tuple(q.shape)} and keys {tuple(k.shape)}: one id per token of each sequence"
             )
-        if q.is_cuda:
+        if _masks_by_blocks(q):
             return _flex_attention(q, k, v, documents, call["scale"], call["enable_gqa"])
         # Outer modes must not see the mask (a recomputation's mode may sit above the next micro-batch's).
         with torch_function_disabled():

@@ -40,12 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_moe.cp.documents import (
-    DocumentAttentionMode,
-    SequenceShardedAttentionMode,
-    check_document_ids,
-    document_causal_mask,
-)
+from lightning_moe.cp.documents import DocumentAttentionMode, SequenceShardedAttentionMode, check_document_ids
 from lightning_moe.cp.sharding import LAYOUTS, Layout, shard_sequence
 
 __all__ = [
@@ -218,12 +213,9 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, 
     gqa = q.shape[1] != k.shape[1]
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
-    if q.is_cuda:  # flex attention's block mask (no dense [S, S] mask)
-        with DocumentAttentionMode(documents):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=document_causal_mask(documents, documents), scale=scale, enable_gqa=gqa
-    )
+    # The one-process document mask: a flex-attention block mask on CUDA, a dense boolean one on CPU.
+    with DocumentAttentionMode(documents):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
 
 
 def _ulysses(
