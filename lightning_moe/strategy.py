@@ -359,12 +359,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         dims = self.parallel_dims
-        if dims.cp > 1 or dims.pp > 1:
-            # A module's targets that look ahead in the sequence (e.g. multi-token prediction) come from
-            # whole rows, before cp shards them; under pp they travel to the last stage with the labels.
-            before_sharding = getattr(self.lightning_module, "before_sequence_sharding", None)
-            if before_sharding is not None:
-                batch = before_sharding(batch)
+        # A module's targets that look ahead in the sequence (e.g. multi-token prediction) come from
+        # whole rows, before cp shards them; under pp they travel to the last stage with the labels.
+        before_sharding = getattr(self.lightning_module, "before_sequence_sharding", None)
+        if before_sharding is not None:
+            batch = before_sharding(batch)
         if dims.cp > 1:
             batch = shard_batch_for_context_parallel(batch, dims, self.context_parallel_keys)
         return batch

@@ -107,7 +107,7 @@ def comm_case(data_parallel: str) -> dict:
 
     dims = layout(ep=2)
     torch.manual_seed(0)
-    layer = MoELayer(H, F, E, top_k=K, aux_loss_coeff=1e-2)
+    layer = MoELayer(H, F, E, top_k=K, aux_loss_coeff=1e-2, dispatcher="alltoall")  # the hand count is per expert slot
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[0] = 1.0

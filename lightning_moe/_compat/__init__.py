@@ -102,7 +102,9 @@ from lightning_moe._compat.pipelining import (
     run_schedule_forward_only,
     skip_backward_actions,
 )
-from lightning_moe._compat.transformers import attention_implementation, set_attention_implementation, tied_weights_keys
+from lightning_moe._compat.transformers import (
+    attention_implementation, initialize_module_weights, set_attention_implementation, tied_weights_keys,
+)
 
 __all__ = [
     "Fp32BuffersModule",
@@ -159,6 +161,7 @@ __all__ = [
     "slice_flattened",
     "tensor_is_view",
     "tied_weights_keys",
+    "initialize_module_weights",
     "torch_has_grouped_mm",
     "trainer_logging_step",
     "trainer_should_update_logs",

@@ -32,3 +32,9 @@ def tied_weights_keys(model: Any) -> Any:
     ``[]`` for a model without one or with None.
     Checked on: transformers 5.24-5.25."""
     return getattr(model, "_tied_weights_keys", None) or []
+
+
+def initialize_module_weights(model: Any, module: Any) -> None:
+    """Initialize ``module`` (a layer built outside ``model``) the way ``model`` initializes its own: the
+    private ``PreTrainedModel._init_weights``. Checked on: transformers 5.24-5.25."""
+    model._init_weights(module)

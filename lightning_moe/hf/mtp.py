@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_moe._compat import initialize_module_weights
 from lightning_moe.hf.families import MODEL_FAMILIES, model_family
 
 __all__ = [
@@ -124,7 +125,7 @@ def add_mtp_layers(model: nn.Module, depth: int, published_copies: bool = False)
             if reference.device.type != "meta":
                 with torch.no_grad():
                     for module in layer.modules():
-                        model._init_weights(module)
+                        initialize_module_weights(model, module)
             layers.append(layer)
     config.num_nextn_predict_layers = depth
 
