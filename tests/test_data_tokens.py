@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -244,18 +245,26 @@ def _presets() -> list:
     return presets_this_torch_builds(presets_without_cp_up_to_8_processes())
 
 
-@pytest.fixture(scope="module")
-def single_token_losses(tmp_path_factory, corpora):
-    cache: dict[int, list[float]] = {}
+def one_process_losses_on_first_use(tmp_path_factory, name: str, steps: int, run_args) -> Any:
+    """`losses(key)`: the one-process losses of `train_in_pool(*run_args(key))`, trained once per key."""
+    cache: dict[Any, list[float]] = {}
 
-    def losses(num_layers: int) -> list[float]:
-        if num_layers not in cache:
-            run = tmp_path_factory.mktemp(f"single_tokens_{num_layers}") / "run"
-            cache[num_layers] = train_in_pool(run, "parallel=single", f"model.num_layers={num_layers}", base=token_run(corpora))["losses"]
-            assert len(cache[num_layers]) == 4
-        return cache[num_layers]
+    def losses(key: Any) -> list[float]:
+        if key not in cache:
+            overrides, base = run_args(key)
+            run = tmp_path_factory.mktemp(f"{name}_{key}") / "run"
+            cache[key] = train_in_pool(run, "parallel=single", *overrides, base=base)["losses"]
+            assert len(cache[key]) == steps
+        return cache[key]
 
     return losses
+
+
+@pytest.fixture(scope="module")
+def single_token_losses(tmp_path_factory, corpora):
+    return one_process_losses_on_first_use(
+        tmp_path_factory, "single_tokens", 4, lambda num_layers: ([f"model.num_layers={num_layers}"], token_run(corpora))
+    )
 
 
 @pytest.mark.slow
@@ -277,16 +286,9 @@ HF_MODEL = "hf_tiny_qwen3_moe"
 @pytest.fixture(scope="module")
 def single_cp_token_losses(tmp_path_factory, corpora):
     """One-process losses of CP_OVERRIDES per model config, run once each on first use."""
-    cache: dict[str, list[float]] = {}
-
-    def losses(model: str) -> list[float]:
-        if model not in cache:
-            run = tmp_path_factory.mktemp(f"single_cp_tokens_{model}") / "run"
-            cache[model] = train_in_pool(run, "parallel=single", *CP_OVERRIDES, base=token_run(corpora, model))["losses"]
-            assert len(cache[model]) == CP_STEPS
-        return cache[model]
-
-    return losses
+    return one_process_losses_on_first_use(
+        tmp_path_factory, "single_cp_tokens", CP_STEPS, lambda model: (CP_OVERRIDES, token_run(corpora, model))
+    )
 
 
 def _cp_cases() -> list:
