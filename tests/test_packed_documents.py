@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from lightning_moe.cp import document_attention
 from lightning_moe.models import MoEGPT
 from tests.dist_pool import close_pools, get_pool
+from tests.presets import TORCH_RELEASE
 from tests.test_cuda import _cuda_test
 
 SEQ = 32
@@ -156,7 +157,10 @@ def _long_documents(batch: int, seq: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("heads,kv_heads,scale,compiled", [
-    (4, 4, None, False), (8, 2, 0.3, False), (6, 1, None, False), (8, 2, 0.3, True),
+    (4, 4, None, False), (8, 2, 0.3, False), (6, 1, None, False),
+    pytest.param(8, 2, 0.3, True, marks=pytest.mark.skipif(
+        TORCH_RELEASE < (2, 13), reason="torch 2.11's CPU inductor flex kernel corrupts the heap with a scale and"
+        " these documents (glibc malloc assertion, the process aborts); production compiles on CUDA only")),
 ], ids=["mha", "gqa-scale", "mqa", "gqa-scale-compiled"])
 def test_the_flex_block_mask_equals_the_dense_mask_forward(heads, kv_heads, scale, compiled):
     """`compiled`: the kernel CUDA runs (compiled flex attention, which skips masked blocks), compiled for CPU."""
