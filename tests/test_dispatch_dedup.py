@@ -127,17 +127,18 @@ TINY_LAYERS, TINY_MICRO_BATCH = int(TINY["model.num_layers"]), int(TINY["data.mi
 TINY_GLOBAL_BATCH = int(TINY["data.global_batch_size"])
 
 
-def routing_trace_by_position(path: Path, experts: torch.Tensor, num_experts: int) -> Path:
+def routing_trace_by_position(path: Path, experts: torch.Tensor, num_experts: int, mtp_depth: int = 0) -> Path:
     """A routing trace (docs/routing-replay.md) that gives the token at position s the experts
-    ``experts[s]`` (``[seq_len, top_k]``) in every MoE layer of TINY_RUN's model, for every training
-    window of its corpus, so that each rank's routing is known whatever samples it gets."""
+    ``experts[s]`` (``[seq_len, top_k]``) in every MoE layer of TINY_RUN's model (and of its
+    ``mtp_depth`` MTP blocks), for every training window of its corpus, so that each rank's routing is
+    known whatever samples it gets."""
     from lightning_moe.moe import RoutingTrace
 
     windows = int(TINY["data.max_corpus_bytes"]) // (TINY_SEQ + 1) + 1
     assert experts.shape[0] == TINY_SEQ, (tuple(experts.shape), TINY_SEQ)
-    pattern = experts[None, :, None, :].expand(windows, TINY_SEQ, TINY_LAYERS, experts.shape[1]).contiguous()
-    trace = RoutingTrace(torch.arange(windows), pattern, [f"layers.{i}.feed_forward" for i in range(TINY_LAYERS)],
-                         [num_experts] * TINY_LAYERS)  # fmt: skip
+    names = [f"layers.{i}.feed_forward" for i in range(TINY_LAYERS)] + [f"mtp.{k}.block.feed_forward" for k in range(mtp_depth)]
+    pattern = experts[None, :, None, :].expand(windows, TINY_SEQ, len(names), experts.shape[1]).contiguous()
+    trace = RoutingTrace(torch.arange(windows), pattern, names, [num_experts] * len(names))
     trace.save(path)
     return path
 

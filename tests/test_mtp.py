@@ -133,6 +133,25 @@ def test_mtp_layouts_match_one_process(tmp_path, tmp_path_factory, preset, depth
     assert summary["losses"] == pytest.approx(expected, rel=REL)
 
 
+def test_the_mfu_numerator_counts_each_depth_as_a_layer_and_the_head_once_more():
+    """Megatron-LM's convention: the depths' blocks as layers, eh_proj and the three norms, and the
+    shared head applied again per depth; the module walk (the callback's) and the planner agree."""
+    from lightning_moe.callbacks import model_flops_per_token
+    from lightning_moe.planner.model_shape import ModelShape
+
+    config = {**SMALL, "vocab_size": 256, "num_kv_heads": 2}
+    seq, h, v = 16, 32, 256
+    plain, deep = small_model(vocab_size=256, num_kv_heads=2), small_model(vocab_size=256, num_kv_heads=2, mtp_depth=2)
+    # A depth's block: attention (q 32x32, k/v 32x16, o 32x32) and two norms; router 4x32 and top-2 of
+    # 4 experts of 3 x 32 x 32 each.
+    block = (32 * 32 + 2 * 32 * 16 + 32 * 32 + 2 * h) + (4 * h + 2 * 3 * 32 * 32)
+    per_depth = 6 * (block + 2 * h * h + 3 * h + v * h) + 12 * 32 * seq
+    assert model_flops_per_token(deep, seq) - model_flops_per_token(plain, seq) == pytest.approx(2 * per_depth)
+    for model, depth in ((plain, 0), (deep, 2)):
+        shape = ModelShape.from_config({**config, "mtp_depth": depth})
+        assert shape.model_flops_per_token(seq) == pytest.approx(model_flops_per_token(model, seq))
+
+
 def test_planner_counts_mtp_flops_on_the_last_stage_only():
     from lightning_moe.planner.candidate import Layout
     from lightning_moe.planner.flops import flops_per_microbatch

@@ -558,10 +558,10 @@ def _balanced_experts() -> torch.Tensor:
     return torch.stack([s % experts, (s + experts // 2) % experts], -1)
 
 
-def _balanced_routing_trace(path: Path) -> Path:
+def _balanced_routing_trace(path: Path, mtp_depth: int = 0) -> Path:
     """A routing trace of every training window of TINY_RUN's corpus, each taking
-    :func:`_balanced_experts` in every layer."""
-    return routing_trace_by_position(path, _balanced_experts(), TINY["moe"]["num_experts"])
+    :func:`_balanced_experts` in every layer (and MTP block)."""
+    return routing_trace_by_position(path, _balanced_experts(), TINY["moe"]["num_experts"], mtp_depth)
 
 
 def _ranks_per_token(ep: int) -> float:
@@ -591,13 +591,27 @@ def test_planned_bytes_per_dimension_equal_the_comm_accounting(tmp_path, paralle
     layouts replay a routing with exactly that share and give the planner its count of ranks per
     token (2 at ep 2, where uniform routing expects 5/3): the check is of the byte model, not of the
     router."""
+    _check_planned_bytes(tmp_path, parallel, mtp_depth=0)
+
+
+# Multi-token prediction adds, on the last stage, one block per depth (ring, MoE statistics, dispatch,
+# tp's gathers), the head and the embedding of the tokens ahead under tp (eh_proj's and the new norms'
+# gradient all-reduce), the MTP units under FSDP, and under pp the gradient sum of the embedding's two
+# copies and the loss terms' broadcast: these three layouts cover every dim, depth 2 the scaling.
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,mtp_depth", [("cp2_tp2", 1), ("pp2_ep2", 1), ("pp2_tp2_ep2_folded", 2)])
+def test_planned_bytes_with_multi_token_prediction_equal_the_comm_accounting(tmp_path, parallel, mtp_depth):
+    _check_planned_bytes(tmp_path, parallel, mtp_depth)
+
+
+def _check_planned_bytes(tmp_path: Path, parallel: str, mtp_depth: int) -> None:
     cfg = compose_plan("model=tiny", f"parallel={parallel}").parallel
     sizes = {d: cfg.get(d) if isinstance(cfg.get(d), int) else 1 for d in PARALLEL_DIMS}  # dp "auto": 1
     sizes["ep"] = unfolded_ep(sizes["ep"], normalize_fold_ep(cfg.get("fold_ep")), sizes["tp"], sizes["cp"])
     lay = layout_from_parallel(cfg, math.prod(sizes.values()), TINY_GLOBAL_BATCH, TINY_MICRO_BATCH)
-    replay = [f"+routing.replay={_balanced_routing_trace(tmp_path / 'routing.safetensors')}"] if lay.ep > 1 else []
-    measured = _measured_comm(tmp_path / parallel, parallel, *replay)
-    shape = ModelShape.from_config(TINY)
+    replay = [f"+routing.replay={_balanced_routing_trace(tmp_path / 'routing.safetensors', mtp_depth)}"] if lay.ep > 1 else []
+    measured = _measured_comm(tmp_path / parallel, parallel, f"model.mtp_depth={mtp_depth}", *replay)
+    shape = ModelShape.from_config({**TINY, "mtp_depth": mtp_depth})
     assert shape.dispatcher == "alltoall_dedup"
     ranks = _ranks_per_token(lay.ep) if lay.ep > 1 else None
     planned = accounted_comm_bytes(shape, lay, TINY_SEQ, precision="32-true", ep_ranks_per_token=ranks)

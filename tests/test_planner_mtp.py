@@ -132,9 +132,12 @@ def test_the_last_stage_with_its_depths_sets_the_pipelines_pace():
     est = estimate(toy(1), layout, TOY, SEQ, 4, precision="32-true", load_imbalance=1.0)
     assert est.compute_time == pytest.approx(3 * 4 * (2 * BLOCK + HEAD + MTP_EXTRA) / 1e9)
     assert est.bubble_fraction == pytest.approx(1 / 5)
-    # the step: the slowest stage's 4 + (p - 1) micro-batches, plus what the rest adds (P2P, optimizer)
+    # the step: the slowest stage's 4 + (p - 1) micro-batches, plus what the rest adds (P2P, optimizer),
+    # and after the last backward the gradient sum of the embedding's two copies (V x H fp32 between 2 ranks)
+    end = est.end_of_step_reduction_time
+    assert end == pytest.approx(V * H * 4 / 1e9)
     rest = est.step_time - est.compute_time / (1 - est.bubble_fraction)
-    assert rest == pytest.approx(est.exposed_comm_time / (1 - est.bubble_fraction) + est.optimizer_time)
+    assert rest == pytest.approx((est.exposed_comm_time - end) / (1 - est.bubble_fraction) + end + est.optimizer_time)
     assert est.memory_pp_rank == 1
 
 

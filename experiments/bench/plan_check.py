@@ -55,6 +55,10 @@ ANCHORS = [
     ("DeepSeek-V3, flat all-to-all (no per-node dispatch)", 338e12, "TFLOP/s",
      ["model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192", "fp8_gemms=true",
       "model.moe.max_nodes_per_token=4", "model.moe.dispatch_dtype=fp8"]),
+    ("DeepSeek-V3 with its MTP depth (as published)", 338e12, "TFLOP/s",
+     ["model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192", "fp8_gemms=true",
+      "model.moe.dispatcher=hierarchical", "model.moe.max_nodes_per_token=4", "model.moe.dispatch_dtype=fp8",
+      "model.mtp_depth=1"]),
 ]  # fmt: skip
 
 

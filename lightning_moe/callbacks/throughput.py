@@ -49,7 +49,8 @@ def model_flops_per_token(module: nn.Module, seq_len: int) -> float:
 
     The second term is attention's score and value products (PaLM's estimate, appendix B), summed
     over the attention modules: submodules with integer ``num_heads`` and ``head_dim`` attributes,
-    ``h_l = num_heads * head_dim``. See :func:`active_parameters` for the first.
+    ``h_l = num_heads * head_dim``. See :func:`active_parameters` for the first; multi-token
+    prediction's depths run the output head once more each (:func:`reapplied_head_parameters`).
 
     Example::
 
@@ -60,7 +61,22 @@ def model_flops_per_token(module: nn.Module, seq_len: int) -> float:
         for m in module.modules()
         if m is not module and isinstance(getattr(m, "num_heads", None), int) and isinstance(getattr(m, "head_dim", None), int)
     )
-    return 6.0 * active_parameters(module) + 12.0 * attention * seq_len
+    return 6.0 * (active_parameters(module) + reapplied_head_parameters(module)) + 12.0 * attention * seq_len
+
+
+def reapplied_head_parameters(module: nn.Module) -> float:
+    """``mtp_depth`` times the output head's parameters: DeepSeek-V3's MTP depths share the main
+    model's head and apply it to their own hidden states. The depth is the module's
+    ``hparams["mtp_depth"]``; the head its ``output`` (``MoEGPT``; None on a pipeline stage before the
+    last) or its Hugging Face model's ``get_output_embeddings()``."""
+    depth = getattr(module, "hparams", {}).get("mtp_depth") or 0
+    if not depth:
+        return 0.0
+    head = getattr(module, "output", None)
+    hf = getattr(module, "model", None)
+    if head is None and callable(getattr(hf, "get_output_embeddings", None)):
+        head = hf.get_output_embeddings()
+    return float(depth * sum(p.numel() for p in head.parameters())) if isinstance(head, nn.Module) else 0.0
 
 
 @functools.cache

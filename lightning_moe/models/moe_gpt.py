@@ -223,16 +223,18 @@ class MoEGPT(CausalLMModule):
                 h = layer(h, cos, sin)
             if self.output is None:  # a pipeline stage before the last
                 return h
-            mtp_logits = []
+            head_inputs = [self.norm(h)]
             if mtp_input_ids is not None:
+                # One embedding call and one head call for all depths: a module called twice would be
+                # gathered (FSDP2) and its gradient reduced once per call.
+                ahead = self.tok_embeddings(mtp_input_ids)  # [B, S, D, hidden]
                 depth_hidden = h
                 for k, module in enumerate(self.mtp.values()):
-                    ahead = self.tok_embeddings(mtp_input_ids[..., k])
-                    depth_hidden = module(depth_hidden, ahead, cos, sin)
-                    mtp_logits.append(self.output(module.norm(depth_hidden)))
-        logits = self.output(self.norm(h))
+                    depth_hidden = module(depth_hidden, ahead[..., k, :], cos, sin)
+                    head_inputs.append(module.norm(depth_hidden))
+        logits = self.output(torch.cat(head_inputs)).chunk(len(head_inputs))
         # Flat: a pipeline's last stage may return only tensors.
-        return (logits, *mtp_logits) if mtp_input_ids is not None else logits
+        return logits if mtp_input_ids is not None else logits[0]
 
     # -- multi-token prediction --------------------------------------------------------------------
     def loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -278,9 +278,13 @@ def comm_records(
     # Fractions of ranks holding the embedding / the output: pipeline ranks hold 1/pp of the world each.
     first = 1.0 / pp
     last = 1.0 / pp
-    layers_per_rank = model.num_layers / pp  # averaged over pipeline ranks
-    moe_per_rank = model.num_moe_layers / pp
-    dense_per_rank = (model.num_layers - model.num_moe_layers) / pp
+    # Blocks per rank, averaged over pipeline ranks; each MTP depth runs one more block of the last
+    # layer's kind on the last stage (lightning_moe.planner.mtp).
+    mtp_blocks = model.mtp_depth * last
+    mtp_moe = model.is_moe(model.num_layers - 1)
+    layers_per_rank = model.num_layers / pp + mtp_blocks
+    moe_per_rank = model.num_moe_layers / pp + (mtp_blocks if mtp_moe else 0)
+    dense_per_rank = (model.num_layers - model.num_moe_layers) / pp + (0 if mtp_moe else mtp_blocks)
 
     def add(*args: Any, **kwargs: Any) -> None:
         rec = CommRecord(*args, **kwargs)
@@ -303,11 +307,18 @@ def comm_records(
         # reduction, on the gradient accumulated in the reduce dtype (fp32) over the backwards before it
         reduces = fsdp_reduces(layout)
         norm = all_reduce_bytes(h * (w if reduces == m else FSDP_REDUCE_BYTES), tp)
-        norms = 2 * layers_per_rank + last
+        norms = 2 * layers_per_rank + last + 3 * mtp_blocks  # an MTP depth adds enorm, hnorm and its norm
         add("norm weight grad all-reduce", "tp", "tp", norm * reduces * norms, reduces * norms, functional=True)
-        # output: input all-gather (+ backward reduce-scatter), logits all-gather to Replicate
+        # output: input all-gather (+ backward reduce-scatter), logits all-gather to Replicate; the MTP
+        # depths' head inputs join the main one in the same call
         logits = peer_chunks_bytes(b * seq_local * (model.vocab_size // tp) * a, tp)
-        add("output AG/RS + logits AG", "tp", "tp", (2 * u + logits) * m * last, 3 * m * last, functional=True)
+        add("output AG/RS + logits AG", "tp", "tp", (2 * u + logits) * m * (last + mtp_blocks), 3 * m * last, functional=True)
+        if model.mtp_depth:
+            # the embedding of every depth's tokens ahead, in one call on the last stage; eh_proj's
+            # replicated weight, its gradient all-reduced as the norms' are
+            add("MTP embedding RS/AG", "tp", "tp", 2 * u * m * mtp_blocks, 2 * m * last, functional=True)
+            eh_proj = all_reduce_bytes(2 * h * h * (w if reduces == m else FSDP_REDUCE_BYTES), tp)
+            add("MTP eh_proj weight grad all-reduce", "tp", "tp", eh_proj * reduces * mtp_blocks, reduces * mtp_blocks, functional=True)
         if layout.etp == tp and moe_per_rank:
             # ExpertTensorParallelDispatcher: rows that reached this rank's experts are all-gathered over
             # tp and the partial outputs reduce-scattered back (uneven all-to-alls), forward and backward;
@@ -427,12 +438,34 @@ def comm_records(
         add("stage activations/gradients", "pp", "pp", boundary * sends / pp, sends / pp, pattern="chain")
         steps = layout.pipeline_steps
         add("mean-loss broadcast", "pp", "pp", PIPELINE_LOSS_BYTES * (pp - 1) / pp * steps, steps / pp)
+        if model.mtp_depth:
+            # the logged loss terms (loss, mtp_loss) from the last stage, once per pipeline step
+            add("loss-terms broadcast", "pp", "pp", 2 * PIPELINE_LOSS_BYTES * (pp - 1) / pp * steps, steps / pp)
+            records += _tied_embedding_records(model, layout)
     # ---- Lightning's per-batch sigterm flag, broadcast from rank 0 over the world ----
     world = layout.world_size
     batches = _batches_per_step(layout)
     if world > 1 and batches > 1:
         add("Lightning sigterm flag", "dp", "world", (batches - 1) * SIGTERM_FLAG_BYTES * (world - 1) / world, (batches - 1) / world)
     return records
+
+
+def _tied_embedding_records(model: ModelShape, layout: Layout) -> list[CommRecord]:
+    """The gradient sum of the embedding's two copies under pp with MTP (the first stage's and the last
+    stage's, :class:`~lightning_moe.parallel.pipeline_runner.PipelineRunner`): once per pipeline step,
+    an all-reduce of each rank's local gradient (its FSDP shard, fp32) between the two ranks of its
+    pipeline holding one end stage each; none where one rank holds both (V schedules)."""
+    from lightning_moe.planner.candidate import holds_first_stage, holds_last_stage
+    from lightning_moe.planner.mtp import mtp_units
+
+    ends = sum(holds_first_stage(layout, r) != holds_last_stage(layout, r) for r in range(layout.pp)) / layout.pp
+    if not ends:
+        return []
+    _, _, unsharded, group = mtp_units(model, layout, rank=0)["mtp_embedding"]
+    shard = unsharded / group_size(layout, fsdp_shard_group(layout, group))  # the mean local gradient
+    steps = layout.pipeline_steps
+    return [CommRecord("tied embedding gradient all-reduce", "pp", "pp", all_reduce_bytes(shard * FSDP_REDUCE_BYTES, 2) * steps * ends,
+                       steps * ends, reduction=True)]  # fmt: skip
 
 
 def record_split(rec: CommRecord, layout: Layout, cluster: Cluster) -> tuple[float, float]:

@@ -223,20 +223,27 @@ class ModelShape:
     def _active_parameters(self) -> float:
         h = self.hidden_size
         total = float(self.vocab_size * h + h)
-        for i in range(self.num_layers):
-            total += self.attention_parameters()
-            if self.is_moe(i):
-                total += self.expert_parameters() * self.top_k / self.num_experts + self.moe_dense_parameters()
-            else:
-                total += 3 * h * self.ffn_hidden_size
-        return total
+        total += sum(self._layer_active_parameters(i) for i in range(self.num_layers))
+        # An MTP depth: a block of the last layer's kind, eh_proj [H, 2H], enorm, hnorm and its norm.
+        mtp = self._layer_active_parameters(self.num_layers - 1) + 2 * h * h + 3 * h
+        return total + self.mtp_depth * mtp
+
+    def _layer_active_parameters(self, layer: int) -> float:
+        if self.is_moe(layer):
+            ffn = self.expert_parameters() * self.top_k / self.num_experts + self.moe_dense_parameters()
+        else:
+            ffn = 3 * self.hidden_size * self.ffn_hidden_size
+        return self.attention_parameters() + ffn
 
     def model_flops_per_token(self, seq_len: int, *, causal: bool = False) -> float:
         """MFU numerator, as :func:`lightning_moe.callbacks.throughput.model_flops_per_token`:
         ``6 x active parameters + 6 x layers x heads x (qk + v head dims) x seq_len`` (PaLM, appendix B:
         ``12 x layers x q_dim x seq_len`` for equal head dims), the attention core over the full score
         matrix, as PaLM and Megatron-LM's ``num_floating_point_operations`` count it (the convention of
-        the published MFU figures); ``causal=True`` counts the half a causal kernel computes."""
-        attention = 6.0 * self.num_layers * self.attention_core_dim * seq_len
-        return 6.0 * self.active_parameters() + (attention / 2 if causal else attention)
+        the published MFU figures); ``causal=True`` counts the half a causal kernel computes. The MTP
+        depths count as Megatron-LM counts them: their blocks as layers, and the shared head once more
+        per depth (``vocab x hidden``)."""
+        attention = 6.0 * (self.num_layers + self.mtp_depth) * self.attention_core_dim * seq_len
+        head_again = self.mtp_depth * self.vocab_size * self.hidden_size
+        return 6.0 * (self.active_parameters() + head_again) + (attention / 2 if causal else attention)
 
