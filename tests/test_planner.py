@@ -604,14 +604,23 @@ def test_planned_bytes_with_multi_token_prediction_equal_the_comm_accounting(tmp
     _check_planned_bytes(tmp_path, parallel, mtp_depth)
 
 
-def _check_planned_bytes(tmp_path: Path, parallel: str, mtp_depth: int) -> None:
+# Chunked dispatch: each chunk exchanges counts of its own (the per-rank counts, and expert TP's
+# counts all-gather in tp2_ep2), its rows a share of the whole.
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["tp2_ep2", "pp2_tp2_ep2_folded"])
+def test_planned_bytes_with_chunked_dispatch_equal_the_comm_accounting(tmp_path, parallel):
+    _check_planned_bytes(tmp_path, parallel, mtp_depth=0, dispatch_chunks=2)
+
+
+def _check_planned_bytes(tmp_path: Path, parallel: str, mtp_depth: int, dispatch_chunks: int = 1) -> None:
     cfg = compose_plan("model=tiny", f"parallel={parallel}").parallel
     sizes = {d: cfg.get(d) if isinstance(cfg.get(d), int) else 1 for d in PARALLEL_DIMS}  # dp "auto": 1
     sizes["ep"] = unfolded_ep(sizes["ep"], normalize_fold_ep(cfg.get("fold_ep")), sizes["tp"], sizes["cp"])
     lay = layout_from_parallel(cfg, math.prod(sizes.values()), TINY_GLOBAL_BATCH, TINY_MICRO_BATCH)
     replay = [f"+routing.replay={_balanced_routing_trace(tmp_path / 'routing.safetensors', mtp_depth)}"] if lay.ep > 1 else []
-    measured = _measured_comm(tmp_path / parallel, parallel, f"model.mtp_depth={mtp_depth}", *replay)
-    shape = ModelShape.from_config({**TINY, "mtp_depth": mtp_depth})
+    measured = _measured_comm(tmp_path / parallel, parallel, f"model.mtp_depth={mtp_depth}",
+                              f"model.moe.dispatch_chunks={dispatch_chunks}", *replay)
+    shape = ModelShape.from_config({**TINY, "mtp_depth": mtp_depth, "moe": {**TINY["moe"], "dispatch_chunks": dispatch_chunks}})
     assert shape.dispatcher == "alltoall_dedup"
     ranks = _ranks_per_token(lay.ep) if lay.ep > 1 else None
     planned = accounted_comm_bytes(shape, lay, TINY_SEQ, precision="32-true", ep_ranks_per_token=ranks)

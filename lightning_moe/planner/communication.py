@@ -207,6 +207,14 @@ def expected_nodes_per_token(num_nodes: int, experts_per_node: int, top_k: int, 
     return nodes * (1 - missed)
 
 
+def dispatch_chunks_run(model: ModelShape, tokens: float) -> int:
+    """The chunks an MoE layer dispatches a rank's ``tokens`` in (``MoELayer``: ``dispatch_chunks``, at
+    most one per token). Each exchanges counts of its own, while its rows are a share of the whole;
+    records keep one call per micro-batch and layer, and the step time charges each chunk's extra
+    calls (:func:`~lightning_moe.planner.step_time.estimate`)."""
+    return max(1, min(model.dispatch_chunks, int(tokens)))
+
+
 def hierarchical_dispatch_records(
     model: ModelShape, tokens: float, num_nodes: int, ranks_per_node: int, activation_bytes: int, per_step: float
 ) -> list[CommRecord]:
@@ -223,9 +231,10 @@ def hierarchical_dispatch_records(
     nodes = expected_nodes_per_token(num_nodes, experts_per_node, k, model.max_nodes_per_token)
     remote_rows = tokens * nodes * (num_nodes - 1) / num_nodes
     across, inside = (0.0, 1.0), (1.0, 0.0)
+    chunks = dispatch_chunks_run(model, tokens)
     records = [
-        CommRecord("hierarchical node counts all-to-all", "ep", "ep", peer_share_bytes(num_nodes * INT64_BYTES, num_nodes) * per_step,
-                   per_step, recorded_as="ep", split=across),
+        CommRecord("hierarchical node counts all-to-all", "ep", "ep",
+                   chunks * peer_share_bytes(num_nodes * INT64_BYTES, num_nodes) * per_step, per_step, recorded_as="ep", split=across),
         CommRecord("hierarchical expert ids and gate weights", "ep", "ep", remote_rows * k * (INT32_BYTES + 2 * FP32_BYTES) * per_step,
                    3 * per_step, recorded_as="ep", routing_dependent=True, split=across),
         CommRecord("hierarchical rows across nodes", "ep", "ep", remote_rows * token_exchange_row_bytes(h, activation_bytes, model.dispatch_dtype) * per_step,
@@ -235,7 +244,8 @@ def hierarchical_dispatch_records(
         slots_leaving = tokens * k * (ranks_per_node - 1) / ranks_per_node
         records += [
             CommRecord("hierarchical in-node counts all-to-all", "ep", "ep",
-                       peer_share_bytes(experts_per_node * INT64_BYTES, ranks_per_node) * per_step, per_step, recorded_as="ep", split=inside),
+                       chunks * peer_share_bytes(experts_per_node * INT64_BYTES, ranks_per_node) * per_step, per_step, recorded_as="ep",
+                       split=inside),
             CommRecord("hierarchical rows inside the node", "ep", "ep",
                        slots_leaving * token_exchange_row_bytes(h, activation_bytes, model.dispatch_dtype) * per_step, 4 * per_step,
                        recorded_as="ep", routing_dependent=True, split=inside),
@@ -326,7 +336,7 @@ def comm_records(
             rows = b * seq_local // tp * model.top_k  # slots of this rank's tokens (balanced: as many arrive)
             add("expert-TP row all-gather/reduce-scatter", "tp", "tp", 4 * peer_chunks_bytes(rows * h * a, tp) * m * moe_per_rank,
                 4 * m * moe_per_rank, recorded_as="tp", routing_dependent=ep > 1)
-            counts = peer_chunks_bytes((model.num_experts // ep) * INT64_BYTES, tp)
+            counts = dispatch_chunks_run(model, b * seq_local // tp) * peer_chunks_bytes((model.num_experts // ep) * INT64_BYTES, tp)
             add("expert-TP counts all-gather", "tp", "tp", counts * m * moe_per_rank, m * moe_per_rank)
     # ---- MoE statistics over the sequence group (cp x tp), recorded as "cp" ----
     n_seq = cp * tp
@@ -359,8 +369,9 @@ def comm_records(
     if ep > 1 and moe_per_rank:
         tokens = b * seq_local // tp  # each tp rank dispatches its sequence shard
         slots = tokens * model.top_k
+        chunks = dispatch_chunks_run(model, tokens)
         if model.dispatcher == "alltoall":
-            counts = peer_share_bytes(model.num_experts * INT64_BYTES, ep)
+            counts = chunks * peer_share_bytes(model.num_experts * INT64_BYTES, ep)
             add("dispatch counts all-to-all", "ep", "ep", counts * m * moe_per_rank, m * moe_per_rank, recorded_as="ep")
             leave = slots * (ep - 1) / ep
             add("token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * leave * m * moe_per_rank,
@@ -379,7 +390,8 @@ def comm_records(
                     " number of distinct ep ranks holding a token's experts (None: uniform routing's expectation)"
                 )
             pairs = tokens * ranks * (ep - 1) / ep
-            add("dedup dispatch counts all-to-all", "ep", "ep", peer_share_bytes(ep * INT64_BYTES, ep) * per_step, per_step, recorded_as="ep")
+            add("dedup dispatch counts all-to-all", "ep", "ep", chunks * peer_share_bytes(ep * INT64_BYTES, ep) * per_step, per_step,
+                recorded_as="ep")
             add("dedup expert ids and gate weights", "ep", "ep", pairs * model.top_k * (INT32_BYTES + 2 * FP32_BYTES) * per_step,
                 3 * per_step, recorded_as="ep", routing_dependent=True)
             add("dedup token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * pairs * per_step,
