@@ -232,9 +232,10 @@ class MoEGPT(CausalLMModule):
                 for k, module in enumerate(self.mtp.values()):
                     depth_hidden = module(depth_hidden, ahead[..., k, :], cos, sin)
                     head_inputs.append(module.norm(depth_hidden))
-        logits = self.output(torch.cat(head_inputs)).chunk(len(head_inputs))
+        if mtp_input_ids is None:
+            return self.output(head_inputs[0])
         # Flat: a pipeline's last stage may return only tensors.
-        return logits if mtp_input_ids is not None else logits[0]
+        return self.output(torch.cat(head_inputs)).chunk(len(head_inputs))
 
     # -- multi-token prediction --------------------------------------------------------------------
     def loss(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
