@@ -316,7 +316,8 @@ def comm_records(
         # norm) when FSDP2 reads it for its reduction (FSDPParam._get_grad_inner_tensor): once per
         # reduction, on the gradient accumulated in the reduce dtype (fp32) over the backwards before it
         reduces = fsdp_reduces(layout)
-        norm = all_reduce_bytes(h * (w if reduces == m else FSDP_REDUCE_BYTES), tp)
+        grad_bytes = w if reduces == m else FSDP_REDUCE_BYTES
+        norm = all_reduce_bytes(h * grad_bytes, tp)
         norms = 2 * layers_per_rank + last + 3 * mtp_blocks  # an MTP depth adds enorm, hnorm and its norm
         add("norm weight grad all-reduce", "tp", "tp", norm * reduces * norms, reduces * norms, functional=True)
         # output: input all-gather (+ backward reduce-scatter), logits all-gather to Replicate; the MTP
@@ -327,7 +328,7 @@ def comm_records(
             # the embedding of every depth's tokens ahead, in one call on the last stage; eh_proj's
             # replicated weight, its gradient all-reduced as the norms' are
             add("MTP embedding RS/AG", "tp", "tp", 2 * u * m * mtp_blocks, 2 * m * last, functional=True)
-            eh_proj = all_reduce_bytes(2 * h * h * (w if reduces == m else FSDP_REDUCE_BYTES), tp)
+            eh_proj = all_reduce_bytes(2 * h * h * grad_bytes, tp)
             add("MTP eh_proj weight grad all-reduce", "tp", "tp", eh_proj * reduces * mtp_blocks, reduces * mtp_blocks, functional=True)
         if layout.etp == tp and moe_per_rank:
             # ExpertTensorParallelDispatcher: rows that reached this rank's experts are all-gathered over
