@@ -9,7 +9,7 @@ ARGS ?=
 # parts the tests use run on CPU with what is already installed).
 TEST_READERS := megatron-core==0.16.1 litdata==0.2.76
 
-.PHONY: install train test test-fast test-floor bench sweep clean
+.PHONY: install train test test-long test-fast test-floor bench sweep clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,11 +27,30 @@ TRAIN_LAYOUT := $(if $(findstring parallel,$(ARGS)),,parallel=ep2)
 train: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m lightning_moe.train $(TRAIN_LAYOUT) $(ARGS)
 
+# The suite in two passes, then its wall time: the in-process tests on 2 pytest workers (each file on
+# one worker, so that its module fixtures and memoized runs stay shared), then the multi-process and
+# trainer-level tests (marked slow) one at a time, as each of them keeps both cores busy by itself.
+# pytest's exit code 5 (nothing selected, e.g. ARGS naming one file) does not fail a pass.
+# TEST_WORKERS: one per core (the in-process tests run on one thread each).
+TEST_WORKERS ?= 2
+PASS = $(PY) -m pytest tests -q $(ARGS)
+define timed_passes
+	@start=$$(date +%s); status=0; \
+	$(1) || { code=$$?; [ $$code -eq 5 ] || status=$$code; }; \
+	$(2) || { code=$$?; [ $$code -eq 5 ] || status=$$code; }; \
+	echo "$(3): $$(( $$(date +%s) - start )) s wall time on $$(nproc) cores, exit $$status"; exit $$status
+endef
+
 test: install
-	$(PY) -m pytest tests -q $(ARGS)
+	$(call timed_passes,$(PASS) -m "not slow and not long" -n $(TEST_WORKERS) --dist loadfile,$(PASS) -m "slow and not long",make test)
+
+# The long-horizon sweeps (20 steps on every cp preset, on the default data and on packed documents):
+# run, and their result recorded, whenever a change touches numerics.
+test-long: install
+	$(call timed_passes,$(PASS) -m long,true,make test-long)
 
 test-fast: install
-	$(PY) -m pytest tests -q -m "not slow" $(ARGS)
+	$(PY) -m pytest tests -q -m "not slow and not long" -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The fast tests on the oldest torch pyproject.toml admits (torch>=2.11), in a venv of their own.
 # PyPI's torch 2.11 for Linux is a CUDA build (about 3.6 GB installed) that runs on the CPU too.
@@ -46,7 +65,7 @@ $(FLOOR_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed
-	$(FLOOR_VENV)/bin/python -m pytest tests -q -m "not slow" -p no:cacheprovider $(ARGS)
+	$(FLOOR_VENV)/bin/python -m pytest tests -q -m "not slow and not long" -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider $(ARGS)
 
 bench: install
 	$(PY) -m experiments.bench $(ARGS)

@@ -14,7 +14,7 @@ import torch
 
 from lightning_moe.data import IndexedCorpusWriter, TokenDataModule, blend_schedule, parse_blend, stdlib_source_files
 from tests.cli import TINY_MODEL, compose_train_config, train_in_pool
-from tests.test_strategy_invariance import CP_OVERRIDES, CP_STEPS
+from tests.test_strategy_invariance import CP_HORIZONS, cp_overrides
 
 REL = 1e-5
 
@@ -238,21 +238,23 @@ def token_run(corpora: tuple[Path, Path], model: str = "tiny") -> list[str]:
 
 
 def _presets() -> list:
-    """The presets of at most 8 processes without context parallelism (the cp presets run 20 steps below)."""
+    """The presets of at most 8 processes without context parallelism (the cp presets run below)."""
     from tests.presets import presets_this_torch_builds
     from tests.test_strategy_invariance import presets_without_cp_up_to_8_processes
 
     return presets_this_torch_builds(presets_without_cp_up_to_8_processes())
 
 
-def one_process_losses_on_first_use(tmp_path_factory, name: str, steps: int, run_args) -> Any:
-    """`losses(key)`: the one-process losses of `train_in_pool(*run_args(key))`, trained once per key."""
+def one_process_losses_on_first_use(tmp_path_factory, name: str, run_args) -> Any:
+    """`losses(key)`: the one-process losses of `train_in_pool(*run_args(key))`, trained once per key;
+    `run_args(key)` gives the overrides, the base run and the steps it trains."""
     cache: dict[Any, list[float]] = {}
 
     def losses(key: Any) -> list[float]:
         if key not in cache:
-            overrides, base = run_args(key)
-            run = tmp_path_factory.mktemp(f"{name}_{key}") / "run"
+            overrides, base, steps = run_args(key)
+            parts = key if isinstance(key, tuple) else (key,)
+            run = tmp_path_factory.mktemp("_".join(map(str, (name, *parts)))) / "run"
             cache[key] = train_in_pool(run, "parallel=single", *overrides, base=base)["losses"]
             assert len(cache[key]) == steps
         return cache[key]
@@ -263,7 +265,7 @@ def one_process_losses_on_first_use(tmp_path_factory, name: str, steps: int, run
 @pytest.fixture(scope="module")
 def single_token_losses(tmp_path_factory, corpora):
     return one_process_losses_on_first_use(
-        tmp_path_factory, "single_tokens", 4, lambda num_layers: ([f"model.num_layers={num_layers}"], token_run(corpora))
+        tmp_path_factory, "single_tokens", lambda num_layers: ([f"model.num_layers={num_layers}"], token_run(corpora), 4)
     )
 
 
@@ -277,17 +279,19 @@ def test_preset_with_token_data_matches_single_process(tmp_path, corpora, single
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single_token_losses(num_layers)), rtol=REL, atol=0.0)
 
 
-# The cp presets run 20 steps, as test_strategy_invariance.py runs them on the default data (CP_OVERRIDES:
-# a global batch of 8 in micro-batches of 4, the callbacks that do not change the losses off), and so does
-# a Hugging Face family at cp2: Qwen3-MoE (grouped-query attention, RoPE at the documents' positions).
+# The cp presets at the horizons test_strategy_invariance.py runs them on the default data (6 steps in
+# `make test`, 20 in `make test-long`; cp_overrides: a global batch of 8 in micro-batches of 4, the
+# callbacks that do not change the losses off), and so does a Hugging Face family at cp2: Qwen3-MoE
+# (grouped-query attention, RoPE at the documents' positions).
 HF_MODEL = "hf_tiny_qwen3_moe"
 
 
 @pytest.fixture(scope="module")
 def single_cp_token_losses(tmp_path_factory, corpora):
-    """One-process losses of CP_OVERRIDES per model config, run once each on first use."""
+    """One-process losses of cp_overrides(steps) per (model config, steps), run once each on first use."""
     return one_process_losses_on_first_use(
-        tmp_path_factory, "single_cp_tokens", CP_STEPS, lambda model: (CP_OVERRIDES, token_run(corpora, model))
+        tmp_path_factory, "single_cp_tokens",
+        lambda key: (cp_overrides(key[1]), token_run(corpora, key[0]), key[1]),
     )
 
 
@@ -303,17 +307,18 @@ def _cp_cases() -> list:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("steps", CP_HORIZONS, ids=lambda steps: f"{steps}_steps")
 @pytest.mark.parametrize("preset,cp_comm,model", _cp_cases())
-def test_cp_preset_with_packed_documents_matches_single_process_over_20_steps(
-    tmp_path, corpora, single_cp_token_losses, preset, cp_comm, model
+def test_cp_preset_with_packed_documents_matches_single_process(
+    tmp_path, corpora, single_cp_token_losses, preset, cp_comm, model, steps
 ):
     """Every cp preset, ring and all-to-all attention under the document mask (and one HF family at cp2):
-    the one-process masked losses at every one of 20 steps."""
+    the one-process masked losses at every step."""
     if model == HF_MODEL:
         pytest.importorskip("transformers")
-    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"parallel.cp_comm={cp_comm}", *CP_OVERRIDES,
+    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"parallel.cp_comm={cp_comm}", *cp_overrides(steps),
                             base=token_run(corpora, model))
-    single = single_cp_token_losses(model)
+    single = single_cp_token_losses((model, steps))
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single), rtol=REL, atol=0.0)
     assert single[-1] < single[0]  # it trains
 
