@@ -1,4 +1,4 @@
-"""The oracles of the MoELayer tests, written from DESIGN sections 3 and 8 without the library's code.
+"""The oracles of the MoELayer tests, written from docs/architecture.md's "The MoE layer" without the library's code.
 
 - :func:`reference_forward`: the layer as a loop over tokens and their kept top-k experts, for
   every routing and expert option (sinkhorn, expert bias, groups, capacity, router and expert biases,

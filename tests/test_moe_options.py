@@ -1,4 +1,4 @@
-"""The MoELayer options real models need (DESIGN section 8) against a naive per-token reference.
+"""The MoELayer options real models need (docs/architecture.md, "The MoE layer") against a naive per-token reference.
 
 ``routed_scaling_factor`` (DeepSeek-V3), ``shared_expert_gate`` (Qwen2-MoE), ``router_bias``,
 ``expert_linear_bias`` and ``activation="gpt_oss"`` (GPT-OSS): outputs and every gradient, on one

@@ -108,7 +108,8 @@ def test_no_import_cycle_between_packages():
 
 
 def test_lower_layers_import_nothing_above_them():
-    """DESIGN §0: layout sits at the bottom, moe/ and cp/ are pure torch, parallel/ works on any module."""
+    """layout sits at the bottom, moe/ and cp/ are pure torch, parallel/ works on any module
+    (docs/architecture.md, "Layers")."""
     graph = _package_imports()
     above = {
         "layout": set(graph) - {"layout"},
@@ -120,3 +121,45 @@ def test_lower_layers_import_nothing_above_them():
     }
     upward = {unit: sorted(graph[unit] & banned) for unit, banned in above.items() if graph[unit] & banned}
     assert not upward, upward
+
+
+# Documents outside the repository that nothing may cite: the strings are assembled here so that this
+# file does not name them itself.
+ROOT = PACKAGE.parent
+_OUTSIDE = re.compile("|".join((
+    "DESIGN" + r"\.md",
+    "DESIGN" + r"\s*§",
+    "DESIGN" + r"\s+sections?\b",
+    r"\bshared" + "/",
+    "PLATFORM" + "_NOTES",
+)))  # fmt: skip
+CITING_ROOTS = ("README.md", "docs", "lightning_moe", "tests", "experiments", "conf", "Makefile", "pyproject.toml", ".ci")
+
+
+def _project_files() -> list[Path]:
+    """Every text file of the project's docs, package, tests, experiments, configs and build files
+    (``conf`` is followed where it links into the package; caches and binary files are left out)."""
+    seen: dict[Path, Path] = {}
+    for name in CITING_ROOTS:
+        root = (ROOT / name).resolve()
+        for path in [root] if root.is_file() else sorted(root.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                seen.setdefault(path.resolve(), path)
+    return sorted(seen)
+
+
+def test_nothing_cites_a_document_outside_the_repository():
+    """Citations point into the repository (docs/architecture.md for the architecture); a file outside
+    it is missing from every clone and installed package."""
+    files, found = _project_files(), []
+    for path in files:
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            match = _OUTSIDE.search(line)
+            if match:
+                found.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r} in {line.strip()[:100]}")
+    assert any(p.name == "architecture.md" for p in files) and len(files) > 100, "the scan found no project files"
+    assert not found, "\n".join(found)

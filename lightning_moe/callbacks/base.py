@@ -82,7 +82,8 @@ def log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
 
 
 def count_tokens(batch: Any) -> int:
-    """Tokens of a batch: ``input_ids`` of a dict batch (DESIGN §6), else the first tensor's elements."""
+    """Tokens of a batch: ``input_ids`` of a dict batch (docs/architecture.md, "Batches"), else the
+    first tensor's elements."""
     if isinstance(batch, dict) and "input_ids" in batch:
         return int(batch["input_ids"].numel())
     tensor = batch if isinstance(batch, torch.Tensor) else next(t for t in batch if isinstance(t, torch.Tensor))

@@ -1,11 +1,13 @@
 """Blends of token sources: which source each sample of the mix comes from.
 
-Sample ``i`` of a blend is taken from the source furthest below its share, the source ``d`` with
-the largest ``weight[d] * (i + 1) - count[d]`` (``count[d]``: the samples taken from ``d`` before
-``i``; ties go to the first source). This is Megatron's blending rule counted at the sample being
-chosen (Megatron's helper multiplies by ``max(i, 1)``, which differs only at the second sample),
-and it keeps every prefix exact: after ``n`` samples each source has contributed
-``weight[d] * n`` samples to within one. It depends on ``i`` alone, never on the layout.
+Sample ``i`` of a blend is taken from the source furthest below its share: the source ``d`` with
+the largest ``weight[d] * max(i, 1) - count[d]`` in float64 (``count[d]``: the samples taken from
+``d`` before ``i``; ties go to the first source). This is megatron-core's
+``build_blending_indices``, and ``tests/test_data_tokens.py`` checks it against that function
+sample for sample. It depends on ``i`` alone, never on the layout. After ``n`` samples no source is
+a full sample ahead of ``weight[d] * n`` (a source is taken only while at or below its share), but
+one can fall more than a sample behind: 1.2 samples for weights [0.05, 0.9, 0.05], and up to 1.3
+measured for random weights of 2 to 32 sources over 200,000 samples.
 """
 
 from __future__ import annotations
@@ -59,21 +61,37 @@ def parse_blend(blend: Any) -> list[tuple[float, str]]:
 def blend_schedule(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
     """``(source, index_in_source)`` of the blend's samples ``0 .. num_samples - 1`` (int16, int64).
 
-    ``weights`` are normalised. One pass, about a microsecond per sample for a few sources; the
+    ``weights`` are normalised. Equal, sample for sample, to megatron-core's
+    ``build_blending_indices`` with the same float64 weights (its ``dataset_index`` and
+    ``dataset_sample_index``): one pass, about a microsecond per sample for a few sources; the
     result is what a layout-invariant sampler then permutes.
     """
-    num_sources = len(weights)
+    w = np.asarray(weights, dtype=np.float64)
+    num_sources = len(w)
     if num_sources == 1:
         return np.zeros(num_samples, dtype=np.int16), np.arange(num_samples, dtype=np.int64)
     source = np.empty(num_samples, dtype=np.int16)
+    if num_sources > 10:  # from about 10 sources one numpy pass per sample beats a Python loop
+        counts = np.zeros(num_sources, dtype=np.float64)
+        for i in range(num_samples):
+            best = int((w * float(max(i, 1)) - counts).argmax())
+            source[i] = best
+            counts[best] += 1.0
+    else:
+        wl = w.tolist()
+        c = [0] * num_sources
+        others = range(1, num_sources)
+        for i in range(num_samples):
+            scale = float(max(i, 1))
+            best, best_error = 0, wl[0] * scale - c[0]
+            for d in others:  # strictly larger: ties go to the first source, as in Megatron
+                error = wl[d] * scale - c[d]
+                if error > best_error:
+                    best, best_error = d, error
+            source[i] = best
+            c[best] += 1
     index = np.empty(num_samples, dtype=np.int64)
-    counts = [0] * num_sources
-    w = [float(x) for x in weights]
-    order = range(num_sources)
-    for i in range(num_samples):
-        target = i + 1
-        best = max(order, key=lambda d: w[d] * target - counts[d])
-        source[i] = best
-        index[i] = counts[best]
-        counts[best] += 1
+    order = np.argsort(source, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(source, minlength=num_sources))[:-1]])
+    index[order] = np.arange(num_samples, dtype=np.int64) - starts[source[order]]
     return source, index

@@ -1,4 +1,5 @@
-"""Parallel plans over one (pp, dp, ep, cp, tp) DeviceMesh, one file per dimension."""
+"""Parallelism over one (pp, dp, ep, cp, tp) DeviceMesh: the plans ``parallelize`` applies, the step
+engines and the runtime helpers of a step (docs/architecture.md, "Inside parallel/")."""
 
 from lightning_moe.parallel.dims import MESH_DIM_NAMES, ParallelDims
 from lightning_moe.parallel.parallelize import is_parallelized, parallelize

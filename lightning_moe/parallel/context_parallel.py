@@ -10,9 +10,10 @@ import torch
 from lightning_moe.cp import check_seq_len, zigzag_shard
 from lightning_moe.parallel.dims import ParallelDims
 
-# Sequence-shaped batch entries sharded by default (DESIGN §6); users add their own keys. The `mtp_*`
-# entries are multi-token prediction's targets `[batch, seq, depth]`, built from whole rows by the
-# module's `before_sequence_sharding` (lightning_moe.models.mtp) so that shifted tokens cross shard borders.
+# Sequence-shaped batch entries sharded by default (docs/architecture.md, "Batches"); users add their
+# own keys. The `mtp_*` entries are multi-token prediction's targets `[batch, seq, depth]`, built from
+# whole rows by the module's `before_sequence_sharding` (lightning_moe.models.mtp) so that shifted
+# tokens cross shard borders.
 SEQUENCE_KEYS: tuple[str, ...] = (
     "input_ids", "labels", "loss_mask", "position_ids", "document_ids", "mtp_input_ids", "mtp_labels", "mtp_loss_mask"
 )
