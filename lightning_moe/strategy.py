@@ -40,7 +40,8 @@ from lightning_moe.checkpoint.state import (
 from lightning_moe.checkpoint.writer import CheckpointWriter, save_file_atomically, split_checkpoint
 from lightning_moe.cp import all_to_all_attention, context_parallel_attention, document_attention
 from lightning_moe.moe import update_expert_biases
-from lightning_moe.parallel.arguments import auto_layout, check_strategy_arguments, resolve_world_size
+from lightning_moe.parallel.arguments import auto_layout, resolve_world_size
+from lightning_moe.parallel.config import ParallelConfig
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
 from lightning_moe.parallel.dims import ParallelDims
@@ -54,6 +55,29 @@ from lightning_moe.parallel.precision import check_precision
 from lightning_moe.parallel.training_plans import apply_training_plans
 from lightning_moe.parallel.watchdog import HangWatchdog, enable_flight_recorder, hang_watchdog
 
+
+def _config_field(name: str) -> property:
+    """``strategy.<name>``: the strategy's ``config.<name>``, read-only."""
+    return property(lambda self: getattr(self.config, name), doc=f"``config.{name}`` (read-only: see ParallelConfig)")
+
+
+def _config_of_arguments(config: ParallelConfig | None, arguments: dict[str, Any]) -> ParallelConfig:
+    """The strategy's ``ParallelConfig``: ``config`` when given (refusing layout arguments off their
+    defaults beside it), else one built from ``arguments`` (its fields' values as given)."""
+    built = ParallelConfig(**arguments)
+    if config is None:
+        return built
+    if not isinstance(config, ParallelConfig):
+        raise MisconfigurationException(
+            f"config={config!r} must be a lightning_moe.ParallelConfig (or None: the layout from the other arguments)"
+        )
+    given = [name for name in ParallelConfig.field_names() if getattr(built, name) != ParallelConfig.default(name)]
+    if given:
+        raise MisconfigurationException(
+            f"MoE5DStrategy got config=ParallelConfig(...) and the layout arguments {given}: pass one of the two,"
+            " e.g. MoE5DStrategy(config=config.replace(...)) or MoE5DStrategy(...) without config"
+        )
+    return config
 
 
 class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
@@ -77,6 +101,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         import lightning as L
         import lightning_moe  # registers "moe5d"
         trainer = L.Trainer(accelerator="cpu", devices=4, strategy=lightning_moe.MoE5DStrategy(ep=2))
+        # the same layout: MoE5DStrategy(config=lightning_moe.ParallelConfig(ep=2))
         trainer.fit(lightning_moe.models.MoEGPT(), datamodule=lightning_moe.data.ByteTextDataModule())
 
     Args:
@@ -129,11 +154,35 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             :mod:`lightning_moe.parallel.compile`).
         layout, layout_options: ``"auto"`` replaces the sizes above by the layout planner's best for
             the world size (``layout_options``: see ``lightning_moe.planner.resolve_auto_layout``).
+        config: a ready :class:`~lightning_moe.ParallelConfig` instead of the arguments above (all but
+            ``process_group_backend`` and ``timeout``, which stay the strategy's); giving both, with any of
+            them off its default, is refused. Either way the strategy keeps it as ``strategy.config``,
+            checked on construction, and its fields read as strategy attributes too (``strategy.cp_comm``).
     """
 
     strategy_name = "moe5d"
     # Every MoELayer's expert bias is updated here once per optimizer step, for any module.
     updates_expert_biases = True
+
+    config: ParallelConfig
+    # The options as attributes, read-only: a changed layout is a new ParallelConfig (config.replace(...)).
+    layout = _config_field("layout")
+    layout_options = _config_field("layout_options")
+    data_parallel = _config_field("data_parallel")
+    dp_replicate = _config_field("dp_replicate")
+    dp_shard = _config_field("dp_shard")
+    gather_once_per_step = _config_field("gather_once_per_step")
+    overlap_ep_comm = _config_field("overlap_ep_comm")
+    pp_schedule = _config_field("pp_schedule")
+    pp_stages_per_rank = _config_field("pp_stages_per_rank")
+    sequence_parallel = _config_field("sequence_parallel")
+    context_parallel_keys = _config_field("context_parallel_keys")
+    cp_head_chunks = _config_field("cp_head_chunks")
+    cp_comm = _config_field("cp_comm")
+    save_distributed_checkpoint = _config_field("save_distributed_checkpoint")
+    activation_checkpointing = _config_field("activation_checkpointing")
+    compile = _config_field("compile")
+    deterministic = _config_field("deterministic")
 
     def __init__(
         self,
@@ -166,68 +215,46 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
         compile: bool = False,
         deterministic: bool = False,
+        config: ParallelConfig | None = None,
     ) -> None:
+        arguments = dict(locals())  # first: the arguments as given, each ParallelConfig field among them
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)  # as a YAML config gives it
-        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+        config = _config_of_arguments(config, {name: arguments[name] for name in ParallelConfig.field_names()})
+        super().__init__(save_distributed_checkpoint=config.save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        check_strategy_arguments(layout=layout, data_parallel=data_parallel, cp_head_chunks=cp_head_chunks, cp_comm=cp_comm, dp=dp, pp=pp,
-                                 save_distributed_checkpoint=save_distributed_checkpoint, async_checkpoint=async_checkpoint,
-                                 activation_checkpointing=activation_checkpointing, compile=compile,
-                                 gather_once_per_step=gather_once_per_step, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                                 overlap_ep_comm=overlap_ep_comm, ep=None if layout == "auto" else ep, pp_schedule=pp_schedule)
-        self.layout, self.layout_options = layout, layout_options
-        self._set_layout(tp=tp, cp=cp, ep=ep, dp=dp, pp=pp, etp=etp, fold_ep=fold_ep, ranks_per_node=ranks_per_node,
-                         pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
-                         data_parallel=data_parallel, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                         gather_once_per_step=gather_once_per_step, overlap_ep_comm=overlap_ep_comm, cp_comm=cp_comm)
-        self.activation_checkpointing = activation_checkpointing
-        self.compile = compile
-        self.deterministic = bool(deterministic)
-        self.sequence_parallel = sequence_parallel
-        self.context_parallel_keys = tuple(context_parallel_keys)
-        self.cp_head_chunks = cp_head_chunks
+        self._apply_config(config)
         self._hang_watchdog: HangWatchdog | None = None
-        self.save_distributed_checkpoint = save_distributed_checkpoint
-        self.checkpoint_writer = CheckpointWriter(asynchronous=async_checkpoint)
+        self.checkpoint_writer = CheckpointWriter(asynchronous=config.async_checkpoint)
 
     # -- launch and mesh ---------------------------------------------------------------------------
-    def _set_layout(
-        self, *, data_parallel: str, ranks_per_node: int | None, tp: int = 1, cp: int = 1, ep: int = 1,
-        dp: int | str = "auto", pp: int = 1, etp: int | None = None, fold_ep: str | Sequence[str] | None = None,
-        pp_schedule: str = "1F1B", pp_microbatches: int | None = None, pp_stages_per_rank: int = 1,
-        dp_replicate: int | None = None, dp_shard: int | None = None, gather_once_per_step: bool = False,
-        overlap_ep_comm: bool = False, cp_comm: str = "ring",
-    ) -> None:
-        """The sizes and their options, from the constructor or (``layout="auto"``) the planner, whose
-        choice leaves out what keeps the constructor's default."""
+    def _apply_config(self, config: ParallelConfig) -> None:
+        """Take ``config`` (from the constructor or, under ``layout="auto"``, with the planner's choice):
+        its ``ParallelDims`` and step engine."""
         try:
-            self.parallel_dims = ParallelDims(tp=tp, cp=cp, ep=ep, dp=-1 if dp == "auto" else dp, pp=pp, etp=etp,
-                                              ranks_per_node=ranks_per_node, fold_ep=fold_ep)
+            self.parallel_dims = ParallelDims(tp=config.tp, cp=config.cp, ep=config.ep, dp=-1 if config.dp == "auto" else config.dp,
+                                              pp=config.pp, etp=config.etp, ranks_per_node=config.ranks_per_node, fold_ep=config.fold_ep)
             self.step_engine = choose_step_engine(
-                self.parallel_dims, pp_schedule=pp_schedule, pp_microbatches=pp_microbatches,
-                pp_stages_per_rank=pp_stages_per_rank, overlap_ep_comm=overlap_ep_comm, gather_once_per_step=gather_once_per_step,
+                self.parallel_dims, pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
+                pp_stages_per_rank=config.pp_stages_per_rank, overlap_ep_comm=config.overlap_ep_comm,
+                gather_once_per_step=config.gather_once_per_step,
             )
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-        self.pp_schedule, self.pp_stages_per_rank = pp_schedule, pp_stages_per_rank
-        self.pp_microbatches = pp if pp_microbatches is None else pp_microbatches
-        self.data_parallel, self.dp_replicate, self.dp_shard = data_parallel, dp_replicate, dp_shard
-        self.gather_once_per_step, self.overlap_ep_comm = gather_once_per_step, overlap_ep_comm
-        self.cp_comm = cp_comm
+        self.config = config
 
     @override
     def before_launch(self) -> None:
         # Runs once devices and nodes are known, before any process starts: fail fast on bad sizes.
-        if self.layout == "auto":
-            options = {"checkpointing": self.activation_checkpointing, **(self.layout_options or {})}
-            chosen = auto_layout(self.num_nodes * self.num_processes, options)
-            self._set_layout(**{"data_parallel": self.data_parallel, "ranks_per_node": self.parallel_dims.ranks_per_node, **chosen})
+        config = self.config
+        if config.layout == "auto":
+            options = {"checkpointing": config.activation_checkpointing, **(config.layout_options or {})}
+            self._apply_config(config.with_planned(auto_layout(self.num_nodes * self.num_processes, options)))
         if self.parallel_dims.ranks_per_node is None:
             self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node
         try:
-            resolve_world_size(self.parallel_dims, self.num_nodes * self.num_processes, self.data_parallel,
-                               self.dp_replicate, self.dp_shard)
+            resolve_world_size(self.parallel_dims, self.num_nodes * self.num_processes, self.config.data_parallel,
+                               self.config.dp_replicate, self.config.dp_shard)
         except ValueError as err:
             raise MisconfigurationException(f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})") from err
         try:
@@ -248,7 +275,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        if self.deterministic:
+        if self.config.deterministic:
             # What Trainer(deterministic=True) does, for this strategy's flag: on CUDA the MoE
             # combine/dispatch backward's index_add_ and the router's scatter_add_ take their
             # deterministic kernels (CPU kernels already are); cuBLAS needs a fixed workspace.
@@ -274,20 +301,21 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        check_context_parallel_support(self.model, self.parallel_dims, self.cp_comm)
+        config = self.config
+        check_context_parallel_support(self.model, self.parallel_dims, config.cp_comm)
         if trainer.state.fn == TrainerFn.FITTING:
             self.step_engine.setup(trainer, self.lightning_module, self.precision_plugin)
         if not is_parallelized(self.model):
             parallelize(
                 self.model,
                 self.parallel_dims,
-                data_parallel=self.data_parallel,
-                sequence_parallel=self.sequence_parallel,
-                pp_stages_per_rank=self.pp_stages_per_rank,
-                pp_schedule=self.pp_schedule,
+                data_parallel=config.data_parallel,
+                sequence_parallel=config.sequence_parallel,
+                pp_stages_per_rank=config.pp_stages_per_rank,
+                pp_schedule=config.pp_schedule,
             )
-        apply_training_plans(self.model, precision=self._precision_flag(), activation_checkpointing=self.activation_checkpointing,
-                             recompute_attention=self.parallel_dims.cp == 1, compile=self.compile)
+        apply_training_plans(self.model, precision=self._precision_flag(), activation_checkpointing=config.activation_checkpointing,
+                             recompute_attention=self.parallel_dims.cp == 1, compile=config.compile)
         materialize(self.model, self.root_device, getattr(self.lightning_module, "initial_value", None))
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -325,6 +353,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         update_expert_biases(self.model)
         return output
+
+    @property
+    def pp_microbatches(self) -> int:
+        """Micro-batches per pipeline step: ``config.pp_microbatches``, or pp when that is None."""
+        return self.config.microbatches
 
     @property
     def microbatches_per_step(self) -> int:
@@ -365,7 +398,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         if before_sharding is not None:
             batch = before_sharding(batch)
         if dims.cp > 1:
-            batch = shard_batch_for_context_parallel(batch, dims, self.context_parallel_keys)
+            batch = shard_batch_for_context_parallel(batch, dims, self.config.context_parallel_keys)
         return batch
 
     def _step_context(self, batch: Any = None) -> AbstractContextManager:
@@ -377,8 +410,8 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         documents = batch_document_ids(batch)
         if dims.cp > 1:
             attention = (
-                all_to_all_attention(dims.cp_group, document_ids=documents) if self.cp_comm == "a2a"
-                else context_parallel_attention(dims.cp_group, head_chunks=self.cp_head_chunks, document_ids=documents)
+                all_to_all_attention(dims.cp_group, document_ids=documents) if self.config.cp_comm == "a2a"
+                else context_parallel_attention(dims.cp_group, head_chunks=self.config.cp_head_chunks, document_ids=documents)
             )
         elif documents is not None:
             attention = document_attention(documents)
@@ -431,7 +464,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         assert self.lightning_module is not None
         add_strategy_state(checkpoint, self.parallel_dims, self.lightning_module.trainer.accumulate_grad_batches)
         path = Path(self.broadcast(str(filepath)))
-        if not self.save_distributed_checkpoint:
+        if not self.config.save_distributed_checkpoint:
             save_file_atomically(path, lambda staging: super(MoE5DStrategy, self).save_checkpoint(checkpoint, staging, storage_options),
                                  is_global_zero=self.is_global_zero, barrier=self.barrier)
             return
@@ -451,7 +484,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         # the whole model (DCP writes non-tensor entries once, from rank 0, and pipeline stages hold
         # different parameters, so a nested param_groups list could not hold them all).
         return optimizer_state_dict(self.model, optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer,
-                                    full=not self.save_distributed_checkpoint)
+                                    full=not self.config.save_distributed_checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:

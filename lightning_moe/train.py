@@ -187,7 +187,8 @@ def check_config(cfg: DictConfig) -> None:
     devices, num_nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     if not isinstance(devices, int):  # "auto" and device lists: Lightning resolves them at launch
         return
-    layout = resolve_world_size(dims, devices * num_nodes, strategy.data_parallel, strategy.dp_replicate, strategy.dp_shard)
+    config = strategy.config
+    layout = resolve_world_size(dims, devices * num_nodes, config.data_parallel, config.dp_replicate, config.dp_shard)
     data = cfg.data
     if "global_batch_size" in data:
         resolve_batch_layout(data.global_batch_size, data.get("micro_batch_size"), layout.dp_ep, strategy.microbatches_per_step)
@@ -200,8 +201,8 @@ def check_config(cfg: DictConfig) -> None:
             model = hydra.utils.instantiate(cfg.model)
     except Exception:  # noqa: BLE001 - a model that reads files at construction cannot be built on meta;
         return  # the strategy runs the same checks (lightning_moe.parallelize) before training
-    check_layout(model, dims, strategy.pp_stages_per_rank)
-    check_context_parallel_support(model, dims, strategy.cp_comm)
+    check_layout(model, dims, config.pp_stages_per_rank)
+    check_context_parallel_support(model, dims, config.cp_comm)
 
 
 def fit(cfg: DictConfig) -> tuple[TrainingRun, list[Any]]:

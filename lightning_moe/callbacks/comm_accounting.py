@@ -46,6 +46,7 @@ from lightning_moe.comm.traffic import (
     tensor_bytes,
 )
 from lightning_moe.layout import PARALLEL_DIMS
+from lightning_moe.parallel.dims import parallel_dims_of
 
 _ROWS: tuple[str, ...] = (*PARALLEL_DIMS, OTHER)  # rows of the per-step counters
 # Bytes the ep dispatchers sent to ranks on other nodes (a part of "ep", recorded by
@@ -235,7 +236,7 @@ class CommAccountingCallback(OptimizerStepCallback):
                 " eagerly (those inside compiled blocks are not counted) and its wrappers break graphs; drop it"
                 " from compiled runs (callbacks=... without comm_accounting)"
             )
-        dims = getattr(trainer.strategy, "parallel_dims", None)
+        dims = parallel_dims_of(trainer)
         self._groups = group_dims(dims) if dims is not None and dist.is_initialized() else GroupDims()
         self._totals.zero_()
         self._steps = 0

@@ -15,6 +15,7 @@ from lightning_moe.callbacks.base import OptimizerStepCallback, StepClock, count
 from lightning_moe.callbacks.comm_accounting import uncounted
 from lightning_moe.callbacks.moe_metrics import data_parallel_sum
 from lightning_moe.layout import LAYOUT_KEYS
+from lightning_moe.parallel.dims import parallel_dims_of
 
 
 
@@ -27,7 +28,7 @@ def parallel_layout(trainer: pl.Trainer) -> dict[str, int | str]:
 
         parallel_layout(trainer)  # {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1}
     """
-    dims = getattr(trainer.strategy, "parallel_dims", None)
+    dims = parallel_dims_of(trainer)
     if dims is None:
         return {"tp": 1, "cp": 1, "ep": 1, "dp": trainer.world_size, "pp": 1, "etp": 1}
     layout: dict[str, int | str] = {name: int(getattr(dims, name)) for name in LAYOUT_KEYS}

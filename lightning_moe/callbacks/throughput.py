@@ -23,6 +23,7 @@ from lightning_moe.callbacks.base import (
 )
 from lightning_moe.callbacks.comm_accounting import uncounted
 from lightning_moe.moe import MoELayer
+from lightning_moe.parallel.dims import parallel_dims_of
 
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16, "64": torch.float64}
 
@@ -191,7 +192,7 @@ class ThroughputCallback(OptimizerStepCallback):
     def _model_flops_per_token(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> float:
         seq_len = batch["input_ids"].shape[-1] if isinstance(batch, dict) and "input_ids" in batch else 1
         flops = model_flops_per_token(pl_module, seq_len)
-        dims = getattr(trainer.strategy, "parallel_dims", None)
+        dims = parallel_dims_of(trainer)
         if dims is not None and dims.pp > 1:  # each stage holds its own layers
             total = torch.tensor(flops, dtype=torch.float64, device=trainer.strategy.root_device)
             with uncounted():

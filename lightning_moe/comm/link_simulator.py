@@ -73,6 +73,7 @@ from lightning_moe.comm.traffic import (
     tensor_bytes,
 )
 from lightning_moe.layout import PARALLEL_DIMS
+from lightning_moe.parallel.dims import parallel_dims_of
 
 __all__ = ["LinkSimulator", "LinkSimulatorCallback", "parse_bandwidth", "parse_duration"]
 
@@ -467,7 +468,7 @@ class LinkSimulatorCallback(pl.Callback):
         self._steps = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dims = getattr(trainer.strategy, "parallel_dims", None)
+        dims = parallel_dims_of(trainer)
         if not dist.is_initialized():
             return
         if dims is not None and getattr(dims, "mesh", None) is not None:

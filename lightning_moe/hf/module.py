@@ -24,6 +24,7 @@ from lightning_moe.layout import size_problems
 from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer
 from lightning_moe.models.mtp import add_mtp_targets, mtp_loss
 from lightning_moe.moe import MoELayer, TopKRouter
+from lightning_moe.parallel.dims import parallel_dims_of
 from lightning_moe.parallel.init import seeded_generator
 
 __all__ = ["HFMoEModule"]
@@ -271,7 +272,7 @@ class HFMoEModule(CausalLMModule):
         """Refuse layouts this model cannot take, tokenizers larger than its embeddings and sequences
         not longer than its MTP depths, before any work."""
         trainer = attached_trainer(self)
-        dims = getattr(getattr(trainer, "strategy", None), "parallel_dims", None)
+        dims = parallel_dims_of(trainer)
         if dims is not None:
             self.check_layout(tp=dims.tp, cp=dims.cp, ep=dims.ep, pp=dims.pp)
         datamodule = getattr(trainer, "datamodule", None)

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from lightning_moe._compat import attached_trainer_or_none, tied_weights_keys
 from lightning_moe.hf.convert import hf_state_dict
 from lightning_moe.hf.mtp import add_mtp_layers, add_published_copies, checkpoint_mtp_depth
+from lightning_moe.parallel.dims import parallel_dims_of
 
 __all__ = ["save_hf"]
 
@@ -54,8 +55,7 @@ def save_hf(module: Any, path: str | os.PathLike) -> None:
     """
     model = getattr(module, "model", module)
     state = hf_state_dict(model, full=_full_cpu)
-    strategy = getattr(attached_trainer_or_none(module), "strategy", None)
-    dims = getattr(strategy, "parallel_dims", None)
+    dims = parallel_dims_of(attached_trainer_or_none(module))
     merged = _gather_stages(state, dims)
     if merged is not None:
         write_hf_folder(model.config, merged, path)

@@ -25,6 +25,7 @@ from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer, next
 from lightning_moe.models.mtp import MultiTokenPrediction, add_mtp_targets, mtp_loss
 from lightning_moe.moe import MoEConfig, MoELayer, token_keys
 from lightning_moe.moe.config import DEFAULT_NUM_EXPERTS
+from lightning_moe.parallel.dims import parallel_dims_of
 from lightning_moe.parallel.init import seeded_generator
 from lightning_moe.parallel.pipeline import stage_layer_keys
 
@@ -310,10 +311,9 @@ class MoEGPT(CausalLMModule):
                 f"mtp_depth={depth} needs sequences longer than {depth} tokens, got seq_len={seq_len}: "
                 "lower model.mtp_depth or raise data.seq_len"
             )
-        strategy = self.trainer.strategy
-        dims = getattr(strategy, "parallel_dims", None)
+        dims = parallel_dims_of(self.trainer)
         if dims is not None and dims.pp > 1:
-            self.check_mtp_pipeline_split(dims.pp * getattr(strategy, "pp_stages_per_rank", 1))
+            self.check_mtp_pipeline_split(dims.pp * getattr(self.trainer.strategy, "pp_stages_per_rank", 1))
 
     def check_mtp_pipeline_split(self, num_stages: int) -> None:
         """The MTP blocks run on the last of `num_stages` pipeline stages, after its share of the

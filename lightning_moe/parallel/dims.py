@@ -469,3 +469,18 @@ class ParallelDims:
     def as_dict(self) -> dict[str, int]:
         """The layout as written to ``summary.json``."""
         return {d: int(getattr(self, d)) for d in LAYOUT_KEYS}
+
+
+def parallel_dims_of(trainer: Any) -> ParallelDims | None:
+    """The layout ``trainer`` trains under: its strategy's :class:`ParallelDims` (``MoE5DStrategy``,
+    complete with dp and the mesh once the strategy is set up), or None for any other strategy, a
+    trainer without one, or no trainer (``None``). Callbacks and modules that adapt to the layout
+    read it here rather than probing the strategy.
+
+    Example::
+
+        dims = lightning_moe.parallel_dims_of(trainer)
+        ep = dims.ep if dims is not None else 1
+    """
+    dims = getattr(getattr(trainer, "strategy", None), "parallel_dims", None)
+    return dims if isinstance(dims, ParallelDims) else None

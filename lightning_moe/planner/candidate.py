@@ -18,7 +18,7 @@ from lightning_moe.layout import (
 from lightning_moe.planner.model_shape import ModelShape
 
 # How attention crosses the cp ranks (``MoE5DStrategy(cp_comm=...)``, the strategy's own
-# ``lightning_moe.parallel.arguments.CP_COMM_KINDS``, which the planner cannot import: torch):
+# ``lightning_moe.parallel.config.CP_COMM_KINDS``, which the planner cannot import: torch):
 # ring attention, or the all-to-all from sequence shards to head shards (Ulysses).
 CP_COMM_KINDS: tuple[str, ...] = ("ring", "a2a")
 

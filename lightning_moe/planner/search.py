@@ -68,7 +68,7 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
 
 def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: str) -> list[str]:
     """Why ``MoE5DStrategy`` would refuse ``overlap_ep_comm=True`` for ``layout``
-    (``lightning_moe.parallel.arguments``' checks), or why it would have nothing to overlap: the
+    (``lightning_moe.ParallelConfig``'s checks), or why it would have nothing to overlap: the
     handover happens at the token all-to-alls, which only the all-to-all dispatchers issue."""
     problems = []
     if layout.ep == 1:
