@@ -44,7 +44,6 @@ from lightning_moe.parallel.arguments import auto_layout, resolve_world_size
 from lightning_moe.parallel.config import ParallelConfig
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
-from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.documents import batch_document_ids, packed_documents
 from lightning_moe.parallel.engines import choose_step_engine
 from lightning_moe.parallel.grad_norm import clip_grad_norm_
@@ -232,8 +231,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         """Take ``config`` (from the constructor or, under ``layout="auto"``, with the planner's choice):
         its ``ParallelDims`` and step engine."""
         try:
-            self.parallel_dims = ParallelDims(tp=config.tp, cp=config.cp, ep=config.ep, dp=-1 if config.dp == "auto" else config.dp,
-                                              pp=config.pp, etp=config.etp, ranks_per_node=config.ranks_per_node, fold_ep=config.fold_ep)
+            self.parallel_dims = config.parallel_dims()
             self.step_engine = choose_step_engine(
                 self.parallel_dims, pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
                 pp_stages_per_rank=config.pp_stages_per_rank, overlap_ep_comm=config.overlap_ep_comm,

@@ -73,7 +73,6 @@ from lightning_moe.comm.traffic import (
     tensor_bytes,
 )
 from lightning_moe.layout import PARALLEL_DIMS
-from lightning_moe.parallel.dims import parallel_dims_of
 
 __all__ = ["LinkSimulator", "LinkSimulatorCallback", "parse_bandwidth", "parse_duration"]
 
@@ -468,6 +467,8 @@ class LinkSimulatorCallback(pl.Callback):
         self._steps = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_moe.parallel.dims import parallel_dims_of  # parallel/ sits above comm/
+
         dims = parallel_dims_of(trainer)
         if not dist.is_initialized():
             return

@@ -98,11 +98,16 @@ class ParallelConfig:
         self._check_arguments()
         self._check_overlap_ep_comm()
         try:  # the sizes without a world size, and the pipeline schedule, as the strategy builds them
-            ParallelDims(tp=self.tp, cp=self.cp, ep=self.ep, dp=-1 if self.dp == "auto" else self.dp, pp=self.pp,
-                         etp=self.etp, ranks_per_node=self.ranks_per_node, fold_ep=self.fold_ep)
+            self.parallel_dims()
             check_pipeline_config(self.pp, self.pp_schedule, self.microbatches, self.pp_stages_per_rank)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
+
+    def parallel_dims(self) -> ParallelDims:
+        """A new :class:`~lightning_moe.ParallelDims` of these sizes (``dp="auto"``: -1, inferred at
+        launch); ``ValueError`` naming the fix for sizes that fit no world size."""
+        return ParallelDims(tp=self.tp, cp=self.cp, ep=self.ep, dp=-1 if self.dp == "auto" else self.dp, pp=self.pp,
+                            etp=self.etp, ranks_per_node=self.ranks_per_node, fold_ep=self.fold_ep)
 
     @property
     def microbatches(self) -> int:
