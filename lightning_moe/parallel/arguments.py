@@ -12,7 +12,7 @@ from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS
 
 # How attention crosses the cp ranks: ring attention or all-to-all (Ulysses).
-CP_COMM_KINDS = ("ring", "a2a")
+from lightning_moe.cp.comm import CP_COMM_KINDS
 
 __all__ = ["CP_COMM_KINDS", "auto_layout", "check_strategy_arguments", "check_unreduced_replicas", "resolve_world_size"]
 
