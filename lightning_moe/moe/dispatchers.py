@@ -143,11 +143,14 @@ CAPABILITIES: dict[DispatcherKind, DispatcherCapabilities] = {
 }  # fmt: skip
 
 
+_KIND_OF: dict[str, DispatcherKind] = {k.value: k for k in DispatcherKind}  # a dict: the planner asks per layout
+
+
 def dispatcher_kind(kind: str) -> DispatcherKind:
     """``kind`` as a :class:`DispatcherKind`; ``ValueError`` naming the kinds for an unknown one."""
     try:
-        return DispatcherKind(kind)
-    except ValueError:
+        return _KIND_OF[kind]
+    except (KeyError, TypeError):
         raise ValueError(f"dispatcher={kind!r} is unknown: choose one of {DISPATCHERS}") from None
 
 

@@ -18,6 +18,8 @@ from lightning_moe.layout import (
 )
 from lightning_moe.planner.model_shape import ModelShape
 
+_RING = CpComm.RING.value  # read per layout
+
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Layout:
                 " ranks, 'a2a' exchanges sequence shards for head shards"
             )
         if self.cp == 1:  # no context-parallel attention to choose for
-            object.__setattr__(self, "cp_comm", CpComm.RING.value)
+            object.__setattr__(self, "cp_comm", _RING)
         elif isinstance(self.cp_comm, CpComm):  # kept as the plain string
             object.__setattr__(self, "cp_comm", self.cp_comm.value)
         problem = hsdp_problem(self.dp, self.dp_replicate) if self.dp_replicate != 1 else None
@@ -170,7 +172,7 @@ class Layout:
     def _size_note(self, dim: str, size: int) -> str:
         """One dim of the label: ``ep8(fold tp)``, ``hsdp2x4`` (dp8 as 2 replica groups of 4),
         ``cp4(a2a)`` (all-to-all context parallelism), ``tp2``."""
-        if dim == "cp" and self.cp_comm != CpComm.RING:
+        if dim == "cp" and self.cp_comm != _RING:
             return f"cp{size}({self.cp_comm})"
         if dim == "ep" and self.fold_ep:
             return f"ep{size}(fold {','.join(self.fold_ep)})"
@@ -193,7 +195,7 @@ class Layout:
             kwargs["gather_once_per_step"] = True
         if self.overlap_ep_comm:
             kwargs["overlap_ep_comm"] = True
-        if self.cp_comm != CpComm.RING:
+        if self.cp_comm != _RING:
             kwargs["cp_comm"] = self.cp_comm
         return kwargs
 

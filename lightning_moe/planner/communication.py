@@ -31,6 +31,12 @@ from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import fsdp_units
 
+# The kinds as module constants, read per layout (an enum member read off its class costs a call);
+# ``_RING``/``_A2A`` are the plain strings ``Layout.cp_comm`` and ``CommRecord.pattern`` hold.
+_RING, _A2A = CpComm.RING.value, CpComm.A2A.value
+_ALLTOALL, _ALLTOALL_DEDUP = DispatcherKind.ALLTOALL, DispatcherKind.ALLTOALL_DEDUP
+_ALLGATHER, _HIERARCHICAL = DispatcherKind.ALLGATHER, DispatcherKind.HIERARCHICAL
+
 # Lightning broadcasts an int64 "sigterm" flag from rank 0 at every training batch but the first of
 # an optimizer step (lightning.pytorch.loops.training_epoch_loop._broadcast_sigterm_tensor).
 SIGTERM_FLAG_BYTES = INT64_BYTES
@@ -353,7 +359,7 @@ def comm_records(
     # ---- context parallel: all-to-all (Ulysses) attention, not overlapped: the exchange sits between
     # the projections and the attention kernel. Forward: Q/K/V in one all-to-all, the output in
     # another; backward: their gradients, as many bytes again (lightning_moe.cp.ulysses) ----
-    if cp > 1 and layout.cp_comm == CpComm.A2A:
+    if cp > 1 and layout.cp_comm == _A2A:
         per_attention = ulysses_attention_bytes(b, model.num_heads // tp, model.num_kv_heads // tp, s, model.head_dim, cp, a)
         add("all-to-all attention Q/K/V and output", "cp", "cp", per_attention * m * layers_per_rank,
             4 * m * layers_per_rank, all_to_all=True)
@@ -363,7 +369,7 @@ def comm_records(
         # forward: cp-1 shifts of (K, V); backward: cp-1 shifts of (K, V) and cp shifts of fp32 (dK, dV)
         per_attention = (2 * (cp - 1) * 2 * kv_block * a) + cp * 2 * kv_block * FP32_BYTES
         add("ring attention K/V and dK/dV", "cp", "cp", per_attention * m * layers_per_rank,
-            (3 * cp - 2) * m * layers_per_rank, pattern=CpComm.RING.value, overlapped=True)
+            (3 * cp - 2) * m * layers_per_rank, pattern=_RING, overlapped=True)
     if cp > 1:
         if pp > 1:
             # pipeline_batch all-reduces each sample's loss-token count (float64) over cp per pipeline step
@@ -375,13 +381,13 @@ def comm_records(
         slots = tokens * model.top_k
         chunks = dispatch_chunks_run(model, tokens)
         kind = dispatcher_kind(model.dispatcher)
-        if kind is DispatcherKind.ALLTOALL:
+        if kind is _ALLTOALL:
             counts = chunks * peer_share_bytes(model.num_experts * INT64_BYTES, ep)
             add("dispatch counts all-to-all", "ep", "ep", counts * m * moe_per_rank, m * moe_per_rank, recorded_as="ep")
             leave = slots * (ep - 1) / ep
             add("token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * leave * m * moe_per_rank,
                 4 * m * moe_per_rank, recorded_as="ep", routing_dependent=True)
-        elif kind is DispatcherKind.ALLTOALL_DEDUP:
+        elif kind is _ALLTOALL_DEDUP:
             # One row per (token, other ep rank holding one of its experts), uniform routing over all
             # ep ranks (node limits left out); each with its slots' expert ids (int32) and gate weights
             # (fp32, and their gradient); one int64 row count per peer.
@@ -401,7 +407,7 @@ def comm_records(
                 3 * per_step, recorded_as="ep", routing_dependent=True)
             add("dedup token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * pairs * per_step,
                 4 * per_step, recorded_as="ep", routing_dependent=True)
-        elif kind is DispatcherKind.HIERARCHICAL:
+        elif kind is _HIERARCHICAL:
             if gpus_per_node is None:
                 raise ValueError("dispatcher='hierarchical' splits the ep group by node: pass comm_records(..., gpus_per_node=...)")
             num_nodes = nodes_spanned(layout, "ep", gpus_per_node)
@@ -411,7 +417,7 @@ def comm_records(
                     f" in one node of {gpus_per_node}: use dispatcher='alltoall'"
                 )
             records += hierarchical_dispatch_records(model, tokens, num_nodes, ep // num_nodes, a, m * moe_per_rank)
-        elif kind is DispatcherKind.ALLGATHER:
+        elif kind is _ALLGATHER:
             gathered = peer_chunks_bytes(tokens * h * a, ep)
             idx = peer_chunks_bytes(slots * INT64_BYTES, ep)
             weights = peer_chunks_bytes(slots * FP32_BYTES, ep)
@@ -493,7 +499,7 @@ def record_split(rec: CommRecord, layout: Layout, cluster: Cluster) -> tuple[flo
         return rec.split
     if rec.pattern == "spread":
         return peer_split(layout, rec.group, cluster.gpus_per_node)
-    return ring_split(layout, rec.group, cluster.gpus_per_node, wrap=rec.pattern == CpComm.RING)
+    return ring_split(layout, rec.group, cluster.gpus_per_node, wrap=rec.pattern == _RING)
 
 
 def comm_bytes_by_dim(records: Iterable[CommRecord], layout: Layout, cluster: Cluster) -> dict[str, dict[str, float]]:

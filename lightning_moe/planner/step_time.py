@@ -33,6 +33,8 @@ from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_ra
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.v_schedules import v_schedule_timeline
 
+_RING = CpComm.RING.value  # ring attention's CommRecord.pattern, read per record
+
 # Adam's update reads and writes each parameter's fp32 weight, gradient and two moments:
 # (4 + 4 + 8) bytes read and (4 + 8) written (torch.optim.AdamW foreach kernel, memory-bound).
 OPTIMIZER_HBM_BYTES_PER_PARAM = (FP32_BYTES + FP32_BYTES + ADAM_STATE_BYTES) + (FP32_BYTES + ADAM_STATE_BYTES)
@@ -285,7 +287,7 @@ def record_seconds(rec: CommRecord, layout: Layout, cluster: Cluster) -> float:
         # all-to-all and point-to-point use both tiers at once
         seconds = max(rec.bytes * intra / bw_intra, rec.bytes * inter / bw_inter)
     seconds += rec.calls * cluster.collective_latency
-    if rec.pattern == CpComm.RING:  # ring attention's per-block work around each shift
+    if rec.pattern == _RING:  # ring attention's per-block work around each shift
         seconds += rec.calls * cluster.ring_step_overhead
     return seconds
 
