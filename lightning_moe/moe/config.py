@@ -19,7 +19,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from lightning_moe.moe.capacity import DROP_POLICIES
-from lightning_moe.moe.dispatchers import DISPATCHERS, DispatcherKind, check_dispatcher
+from lightning_moe.moe.dispatchers import DEFAULT_DISPATCHER, DISPATCHERS, DispatcherKind, check_dispatcher
 from lightning_moe.moe.experts import ACTIVATIONS
 from lightning_moe.moe.router import check_node_limit, check_routing
 
@@ -78,7 +78,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     # token exchange
-    dispatcher: str = DispatcherKind.ALLTOALL_DEDUP.value  # lightning_moe.moe.dispatchers
+    dispatcher: str = DEFAULT_DISPATCHER.value  # lightning_moe.moe.dispatchers
     dispatch_dtype: str | None = None
     dispatch_chunks: int = 1
 

@@ -34,7 +34,7 @@ from lightning_moe.moe.exchange import check_wire
 from lightning_moe.moe.hierarchical import HierarchicalDispatcher
 
 __all__ = [
-    "CAPABILITIES", "DISPATCHERS", "DispatcherCapabilities", "DispatcherKind", "ExpertGroups", "build_dispatcher",
+    "CAPABILITIES", "DEFAULT_DISPATCHER", "DISPATCHERS", "DispatcherCapabilities", "DispatcherKind", "ExpertGroups", "build_dispatcher",
     "check_dispatcher", "dispatcher_kind",
 ]
 
@@ -67,6 +67,8 @@ class DispatcherKind(str, Enum):
         return CAPABILITIES[self]
 
 
+# MoEConfig's default kind.
+DEFAULT_DISPATCHER = DispatcherKind.ALLTOALL_DEDUP
 # The kinds as plain strings, in their order (what error messages list: ('alltoall', 'alltoall_dedup', ...)).
 DISPATCHERS: tuple[str, ...] = tuple(k.value for k in DispatcherKind)
 
@@ -160,10 +162,11 @@ def check_dispatcher(kind: str, wire: str | None) -> None:
     caps = dispatcher_kind(kind).capabilities
     check_wire(wire)
     if not caps.wire and wire is not None:
-        takes = [k.value for k in DispatcherKind if k.capabilities.wire]
+        # the default first, then the others in order: 'alltoall_dedup', 'alltoall' or 'hierarchical'
+        takes = [repr(k.value) for k in sorted(DispatcherKind, key=lambda k: k != DEFAULT_DISPATCHER) if k.capabilities.wire]
         raise ValueError(
-            f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher={takes[1]!r},"
-            f" {takes[0]!r} or {takes[2]!r}, or dispatch_dtype=None"
+            f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher={', '.join(takes[:-1])}"
+            f" or {takes[-1]}, or dispatch_dtype=None"
         )
 
 
