@@ -38,7 +38,7 @@ from lightning_moe.checkpoint.state import (
     restore_strategy_state,
 )
 from lightning_moe.checkpoint.writer import CheckpointWriter, save_file_atomically, split_checkpoint
-from lightning_moe.cp import all_to_all_attention, context_parallel_attention, document_attention
+from lightning_moe.cp import CpComm, all_to_all_attention, context_parallel_attention, document_attention
 from lightning_moe.moe import update_expert_biases
 from lightning_moe.parallel.arguments import auto_layout, resolve_world_size
 from lightning_moe.parallel.config import ParallelConfig
@@ -203,7 +203,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         sequence_parallel: bool = True,
         context_parallel_keys: Sequence[str] = (),
         cp_head_chunks: int = 1,
-        cp_comm: Literal["ring", "a2a"] = "ring",
+        cp_comm: CpComm | str = CpComm.RING.value,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         save_distributed_checkpoint: bool = True,
@@ -408,7 +408,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         documents = batch_document_ids(batch)
         if dims.cp > 1:
             attention = (
-                all_to_all_attention(dims.cp_group, document_ids=documents) if self.config.cp_comm == "a2a"
+                all_to_all_attention(dims.cp_group, document_ids=documents) if self.config.cp_comm == CpComm.A2A
                 else context_parallel_attention(dims.cp_group, head_chunks=self.config.cp_head_chunks, document_ids=documents)
             )
         elif documents is not None:

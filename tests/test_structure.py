@@ -163,3 +163,36 @@ def test_nothing_cites_a_document_outside_the_repository():
                 found.append(f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r} in {line.strip()[:100]}")
     assert any(p.name == "architecture.md" for p in files) and len(files) > 100, "the scan found no project files"
     assert not found, "\n".join(found)
+
+
+# One home per variant: the dispatcher kinds and the cp_comm kinds are named in their home module only;
+# everything else asks the enum (``DispatcherKind``, ``CpComm``) or the capability table.
+VARIANT_HOMES = {"moe/dispatchers.py": "DispatcherKind", "cp/comm.py": "CpComm"}
+
+
+def _variant_values() -> dict[str, str]:
+    from lightning_moe.cp.comm import CpComm
+    from lightning_moe.moe.dispatchers import DispatcherKind
+
+    values = {k.value: "moe/dispatchers.py" for k in DispatcherKind}
+    values.update({k.value: "cp/comm.py" for k in CpComm})
+    return values
+
+
+def test_dispatcher_and_cp_comm_kinds_are_spelled_in_their_home_only():
+    """No string literal equal to a dispatcher kind ("alltoall", ...) or a cp_comm kind ("ring", "a2a")
+    outside ``moe/dispatchers.py`` and ``cp/comm.py`` (docstrings and comments aside; Hydra YAML is
+    configuration, not code)."""
+    values = _variant_values()
+    assert set(values.values()) == set(VARIANT_HOMES)
+    found = []
+    for name, (text, tree) in SOURCES.items():
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docstrings:
+                continue
+            home = values.get(node.value)
+            if home is None or home == name:
+                continue
+            found.append(f"{name}:{node.lineno}: {node.value!r} (ask {VARIANT_HOMES[home]} in {home})")
+    assert not found, "\n".join(found)

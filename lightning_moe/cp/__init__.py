@@ -13,6 +13,7 @@ Example::
         y = model(zigzag_shard(x, cp_rank, cp_size))
 """
 
+from lightning_moe.cp.comm import CP_COMM_KINDS, CpComm
 from lightning_moe.cp.documents import (
     DocumentAttentionMode,
     check_document_ids,
@@ -39,9 +40,11 @@ from lightning_moe.cp.sharding import (
 )
 
 __all__ = [
+    "CP_COMM_KINDS",
     "LAYOUTS",
     "AttentionTrace",
     "BlockRecord",
+    "CpComm",
     "DocumentAttentionMode",
     "UlyssesAttentionMode",
     "all_to_all_attention",

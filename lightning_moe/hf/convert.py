@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_moe.hf.families import model_family
-from lightning_moe.moe import MoEConfig, MoELayer
+from lightning_moe.moe import DispatcherKind, MoEConfig, MoELayer
 
 __all__ = [
     "FAMILIES",
@@ -202,7 +202,7 @@ def convert_moe_blocks(
     z_loss_coeff: float = 0.0,
     load_balancing: str | None = None,
     capacity_factor: float | None = None,
-    dispatcher: str = "alltoall_dedup",
+    dispatcher: str = DispatcherKind.ALLTOALL_DEDUP.value,
     bias_update_rate: float = 1e-3,
 ) -> nn.Module:
     """Replace, in place, every transformers sparse-MoE block of ``model`` by an equal ``MoELayer``.

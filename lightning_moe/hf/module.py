@@ -23,7 +23,7 @@ from lightning_moe.hf.sharded_load import PretrainedShards, SafetensorsFolder, l
 from lightning_moe.layout import size_problems
 from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer
 from lightning_moe.models.mtp import add_mtp_targets, mtp_loss
-from lightning_moe.moe import MoELayer, TopKRouter
+from lightning_moe.moe import DispatcherKind, MoELayer, TopKRouter
 from lightning_moe.parallel.dims import parallel_dims_of
 from lightning_moe.parallel.init import seeded_generator
 
@@ -86,7 +86,7 @@ class HFMoEModule(CausalLMModule):
         aux_loss_coeff: float | None = None,
         z_loss_coeff: float = 0.0,
         capacity_factor: float | None = None,
-        dispatcher: str = "alltoall_dedup",
+        dispatcher: str = DispatcherKind.ALLTOALL_DEDUP.value,
         bias_update_rate: float = 1e-3,
         attn_implementation: str | None = "sdpa",
         pretrained: str | os.PathLike | None = None,

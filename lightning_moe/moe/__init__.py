@@ -17,6 +17,7 @@ Packed documents (:mod:`lightning_moe.moe.documents`): inside ``routing_document
 from lightning_moe.moe.capacity import DROP_POLICIES, capacity_keep_mask, expert_capacity
 from lightning_moe.moe.config import MoEConfig
 from lightning_moe.moe.dispatcher import DispatchContext, Dispatcher, LocalDispatcher
+from lightning_moe.moe.dispatchers import CAPABILITIES, DISPATCHERS, DispatcherKind, ExpertGroups, build_dispatcher
 from lightning_moe.moe.documents import (
     current_routing_documents,
     recompute_with_routing_documents,
@@ -25,7 +26,7 @@ from lightning_moe.moe.documents import (
     set_routing_documents,
 )
 from lightning_moe.moe.experts import GroupedExperts, SharedExpert
-from lightning_moe.moe.layer import DISPATCHERS, LOAD_BALANCING, MoELayer, build_dispatcher, update_expert_biases
+from lightning_moe.moe.layer import LOAD_BALANCING, MoELayer, update_expert_biases
 from lightning_moe.moe.losses import (
     MoEAuxLossAutoScaler,
     global_aux_loss,
@@ -49,6 +50,7 @@ from lightning_moe.moe.replay import (
 from lightning_moe.moe.router import SCORE_FUNCS, RouterOutput, TopKRouter
 
 __all__ = [
+    "CAPABILITIES",
     "DISPATCHERS",
     "DOCUMENT_KEY_BOUND",
     "DROP_POLICIES",
@@ -56,6 +58,8 @@ __all__ = [
     "SCORE_FUNCS",
     "DispatchContext",
     "Dispatcher",
+    "DispatcherKind",
+    "ExpertGroups",
     "GroupedExperts",
     "LocalDispatcher",
     "MoEAuxLossAutoScaler",

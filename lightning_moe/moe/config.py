@@ -19,7 +19,7 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from lightning_moe.moe.capacity import DROP_POLICIES
-from lightning_moe.moe.exchange import check_wire
+from lightning_moe.moe.dispatchers import DEFAULT_DISPATCHER, DISPATCHERS, DispatcherKind, check_dispatcher
 from lightning_moe.moe.experts import ACTIVATIONS
 from lightning_moe.moe.router import check_node_limit, check_routing
 
@@ -27,26 +27,9 @@ __all__ = ["DEFAULT_NUM_EXPERTS", "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "
 
 LOAD_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 ROUTINGS: tuple[str, ...] = ("topk", "expert_choice")
-# "alltoall_dedup" (the default): one row per (token, destination rank); "alltoall": one per (token,
-# expert) slot, kept for comparison.
-DISPATCHERS: tuple[str, ...] = ("alltoall", "alltoall_dedup", "allgather", "hierarchical")
-
 # The expert count of a model config that names none (MoEGPT's ``moe`` and the planner's ModelShape);
 # MoELayer/MoEConfig themselves require it.
 DEFAULT_NUM_EXPERTS = 8
-
-
-def check_dispatcher(kind: str, wire: str | None) -> None:
-    """``ValueError`` for an unknown dispatcher ``kind``, an unknown ``wire`` (``dispatch_dtype``) or a
-    wire the dispatcher cannot send."""
-    if kind not in DISPATCHERS:
-        raise ValueError(f"dispatcher={kind!r} is unknown: choose one of {DISPATCHERS}")
-    check_wire(wire)
-    if kind == "allgather" and wire is not None:
-        raise ValueError(
-            f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher='alltoall_dedup',"
-            " 'alltoall' or 'hierarchical', or dispatch_dtype=None"
-        )
 
 
 @dataclass(frozen=True)
@@ -95,7 +78,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     # token exchange
-    dispatcher: str = "alltoall_dedup"
+    dispatcher: str = DEFAULT_DISPATCHER.value  # lightning_moe.moe.dispatchers
     dispatch_dtype: str | None = None
     dispatch_chunks: int = 1
 
@@ -104,6 +87,8 @@ class MoEConfig:
         check_routing(self.num_experts, self.top_k, self.score_func, self.num_groups, self.group_topk, self.bias_update_rate)
         check_node_limit(self.num_nodes, self.max_nodes_per_token, self.num_experts, self.top_k)
         check_dispatcher(self.dispatcher, self.dispatch_dtype)
+        if isinstance(self.dispatcher, DispatcherKind):  # kept as the plain string Hydra and YAML take
+            object.__setattr__(self, "dispatcher", self.dispatcher.value)
 
     def _check_layer(self) -> None:
         """The checks across settings (the router's and the dispatcher's follow in ``__post_init__``)."""

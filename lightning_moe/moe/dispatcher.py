@@ -6,7 +6,7 @@
 returns ``[T, H]``, the gate-weighted sum of each token's kept slots. This module holds that
 protocol, the single-device path and the building blocks the expert-parallel dispatchers
 (:mod:`lightning_moe.moe.ep_dispatcher`, :mod:`lightning_moe.moe.hierarchical`) share; it imports
-none of them (:func:`lightning_moe.moe.layer.build_dispatcher` chooses among them).
+none of them (:func:`lightning_moe.moe.dispatchers.build_dispatcher` chooses among them).
 """
 
 from __future__ import annotations

@@ -11,17 +11,16 @@ from torch import nn
 
 from lightning_moe import comm
 from lightning_moe.moe.capacity import capacity_keep_mask, expert_capacity
-from lightning_moe.moe.config import DISPATCHERS, LOAD_BALANCING, ROUTINGS, MoEConfig, check_dispatcher
-from lightning_moe.moe.dispatcher import Dispatcher, LocalDispatcher
+from lightning_moe.moe.config import LOAD_BALANCING, ROUTINGS, MoEConfig
+from lightning_moe.moe.dispatcher import Dispatcher
+from lightning_moe.moe.dispatchers import DISPATCHERS, DispatcherKind, ExpertGroups, build_dispatcher
 from lightning_moe.moe.documents import (
     agreed_documents_per_row,
     current_routing_documents,
     document_balance_loss,
     document_balance_statistics,
 )
-from lightning_moe.moe.ep_dispatcher import AllGatherDispatcher, AllToAllDispatcher, PerRankAllToAllDispatcher
 from lightning_moe.moe.experts import GroupedExperts, SharedExpert, compute_dtype
-from lightning_moe.moe.hierarchical import HierarchicalDispatcher
 from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
 from lightning_moe.moe.router import RouterOutput, TopKRouter
 
@@ -38,43 +37,6 @@ class RoutingHook(Protocol):
 
     def observe(self, layer: MoELayer, x: torch.Tensor, routing: RouterOutput) -> None:
         """Called with the routing of ``x`` once the router ran."""
-
-
-def build_dispatcher(
-    kind: str,
-    num_experts: int,
-    ep_group: dist.ProcessGroup | None = None,
-    *,
-    wire: str | None = None,
-    node_ids: list[int] | None = None,
-    node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
-) -> Dispatcher:
-    """The dispatcher for ``kind`` (one of :data:`~lightning_moe.moe.config.DISPATCHERS`) over ``ep_group``.
-
-    A :class:`~lightning_moe.moe.dispatcher.LocalDispatcher` when there is no expert parallelism
-    (group None or of size 1); ``kind`` and ``wire`` are checked either way, so that a layer fails
-    at construction rather than when it is parallelized.
-    ``wire``: the dispatch dtype (``None``, ``"bf16"``, ``"fp8"``; all-to-all dispatchers only);
-    ``node_ids``: the node of each ep rank (inter-node bytes are counted);
-    ``node_groups``: ``(ep_node group, ep_local group)`` of ``ParallelDims.ep_node_mesh``, which
-    ``"hierarchical"`` needs.
-    """
-    check_dispatcher(kind, wire)
-    if ep_group is None or dist.get_world_size(ep_group) == 1:
-        return LocalDispatcher(num_experts)
-    if kind == "allgather":
-        return AllGatherDispatcher(num_experts, ep_group)
-    if kind == "hierarchical":
-        if node_groups is None or node_ids is None or len(set(node_ids)) < 2:
-            raise ValueError(
-                "dispatcher='hierarchical' needs ep ranks on more than one node; with one node it is the same as"
-                " 'alltoall': use dispatcher='alltoall', or set ranks_per_node (MoE5DStrategy / ParallelDims) smaller"
-                " than the ranks of the ep group to simulate nodes"
-            )
-        return HierarchicalDispatcher(num_experts, *node_groups, wire=wire)
-    if kind == "alltoall_dedup":
-        return PerRankAllToAllDispatcher(num_experts, ep_group, wire=wire, node_ids=node_ids)
-    return AllToAllDispatcher(num_experts, ep_group, wire=wire, node_ids=node_ids)
 
 
 class MoELayer(nn.Module):
@@ -204,7 +166,7 @@ class MoELayer(nn.Module):
         )
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if c.shared_expert_gate else None
         self.expert_output_bias = ExpertOutputBias(c.num_experts, c.hidden_size) if c.expert_linear_bias else None
-        self.dispatcher: Dispatcher = build_dispatcher(c.dispatcher, c.num_experts, wire=c.dispatch_dtype)
+        self.dispatcher: Dispatcher = self.new_dispatcher()  # lightning_moe.parallelize builds it over the groups
         # Set by lightning_moe.parallelize: the ep group (expert choice ranks its tokens together) and size.
         self.ep_group: dist.ProcessGroup | None = None
         self.ep_size = 1
@@ -250,9 +212,10 @@ class MoELayer(nn.Module):
         return self.config.drop_policy
 
     @property
-    def dispatcher_kind(self) -> str:
-        """``config.dispatcher`` (``dispatcher`` is the :class:`Dispatcher` object in use)."""
-        return self.config.dispatcher
+    def dispatcher_kind(self) -> DispatcherKind:
+        """``config.dispatcher`` as a :class:`~lightning_moe.moe.dispatchers.DispatcherKind` (equal to the
+        string; ``dispatcher`` is the :class:`Dispatcher` object in use)."""
+        return DispatcherKind(self.config.dispatcher)
 
     @property
     def max_nodes_per_token(self) -> int | None:
@@ -274,6 +237,12 @@ class MoELayer(nn.Module):
     @property
     def routing(self) -> str:
         return self.config.routing
+
+    def new_dispatcher(self, groups: ExpertGroups | None = None) -> Dispatcher:
+        """A dispatcher of this layer's kind and wire over ``groups`` (None: one device), from
+        :func:`~lightning_moe.moe.dispatchers.build_dispatcher`, the one place dispatchers are built;
+        ``lightning_moe.parallelize`` sets ``layer.dispatcher = layer.new_dispatcher(groups)``."""
+        return build_dispatcher(self.dispatcher_kind, self.num_experts, groups, wire=self.dispatch_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.hidden_size:

@@ -21,14 +21,13 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_moe.cp.comm import CP_COMM_KINDS, CpComm
 from lightning_moe.layout import hsdp_problem
 from lightning_moe.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS
 from lightning_moe.parallel.pipeline import check_pipeline_config
 
-# How attention crosses the cp ranks: ring attention or all-to-all (Ulysses).
-CP_COMM_KINDS = ("ring", "a2a")
 
 # The fields ``layout="auto"`` takes from the planner (:func:`lightning_moe.planner.resolve_auto_layout`):
 # those its choice names get its value, the others their default (``ParallelConfig.with_planned``).
@@ -77,7 +76,7 @@ class ParallelConfig:
     sequence_parallel: bool = True
     context_parallel_keys: Sequence[str] = ()
     cp_head_chunks: int = 1
-    cp_comm: Literal["ring", "a2a"] = "ring"
+    cp_comm: CpComm | str = CpComm.RING.value
     # checkpoints
     save_distributed_checkpoint: bool = True
     async_checkpoint: bool = False

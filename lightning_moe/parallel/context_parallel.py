@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from lightning_moe.cp import check_seq_len, zigzag_shard
+from lightning_moe.cp.comm import CpComm
 from lightning_moe.parallel.dims import ParallelDims
 
 # Sequence-shaped batch entries sharded by default (docs/architecture.md, "Batches"); users add their
@@ -54,13 +55,13 @@ def shard_batch_for_context_parallel(batch: Any, dims: ParallelDims, extra_keys:
     return batch
 
 
-def check_context_parallel_support(module: torch.nn.Module, dims: ParallelDims, cp_comm: str = "ring") -> None:
+def check_context_parallel_support(module: torch.nn.Module, dims: ParallelDims, cp_comm: str = CpComm.RING.value) -> None:
     """Reject what context parallelism cannot reproduce exactly (before any work starts): token dropping
     decided per shard, and under ``cp_comm="a2a"`` query heads per tp rank that do not split over cp
     (modules exposing ``num_heads``)."""
     from lightning_moe.moe import MoELayer
 
-    if dims.cp > 1 and cp_comm == "a2a":
+    if dims.cp > 1 and cp_comm == CpComm.A2A:
         for name, layer in module.named_modules():
             heads = getattr(layer, "num_heads", None)
             if isinstance(heads, int) and (heads % dims.tp or (heads // dims.tp) % dims.cp):

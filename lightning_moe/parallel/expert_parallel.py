@@ -8,8 +8,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_moe.layout import expert_ffn_problem, experts_problem, experts_split_over_tp
-from lightning_moe.moe import MoELayer, build_dispatcher
-from lightning_moe.moe.ep_dispatcher import ExpertTensorParallelDispatcher
+from lightning_moe.moe import ExpertGroups, MoELayer
 from lightning_moe.parallel.dims import ParallelDims
 
 
@@ -44,44 +43,41 @@ def apply_expert_parallel(module: nn.Module, dims: ParallelDims) -> None:
             local = local.clone(memory_format=torch.contiguous_format)
             sharded = DTensor.from_local(local, mesh, placements, run_check=False)
             setattr(layer.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.dispatcher = _build_dispatcher(layer, dims)
+        layer.dispatcher = layer.new_dispatcher(expert_groups(layer, dims, expert_tp))
         layer.ep_group, layer.ep_size = dims.ep_group, dims.ep
         if layer.num_nodes is None and layer.max_nodes_per_token is not None and dims.ep > 1:
             # Node-limited routing follows where the experts live (a stated num_nodes is kept).
             layer.router.set_nodes(dims.ep_num_nodes)
-        if expert_tp:
-            layer.dispatcher = ExpertTensorParallelDispatcher(layer.dispatcher, dims.tp_group)
         layer.sequence_group = _group_if_shared(dims.sequence_group)
         layer.data_group = _group_if_shared(dims.token_group)
 
 
-def _build_dispatcher(layer: MoELayer, dims: ParallelDims) -> object:
-    kind = layer.dispatcher_kind
-    # Any split of the ep group over nodes is counted; the hierarchical dispatcher needs an even one.
+def expert_groups(layer: MoELayer, dims: ParallelDims, expert_tp: bool) -> ExpertGroups:
+    """The groups ``layer``'s dispatcher runs over (``MoELayer.new_dispatcher`` builds it)."""
+    # Any split of the ep group over nodes is counted; a dispatcher in node stages needs an even one.
     rank_nodes = dims.ep_rank_nodes if dims.ep > 1 else [0]
     node_ids = rank_nodes if max(rank_nodes) > 0 else None
     node_groups = None
-    if kind == "hierarchical" and node_ids is not None:
+    if layer.dispatcher_kind.capabilities.node_stages and node_ids is not None:
         node_ids = dims.ep_node_ids
         mesh = dims.ep_node_mesh
         node_groups = (mesh.get_group("ep_node"), mesh.get_group("ep_local"))
-    return build_dispatcher(
-        kind, layer.num_experts, dims.ep_group, wire=layer.dispatch_dtype, node_ids=node_ids, node_groups=node_groups
-    )
+    return ExpertGroups(dims.ep_group, node_ids, node_groups, dims.tp_group if expert_tp else None)
 
 
 def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
     """Every MoELayer's experts split over ``ep`` and, under expert TP, its FFN dim over ``tp``; the
     topology options fit the nodes (``ValueError`` naming the fix, before any work)."""
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
-        needs_nodes = layer.dispatcher_kind == "hierarchical" or (
+        node_stages = layer.dispatcher_kind.capabilities.node_stages
+        needs_nodes = node_stages or (
             layer.num_nodes is None and layer.max_nodes_per_token is not None
         )
         if dims.ep > 1 and dims.dp != -1 and needs_nodes:  # the node layout needs the world size
             nodes = dims.ep_num_nodes  # ValueError for an uneven split over nodes
-            if layer.dispatcher_kind == "hierarchical" and nodes < 2:
+            if node_stages and nodes < 2:
                 raise ValueError(
-                    f"dispatcher='hierarchical' with all {dims.ep} ep ranks on one node is the same as 'alltoall': use"
+                    f"dispatcher={layer.dispatcher_kind.value!r} with all {dims.ep} ep ranks on one node is the same as 'alltoall': use"
                     f" dispatcher='alltoall', or set ranks_per_node below {dims.ep * dims.cp * dims.tp} to simulate nodes"
                 )
             if layer.num_nodes is None and layer.max_nodes_per_token is not None and layer.max_nodes_per_token > nodes:
@@ -89,9 +85,9 @@ def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
                     f"max_nodes_per_token={layer.max_nodes_per_token} exceeds the {nodes} node(s) of the ep group"
                     f" (ep={dims.ep}, ranks_per_node={dims.node_size}): lower it or spread ep over more nodes"
                 )
-        if layer.dispatcher_kind == "hierarchical" and dims.fold_ep:
+        if node_stages and dims.fold_ep:
             raise ValueError(
-                f"dispatcher='hierarchical' splits the mesh's ep dim by node, which fold_ep={list(dims.fold_ep)} leaves"
+                f"dispatcher={layer.dispatcher_kind.value!r} splits the mesh's ep dim by node, which fold_ep={list(dims.fold_ep)} leaves"
                 " incomplete: use dispatcher='alltoall' with folding, or unfold ep"
             )
         if layer.routing == "expert_choice" and dims.tp * dims.cp > 1:

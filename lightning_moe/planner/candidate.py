@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
+from lightning_moe.cp.comm import CP_COMM_KINDS, CpComm
 from lightning_moe.layout import (
     MESH_DIMS,
     PARALLEL_DIMS,
@@ -17,10 +18,8 @@ from lightning_moe.layout import (
 )
 from lightning_moe.planner.model_shape import ModelShape
 
-# How attention crosses the cp ranks (``MoE5DStrategy(cp_comm=...)``, the strategy's own
-# ``lightning_moe.parallel.config.CP_COMM_KINDS``, which the planner cannot import: torch):
-# ring attention, or the all-to-all from sequence shards to head shards (Ulysses).
-CP_COMM_KINDS: tuple[str, ...] = ("ring", "a2a")
+_RING = CpComm.RING.value  # read per layout
+
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,7 @@ class Layout:
     fold_ep: tuple[str, ...] = ()
     dp_replicate: int = 1
     overlap_ep_comm: bool = False
-    cp_comm: str = "ring"
+    cp_comm: str = CpComm.RING.value
 
     def __post_init__(self) -> None:
         # "cp,tp", ["tp", "cp"] and ("cp", "tp") are one layout: one hash, one label
@@ -80,7 +79,9 @@ class Layout:
                 " ranks, 'a2a' exchanges sequence shards for head shards"
             )
         if self.cp == 1:  # no context-parallel attention to choose for
-            object.__setattr__(self, "cp_comm", "ring")
+            object.__setattr__(self, "cp_comm", _RING)
+        elif isinstance(self.cp_comm, CpComm):  # kept as the plain string
+            object.__setattr__(self, "cp_comm", self.cp_comm.value)
         problem = hsdp_problem(self.dp, self.dp_replicate) if self.dp_replicate != 1 else None
         if problem:
             raise ValueError(problem)
@@ -171,7 +172,7 @@ class Layout:
     def _size_note(self, dim: str, size: int) -> str:
         """One dim of the label: ``ep8(fold tp)``, ``hsdp2x4`` (dp8 as 2 replica groups of 4),
         ``cp4(a2a)`` (all-to-all context parallelism), ``tp2``."""
-        if dim == "cp" and self.cp_comm != "ring":
+        if dim == "cp" and self.cp_comm != _RING:
             return f"cp{size}({self.cp_comm})"
         if dim == "ep" and self.fold_ep:
             return f"ep{size}(fold {','.join(self.fold_ep)})"
@@ -194,7 +195,7 @@ class Layout:
             kwargs["gather_once_per_step"] = True
         if self.overlap_ep_comm:
             kwargs["overlap_ep_comm"] = True
-        if self.cp_comm != "ring":
+        if self.cp_comm != _RING:
             kwargs["cp_comm"] = self.cp_comm
         return kwargs
 

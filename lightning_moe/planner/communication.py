@@ -12,7 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_moe.cp.comm import CpComm
 from lightning_moe.layout import PARALLEL_DIMS
+from lightning_moe.moe.dispatchers import DispatcherKind, dispatcher_kind
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import (
     ACTIVATION_BYTES,
@@ -28,6 +30,12 @@ from lightning_moe.planner.groups import fsdp_shard_group, group_size, nodes_spa
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import fsdp_units
+
+# The kinds as module constants, read per layout (an enum member read off its class costs a call);
+# ``_RING``/``_A2A`` are the plain strings ``Layout.cp_comm`` and ``CommRecord.pattern`` hold.
+_RING, _A2A = CpComm.RING.value, CpComm.A2A.value
+_ALLTOALL, _ALLTOALL_DEDUP = DispatcherKind.ALLTOALL, DispatcherKind.ALLTOALL_DEDUP
+_ALLGATHER, _HIERARCHICAL = DispatcherKind.ALLGATHER, DispatcherKind.HIERARCHICAL
 
 # Lightning broadcasts an int64 "sigterm" flag from rank 0 at every training batch but the first of
 # an optimizer step (lightning.pytorch.loops.training_epoch_loop._broadcast_sigterm_tensor).
@@ -149,7 +157,8 @@ class CommRecord:
     :data:`~lightning_moe.planner.groups.GROUP_SPANS` or ``"edp"``); ``recorded_as``: the dim
     :mod:`lightning_moe.comm`'s wrapper names (None: a ``torch.distributed`` or functional
     collective, attributed by its group); ``functional``: a DTensor (functional) collective;
-    ``pattern``: ``"spread"`` (to all peers) or ``"ring"``/``"chain"`` (to the next rank);
+    ``pattern``: ``"spread"`` (to all peers) or ``"ring"``/``"chain"`` (to the next rank; ``"ring"`` is
+    ring attention's, ``CpComm.RING``, wrapping around the cp group);
     ``overlapped``: the code overlaps it with compute; ``reduction``: a gradient reduction (FSDP2's
     reduce-scatters, HSDP's all-reduce), whose last one per step waits for the last backward
     (:func:`~lightning_moe.planner.step_time.overlap_budget`); ``split``: the ``(intra, inter)``
@@ -350,7 +359,7 @@ def comm_records(
     # ---- context parallel: all-to-all (Ulysses) attention, not overlapped: the exchange sits between
     # the projections and the attention kernel. Forward: Q/K/V in one all-to-all, the output in
     # another; backward: their gradients, as many bytes again (lightning_moe.cp.ulysses) ----
-    if cp > 1 and layout.cp_comm == "a2a":
+    if cp > 1 and layout.cp_comm == _A2A:
         per_attention = ulysses_attention_bytes(b, model.num_heads // tp, model.num_kv_heads // tp, s, model.head_dim, cp, a)
         add("all-to-all attention Q/K/V and output", "cp", "cp", per_attention * m * layers_per_rank,
             4 * m * layers_per_rank, all_to_all=True)
@@ -360,7 +369,7 @@ def comm_records(
         # forward: cp-1 shifts of (K, V); backward: cp-1 shifts of (K, V) and cp shifts of fp32 (dK, dV)
         per_attention = (2 * (cp - 1) * 2 * kv_block * a) + cp * 2 * kv_block * FP32_BYTES
         add("ring attention K/V and dK/dV", "cp", "cp", per_attention * m * layers_per_rank,
-            (3 * cp - 2) * m * layers_per_rank, pattern="ring", overlapped=True)
+            (3 * cp - 2) * m * layers_per_rank, pattern=_RING, overlapped=True)
     if cp > 1:
         if pp > 1:
             # pipeline_batch all-reduces each sample's loss-token count (float64) over cp per pipeline step
@@ -371,13 +380,14 @@ def comm_records(
         tokens = b * seq_local // tp  # each tp rank dispatches its sequence shard
         slots = tokens * model.top_k
         chunks = dispatch_chunks_run(model, tokens)
-        if model.dispatcher == "alltoall":
+        kind = dispatcher_kind(model.dispatcher)
+        if kind is _ALLTOALL:
             counts = chunks * peer_share_bytes(model.num_experts * INT64_BYTES, ep)
             add("dispatch counts all-to-all", "ep", "ep", counts * m * moe_per_rank, m * moe_per_rank, recorded_as="ep")
             leave = slots * (ep - 1) / ep
             add("token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * leave * m * moe_per_rank,
                 4 * m * moe_per_rank, recorded_as="ep", routing_dependent=True)
-        elif model.dispatcher == "alltoall_dedup":
+        elif kind is _ALLTOALL_DEDUP:
             # One row per (token, other ep rank holding one of its experts), uniform routing over all
             # ep ranks (node limits left out); each with its slots' expert ids (int32) and gate weights
             # (fp32, and their gradient); one int64 row count per peer.
@@ -397,7 +407,7 @@ def comm_records(
                 3 * per_step, recorded_as="ep", routing_dependent=True)
             add("dedup token dispatch/combine all-to-all", "ep", "ep", token_exchange_row_bytes(h, a, model.dispatch_dtype) * pairs * per_step,
                 4 * per_step, recorded_as="ep", routing_dependent=True)
-        elif model.dispatcher == "hierarchical":
+        elif kind is _HIERARCHICAL:
             if gpus_per_node is None:
                 raise ValueError("dispatcher='hierarchical' splits the ep group by node: pass comm_records(..., gpus_per_node=...)")
             num_nodes = nodes_spanned(layout, "ep", gpus_per_node)
@@ -407,13 +417,15 @@ def comm_records(
                     f" in one node of {gpus_per_node}: use dispatcher='alltoall'"
                 )
             records += hierarchical_dispatch_records(model, tokens, num_nodes, ep // num_nodes, a, m * moe_per_rank)
-        else:
+        elif kind is _ALLGATHER:
             gathered = peer_chunks_bytes(tokens * h * a, ep)
             idx = peer_chunks_bytes(slots * INT64_BYTES, ep)
             weights = peer_chunks_bytes(slots * FP32_BYTES, ep)
             rs = peer_chunks_bytes(tokens * h * a, ep)
             per_layer = 2 * gathered + idx + 2 * weights + 2 * rs
             add("all-gather dispatcher", "ep", "ep", per_layer * m * moe_per_rank, 7 * m * moe_per_rank, recorded_as="ep")
+        else:
+            raise NotImplementedError(f"dispatcher={kind.value!r} has no byte model: add its records to comm_records")
     # ---- data parallel: FSDP2 all-gathers (forward, and again in backward for non-root units) and
     # reduce-scatters, once per micro-batch; once per optimizer step with gather_once_per_step.
     # HSDP: both within the shard group, then each reduced gradient shard (fp32, padded as FSDP2
@@ -487,7 +499,7 @@ def record_split(rec: CommRecord, layout: Layout, cluster: Cluster) -> tuple[flo
         return rec.split
     if rec.pattern == "spread":
         return peer_split(layout, rec.group, cluster.gpus_per_node)
-    return ring_split(layout, rec.group, cluster.gpus_per_node, wrap=rec.pattern == "ring")
+    return ring_split(layout, rec.group, cluster.gpus_per_node, wrap=rec.pattern == _RING)
 
 
 def comm_bytes_by_dim(records: Iterable[CommRecord], layout: Layout, cluster: Cluster) -> dict[str, dict[str, float]]:

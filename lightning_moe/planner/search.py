@@ -7,10 +7,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from lightning_moe.cp.comm import CP_COMM_KINDS, CpComm
 from lightning_moe.layout import V_SCHEDULES, default_micro_batch_size, fold_size, mesh_factorizations, sequence_split_problem, size_problems
+from lightning_moe.moe.dispatchers import dispatcher_kind
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
-from lightning_moe.planner.candidate import CP_COMM_KINDS, Layout
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.communication import ulysses_heads_problem
 from lightning_moe.planner.groups import nodes_spanned
 from lightning_moe.planner.memory import CHECKPOINT_MODES
@@ -50,7 +52,7 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
     split = sequence_split_problem(seq_len // cp, tp)
     if split:
         problems.append(split)
-    if layout.cp_comm == "a2a":
+    if layout.cp_comm == CpComm.A2A:
         heads = a2a_heads_problem(model, layout)
         if heads:
             problems.append(heads)
@@ -80,8 +82,9 @@ def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: s
         problems.append("overlap_ep_comm=True needs data_parallel='fsdp' with gather_once_per_step=True")
     if checkpointing != "none":
         problems.append(f"overlap_ep_comm=True needs activation_checkpointing='none', got {checkpointing!r}")
-    if model.dispatcher == "allgather":
-        problems.append("overlap_ep_comm=True hands over at token all-to-alls, which dispatcher='allgather' does not issue")
+    kind = dispatcher_kind(model.dispatcher)
+    if not kind.capabilities.token_all_to_all:
+        problems.append(f"overlap_ep_comm=True hands over at token all-to-alls, which dispatcher={kind.value!r} does not issue")
     return problems
 
 
@@ -98,10 +101,11 @@ def a2a_heads_problem(model: ModelShape, layout: Layout) -> str | None:
 def hierarchical_dispatch_problem(model: ModelShape, layout: Layout, gpus_per_node: int) -> str | None:
     """Why ``dispatcher="hierarchical"`` cannot run ``layout``'s ep group, or None: its two stages need
     the group on more than one node (``lightning_moe.moe.hierarchical`` refuses one node)."""
-    if model.dispatcher != "hierarchical" or layout.ep == 1 or not model.num_moe_layers:
+    kind = dispatcher_kind(model.dispatcher)
+    if not kind.capabilities.node_stages or layout.ep == 1 or not model.num_moe_layers:
         return None
     if nodes_spanned(layout, "ep", gpus_per_node) < 2:
-        return f"dispatcher='hierarchical' needs the ep group on more than one node of {gpus_per_node} ranks"
+        return f"dispatcher={kind.value!r} needs the ep group on more than one node of {gpus_per_node} ranks"
     return None
 
 
@@ -112,11 +116,12 @@ def cp_comm_options(model: ModelShape, layout: Layout, kinds: Iterable[str] = CP
 
     Example: heads 8 per tp rank: cp2, cp4 and cp8 take ``("ring", "a2a")``; 12 heads at cp8: ``("ring",)``.
     """
+    ring = (CpComm.RING.value,)
     if layout.cp == 1:
-        return ("ring",)
+        return ring
     wanted = set(kinds)
-    options = tuple(k for k in CP_COMM_KINDS if k in wanted and (k == "ring" or a2a_heads_problem(model, layout) is None))
-    return options or ("ring",)
+    options = tuple(k for k in CP_COMM_KINDS if k in wanted and (k == CpComm.RING or a2a_heads_problem(model, layout) is None))
+    return options or ring
 
 
 def estimate_cp_comm(

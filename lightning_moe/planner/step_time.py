@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_moe.cp.comm import CpComm
+from lightning_moe.moe.dispatchers import dispatcher_kind
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, fsdp_reduces, record_split
 from lightning_moe.planner.muon import muon_comm_records, newton_schulz_seconds
@@ -30,6 +32,8 @@ from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_st
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.v_schedules import v_schedule_timeline
+
+_RING = CpComm.RING.value  # ring attention's CommRecord.pattern, read per record
 
 # Adam's update reads and writes each parameter's fp32 weight, gradient and two moments:
 # (4 + 4 + 8) bytes read and (4 + 8) written (torch.optim.AdamW foreach kernel, memory-bound).
@@ -206,7 +210,7 @@ def intra_layer_overlap(model: ModelShape, layout: Layout) -> bool:
     """Whether the MoE layer can overlap its own token all-to-alls (``dispatch_chunks``, the shared
     expert): its dispatcher must issue and wait apart, which the all-to-all dispatcher does and the
     expert-tensor-parallel wrapper around it (etp group > 1) does not."""
-    return model.dispatcher in ("alltoall", "alltoall_dedup") and layout.size("etp") == 1
+    return dispatcher_kind(model.dispatcher).capabilities.intra_layer_overlap and layout.size("etp") == 1
 
 
 def hidden_ep_seconds(
@@ -283,7 +287,7 @@ def record_seconds(rec: CommRecord, layout: Layout, cluster: Cluster) -> float:
         # all-to-all and point-to-point use both tiers at once
         seconds = max(rec.bytes * intra / bw_intra, rec.bytes * inter / bw_inter)
     seconds += rec.calls * cluster.collective_latency
-    if rec.pattern == "ring":  # ring attention's per-block work around each shift
+    if rec.pattern == _RING:  # ring attention's per-block work around each shift
         seconds += rec.calls * cluster.ring_step_overhead
     return seconds
 
