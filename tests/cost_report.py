@@ -1,7 +1,8 @@
 """Where the suite's time goes: ``pytest --cost-report=FILE`` writes each test's wall time split into
 the seconds it spent in new processes (``subprocess``: CLI launches, scripts, torchrun), in the worker
 pool's ranks (``pool``: multi-process runs without a launch) and in the test process itself, with the
-test's family, as JSON; ``python -m tests.cost_report FILE`` prints the table docs/testing.md shows.
+test's family, as JSON (under pytest-xdist one file per worker, ``FILE.gw0`` ...); ``python -m
+tests.cost_report FILE...`` prints the table docs/testing.md shows.
 
 The split is measured by wrapping ``subprocess.run``/``Popen.wait``/``communicate`` and
 ``DistributedPool.run`` for the session; a test's family is read from its file and id.
@@ -89,9 +90,13 @@ class CostRecorder:
 
     def pytest_sessionfinish(self, session, exitstatus):
         self.uninstall()
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        if not self.records:  # xdist's controller runs no test
+            return
+        worker = getattr(session.config, "workerinput", {}).get("workerid")
+        path = self.path.with_name(f"{self.path.name}.{worker}") if worker else self.path
+        tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(self.records, indent=1))
-        tmp.replace(self.path)
+        tmp.replace(path)
 
 
 def table(records: list[dict]) -> str:
@@ -112,9 +117,9 @@ def table(records: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    records = json.loads(Path(sys.argv[1]).read_text())
+    records = [record for name in sys.argv[1:] for record in json.loads(Path(name).read_text())]
     print(table(records))
     print()
     print("slowest:")
-    for record in sorted(records, key=lambda r: -r["seconds"])[: int(sys.argv[2]) if len(sys.argv) > 2 else 30]:
+    for record in sorted(records, key=lambda r: -r["seconds"])[:30]:
         print(f"{record['seconds']:7.1f}  {record['test']}")
