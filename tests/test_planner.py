@@ -286,9 +286,10 @@ def test_expert_bytes_scale_with_the_share_of_rows_leaving_the_rank(dispatcher, 
 
 def test_mixtral_on_256_h100_plans_in_seconds_and_writes_its_outputs(tmp_path, capsys):
     cfg = compose_plan("model=mixtral_8x7b", "cluster=h100_sxm", "world_size=256", f"output_dir={tmp_path}")
-    start = time.perf_counter()
+    # CPU seconds of this process, not wall time: the bound holds on a machine other work shares.
+    start = time.process_time()
     out = run_plan(cfg, tmp_path, {"model": "mixtral_8x7b", "cluster": "h100_sxm"})
-    assert time.perf_counter() - start < 60
+    assert time.process_time() - start < 60
     printed = capsys.readouterr().out
     assert "| # | layout | step s | MFU | MFU range |" in printed and "ep inter-node" in printed and "do not fit" in printed
     # the first layout's estimate as a range, and the MFU convention, printed; every layout's range written
@@ -434,9 +435,9 @@ def test_dry_run_shards_equal_the_cost_model(sizes):
 def test_dry_run_at_1024_ranks_is_quick_and_exact():
     """DeepSeek-V3-shaped with 4 layers, tp8 x ep64 x pp2 on 1024 fake ranks."""
     cfg = OmegaConf.to_container(compose_plan("model=deepseek_v3", "model.num_layers=4").model, resolve=True)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds of this process, as above
     views = dry_run(cfg, Layout(tp=8, ep=64, pp=2, dp=1, etp=8))
-    assert time.perf_counter() - start < 120
+    assert time.process_time() - start < 120
     assert [v.rank for v in views] == [0, 512, 1023]
     assert all(v.matches for v in views), [v.mismatches[:3] for v in views]
     # the last rank's FSDP chunks are shorter: the padded figure (the memory estimate) bounds it
