@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-__all__ = ["CP_COMM_KINDS", "CpComm"]
+__all__ = ["CP_COMM_KINDS", "CpComm", "check_cp_comm"]
 
 
 class CpComm(str, Enum):
@@ -30,3 +30,13 @@ class CpComm(str, Enum):
 
 # The kinds as plain strings, in order (what error messages list: ('ring', 'a2a')).
 CP_COMM_KINDS: tuple[str, ...] = tuple(k.value for k in CpComm)
+
+
+def check_cp_comm(cp_comm: object) -> None:
+    """``ValueError`` naming the kinds for a ``cp_comm`` that is none of them (the strategy's config and the
+    planner's layouts both ask here)."""
+    if cp_comm not in CP_COMM_KINDS:
+        raise ValueError(
+            f"cp_comm={cp_comm!r} must be one of {CP_COMM_KINDS}: 'ring' passes K/V blocks around the cp ranks,"
+            " 'a2a' exchanges sequence shards for head shards"
+        )

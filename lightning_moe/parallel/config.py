@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_moe.cp.comm import CP_COMM_KINDS, CpComm
+from lightning_moe.cp.comm import CpComm, check_cp_comm
 from lightning_moe.layout import hsdp_problem
 from lightning_moe.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_moe.parallel.dims import ParallelDims
@@ -36,7 +36,7 @@ PLANNED_FIELDS: tuple[str, ...] = (
     "dp_replicate", "dp_shard", "gather_once_per_step", "overlap_ep_comm", "cp_comm",
 )  # fmt: skip
 
-__all__ = ["CP_COMM_KINDS", "PLANNED_FIELDS", "ParallelConfig"]
+__all__ = ["PLANNED_FIELDS", "ParallelConfig"]
 
 
 @dataclass(frozen=True)
@@ -124,11 +124,10 @@ class ParallelConfig:
             raise MisconfigurationException(
                 f"cp_head_chunks={self.cp_head_chunks!r} must be a positive integer dividing the key/value heads"
             )
-        if self.cp_comm not in CP_COMM_KINDS:
-            raise MisconfigurationException(
-                f"cp_comm={self.cp_comm!r} must be one of {CP_COMM_KINDS}: 'ring' passes K/V blocks around the cp ranks,"
-                " 'a2a' exchanges sequence shards for head shards"
-            )
+        try:
+            check_cp_comm(self.cp_comm)
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
         if self.dp != "auto" and (not isinstance(self.dp, int) or self.dp < 1):
             raise MisconfigurationException(f"dp={self.dp!r} must be a positive integer or 'auto'")
         if self.pp > 1 and not self.save_distributed_checkpoint:

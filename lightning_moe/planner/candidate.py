@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
-from lightning_moe.cp.comm import CP_COMM_KINDS, CpComm
+from lightning_moe.cp.comm import CpComm, check_cp_comm
 from lightning_moe.layout import (
     MESH_DIMS,
     PARALLEL_DIMS,
@@ -73,11 +73,7 @@ class Layout:
     def __post_init__(self) -> None:
         # "cp,tp", ["tp", "cp"] and ("cp", "tp") are one layout: one hash, one label
         object.__setattr__(self, "fold_ep", normalize_fold_ep(self.fold_ep))
-        if self.cp_comm not in CP_COMM_KINDS:
-            raise ValueError(
-                f"cp_comm={self.cp_comm!r} must be one of {CP_COMM_KINDS}: 'ring' passes K/V blocks around the cp"
-                " ranks, 'a2a' exchanges sequence shards for head shards"
-            )
+        check_cp_comm(self.cp_comm)
         if self.cp == 1:  # no context-parallel attention to choose for
             object.__setattr__(self, "cp_comm", _RING)
         elif isinstance(self.cp_comm, CpComm):  # kept as the plain string
