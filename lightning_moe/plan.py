@@ -30,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe.conf import CONF_DIR
+from lightning_moe.dry_run import dry_run as build_on_fake_ranks
 from lightning_moe.planner import Cluster, Estimate, Layout, ModelShape, estimate, layout_problems, plan
 from lightning_moe.planner.presets import layout_from_parallel
 from lightning_moe.planner.report import (
@@ -70,7 +71,7 @@ def model_shape(model_cfg: Mapping[str, Any], name: str = "model", architecture:
 def dry_run(
     model_cfg: Mapping[str, Any], layout: Layout, *, ranks: Sequence[int] | None = None, num_layers: int | None = None
 ) -> list[Any]:
-    """:func:`lightning_moe.parallel.dry_run.dry_run` of a ``model`` config (``_target_`` and its arguments):
+    """:func:`lightning_moe.dry_run.dry_run` of a ``model`` config (``_target_`` and its arguments):
     ``layout`` built on the fake process group for the sampled ``ranks``; ``num_layers`` overrides the
     model's depth (keep it a multiple of ``pp * pp_stages_per_rank``).
 
@@ -79,8 +80,6 @@ def dry_run(
         views = dry_run(cfg.model, Layout(tp=8, ep=64, pp=2, dp=1, etp=8), num_layers=4)
         [v.matches for v in views]
     """
-    from lightning_moe.parallel.dry_run import dry_run as build_on_fake_ranks
-
     cfg = OmegaConf.create(OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg))
     if num_layers is not None:
         cfg.num_layers = int(num_layers)

@@ -17,6 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
@@ -40,7 +41,7 @@ from lightning_moe.checkpoint.state import (
 from lightning_moe.checkpoint.writer import CheckpointWriter, save_file_atomically, split_checkpoint
 from lightning_moe.cp import CpComm, all_to_all_attention, context_parallel_attention, document_attention
 from lightning_moe.moe import update_expert_biases
-from lightning_moe.parallel.arguments import auto_layout, resolve_world_size
+from lightning_moe.parallel.arguments import resolve_world_size
 from lightning_moe.parallel.config import ParallelConfig
 from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
 from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
@@ -53,6 +54,7 @@ from lightning_moe.parallel.parallelize import is_parallelized, parallelize
 from lightning_moe.parallel.precision import check_precision
 from lightning_moe.parallel.training_plans import apply_training_plans
 from lightning_moe.parallel.watchdog import HangWatchdog, enable_flight_recorder, hang_watchdog
+from lightning_moe.planner import resolve_auto_layout
 
 
 def _config_field(name: str) -> property:
@@ -78,6 +80,19 @@ def _config_of_arguments(config: ParallelConfig | None, arguments: dict[str, Any
         )
     return config
 
+
+def auto_layout(world_size: int, layout_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``layout="auto"``: the planner's best layout for ``world_size`` as ``MoE5DStrategy`` keyword
+    arguments (:func:`lightning_moe.planner.resolve_auto_layout` documents ``layout_options``); the
+    choice and the runner-up are logged on rank 0. It is the strategy's, which sits above both the
+    planner and ``parallel/``: ``parallel/`` imports no planner (tests/test_structure.py)."""
+    try:
+        best, runner_up = resolve_auto_layout(world_size, **dict(layout_options or {}))
+    except (TypeError, ValueError) as err:
+        raise MisconfigurationException(str(err)) from err
+    other = f"; runner-up {runner_up.layout.label()} ({runner_up.step_time:.3g} s)" if runner_up else ""
+    rank_zero_info(f"layout='auto': {best.layout.label()} (estimated {best.step_time:.3g} s per step){other}")
+    return best.layout.strategy_kwargs()
 
 class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     """Train any LightningModule with tensor, context, expert, data and pipeline parallelism.
@@ -515,4 +530,4 @@ def register() -> None:
         MoE5DStrategy.register_strategies(StrategyRegistry)
 
 
-__all__ = ["MoE5DStrategy", "register"]
+__all__ = ["MoE5DStrategy", "auto_layout", "register"]

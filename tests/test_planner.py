@@ -700,7 +700,7 @@ def test_auto_layout_preset_hands_the_run_config_to_the_planner():
     assert strategy.layout == "auto"
     assert strategy.layout_options["model"]["hidden_size"] == cfg.model.hidden_size
     assert strategy.layout_options["cluster"]["name"] == "cpu_local"
-    from lightning_moe.parallel.arguments import auto_layout
+    from lightning_moe.strategy import auto_layout
 
     with pytest.raises(Exception, match="layout_options .*'model'"):
         auto_layout(2, None)

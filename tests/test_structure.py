@@ -70,8 +70,9 @@ def test_data_modules_write_no_trainer_attribute():
 
 
 def test_no_loose_top_level_module():
-    """Top-level files are the entry points, ``layout.py`` and the package's face; the rest lives in a package."""
-    allowed = {"__init__.py", "layout.py", "strategy.py", "train.py", "report.py", "plan.py"}
+    """Top-level files are the entry points, ``layout.py``, the package's face and ``dry_run.py`` (``plan``'s
+    build on fake ranks, above both ``parallel/`` and ``planner/``); the rest lives in a package."""
+    allowed = {"__init__.py", "layout.py", "strategy.py", "train.py", "report.py", "plan.py", "dry_run.py"}
     loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in allowed)
     assert not loose, f"modules outside a package: {loose}"
 
@@ -114,13 +115,39 @@ def test_lower_layers_import_nothing_above_them():
     above = {
         "layout": set(graph) - {"layout"},
         "_compat": set(graph) - {"_compat"},
-        "moe": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "verify", "report", "checkpoint", "cp"},
-        "cp": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "verify", "report", "checkpoint", "moe"},
-        "comm": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "verify", "report", "moe", "cp"},
-        "parallel": {"strategy", "callbacks", "models", "hf", "data", "train", "plan", "verify", "report"},
+        "moe": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "dry_run", "verify", "report", "checkpoint", "cp"},
+        "cp": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "dry_run", "verify", "report", "checkpoint", "moe"},
+        "comm": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "dry_run", "verify", "report", "moe", "cp"},
+        "parallel": {"strategy", "callbacks", "models", "hf", "data", "train", "plan", "dry_run", "verify", "report"},
     }
     upward = {unit: sorted(graph[unit] & banned) for unit, banned in above.items() if graph[unit] & banned}
     assert not upward, upward
+
+
+def _imported_modules(name: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The dotted names an import statement of module ``name`` (a path under the package) may load:
+    ``from a import b`` loads ``a`` and, when ``b`` is a module, ``a.b``; relative imports resolved."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    package = ["lightning_moe", *name.removesuffix(".py").split("/")[:-1]]
+    base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]) if node.level else node.module or ""
+    base = base.rstrip(".")
+    return [base, *(f"{base}.{alias.name}" for alias in node.names)]
+
+
+def test_parallel_imports_no_planner():
+    """``parallel/`` works on any module and knows no cost model: none of its modules imports
+    ``lightning_moe.planner``, at module level, inside a function or for type checking alone.
+    ``layout="auto"`` is resolved in ``strategy.py`` and the dry run is ``dry_run.py``, above both."""
+    found = []
+    for name, (_, tree) in SOURCES.items():
+        if not name.startswith("parallel/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                hits = [m for m in _imported_modules(name, node) if m == "lightning_moe.planner" or m.startswith("lightning_moe.planner.")]
+                found.extend(f"{name}:{node.lineno}: imports {m}" for m in hits[:1])
+    assert not found, "\n".join(found)
 
 
 # Documents outside the repository that nothing may cite: the strings are assembled here so that this

@@ -1,16 +1,14 @@
-"""Checks of ``MoE5DStrategy``'s layout against the world size, and ``layout="auto"``'s choice (the checks that
-need neither: :class:`~lightning_moe.parallel.config.ParallelConfig`)."""
+"""Checks of ``MoE5DStrategy``'s layout against the world size (the checks that need none:
+:class:`~lightning_moe.parallel.config.ParallelConfig`; ``layout="auto"`` is the strategy's, above the planner)."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe.layout import ResolvedLayout, resolve_layout
 from lightning_moe.parallel.dims import ParallelDims
 
-__all__ = ["auto_layout", "check_unreduced_replicas", "resolve_world_size"]
+__all__ = ["check_unreduced_replicas", "resolve_world_size"]
 
 
 def resolve_world_size(
@@ -40,19 +38,3 @@ def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:
             " configure_model"
         )
 
-
-def auto_layout(world_size: int, layout_options: dict[str, Any] | None) -> dict[str, Any]:
-    """``layout="auto"``: the planner's best layout for ``world_size`` as ``MoE5DStrategy`` keyword
-    arguments (:func:`lightning_moe.planner.resolve_auto_layout` documents ``layout_options``); the
-    choice and the runner-up are logged on rank 0."""
-    from lightning.pytorch.utilities import rank_zero_info
-
-    from lightning_moe.planner import resolve_auto_layout
-
-    try:
-        best, runner_up = resolve_auto_layout(world_size, **dict(layout_options or {}))
-    except (TypeError, ValueError) as err:
-        raise MisconfigurationException(str(err)) from err
-    other = f"; runner-up {runner_up.layout.label()} ({runner_up.step_time:.3g} s)" if runner_up else ""
-    rank_zero_info(f"layout='auto': {best.layout.label()} (estimated {best.step_time:.3g} s per step){other}")
-    return best.layout.strategy_kwargs()

@@ -1,5 +1,8 @@
 """A layout built for real on torch's fake process group: what each rank would hold, with no memory
-allocated, next to the planner's figure (``python -m lightning_moe.plan ... dry_run=true``)."""
+allocated, next to the planner's figure (``python -m lightning_moe.plan ... dry_run=true``).
+
+It holds the real ``parallelize`` against the cost model, so it sits above both ``parallel/`` and the
+planner, beside ``plan.py``, its entry point."""
 
 from __future__ import annotations
 
