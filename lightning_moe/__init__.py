@@ -4,10 +4,9 @@
 """
 
 from lightning_moe import optim  # lightning_moe.optim.Muon without an import of its own
-from lightning_moe.parallel.config import ParallelConfig
+from lightning_moe.parallel.config import ParallelConfig, ParallelHooks
 from lightning_moe.parallel.dims import ParallelDims, parallel_dims_of
-from lightning_moe.parallel.hooks import ParallelHooks
-from lightning_moe.parallel.parallelize import parallelize
+from lightning_moe.parallel.plans.parallelize import parallelize
 from lightning_moe.strategy import MoE5DStrategy, register
 from lightning_moe.verify import VerifyReport, verify_layout
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe._compat import fake_store
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.parallelize import parallelize
+from lightning_moe.parallel.plans.parallelize import parallelize
 from lightning_moe.planner import Layout, ModelShape, parameter_bytes_per_rank, rank_parameters
 
 __all__ = ["RankView", "dry_run"]

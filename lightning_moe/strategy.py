@@ -41,19 +41,22 @@ from lightning_moe.checkpoint.state import (
 from lightning_moe.checkpoint.writer import CheckpointWriter, save_file_atomically, split_checkpoint
 from lightning_moe.cp import CpComm, all_to_all_attention, context_parallel_attention, document_attention
 from lightning_moe.moe import update_expert_biases
-from lightning_moe.parallel.arguments import resolve_world_size
 from lightning_moe.parallel.config import ParallelConfig
-from lightning_moe.parallel.context_parallel import check_context_parallel_support, shard_batch_for_context_parallel
-from lightning_moe.parallel.cp_outputs import gather_sequence_outputs
-from lightning_moe.parallel.documents import batch_document_ids, packed_documents
+from lightning_moe.parallel.config.world_size import resolve_world_size
 from lightning_moe.parallel.engines import choose_step_engine
-from lightning_moe.parallel.grad_norm import clip_grad_norm_
-from lightning_moe.parallel.host_memory import return_large_blocks_to_the_system
-from lightning_moe.parallel.init import materialize
-from lightning_moe.parallel.parallelize import is_parallelized, parallelize
-from lightning_moe.parallel.precision import check_precision
-from lightning_moe.parallel.training_plans import apply_training_plans
-from lightning_moe.parallel.watchdog import HangWatchdog, enable_flight_recorder, hang_watchdog
+from lightning_moe.parallel.plans.context_parallel import (
+    check_context_parallel_support,
+    shard_batch_for_context_parallel,
+)
+from lightning_moe.parallel.plans.init import materialize
+from lightning_moe.parallel.plans.parallelize import is_parallelized, parallelize
+from lightning_moe.parallel.plans.precision import check_precision
+from lightning_moe.parallel.plans.training_plans import apply_training_plans
+from lightning_moe.parallel.runtime.cp_outputs import gather_sequence_outputs
+from lightning_moe.parallel.runtime.documents import batch_document_ids, packed_documents
+from lightning_moe.parallel.runtime.grad_norm import clip_grad_norm_
+from lightning_moe.parallel.runtime.host_memory import return_large_blocks_to_the_system
+from lightning_moe.parallel.runtime.watchdog import HangWatchdog, enable_flight_recorder, hang_watchdog
 from lightning_moe.planner import resolve_auto_layout
 
 
@@ -103,7 +106,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     over ``dp x ep`` and saves distributed (DCP) checkpoints atomically.
 
     Under ``pp > 1`` a ``torch.distributed.pipelining`` schedule replaces the module's
-    ``training_step`` (:class:`~lightning_moe.parallel.lightning_pipeline.PipelineEngine`): the
+    ``training_step`` (:class:`~lightning_moe.parallel.engines.lightning_pipeline.PipelineEngine`): the
     module provides ``loss_from_logits(output, labels, loss_mask=None, loss_token_count=None)``, and
     ``self(...)`` in its evaluation steps runs the whole model through the stages. Under ``cp > 1``
     ``predict_step`` outputs come back whole, in token order. Precision follows the trainer
@@ -138,10 +141,10 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             replica groups and the ranks of each (torchtitan's names). Expert data parallel splits alike.
         gather_once_per_step: under FSDP and gradient accumulation (pp = 1), all-gather each unit
             once per optimizer step and reduce-scatter once, holding its unsharded parameters and
-            gradients for the step (:mod:`lightning_moe.parallel.fsdp_accumulation`).
+            gradients for the step (:mod:`lightning_moe.parallel.engines.fsdp_accumulation`).
         overlap_ep_comm: under gradient accumulation (pp = 1), run each micro-batch's backward interleaved
             with the next one's forward, so that each one's expert all-to-alls are in flight while the
-            other computes (:class:`lightning_moe.parallel.accumulation.OverlapEngine`); needs ep > 1 and
+            other computes (:class:`lightning_moe.parallel.engines.accumulation.OverlapEngine`); needs ep > 1 and
             ``data_parallel="fsdp"`` with ``gather_once_per_step=True``. The numbers are those without it.
         sequence_parallel: keep activations outside TP regions sharded on the sequence.
         context_parallel_keys: batch keys to shard on the sequence under cp > 1, besides
@@ -154,18 +157,19 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
         timeout: process-group timeout (a ``timedelta`` or seconds). With more than one process it is also
             the hang watchdog's: a rank that issues no collective for 95% of it writes its stacks to
-            ``<default_root_dir>/stacks`` and exits naming the collective (:mod:`lightning_moe.parallel.watchdog`).
+            ``<default_root_dir>/stacks`` and exits naming the collective
+            (:mod:`lightning_moe.parallel.runtime.watchdog`).
         save_distributed_checkpoint: save a sharded DCP folder (True) or one full file on rank 0.
         async_checkpoint: write DCP checkpoints in the background (``torch.distributed.checkpoint.async_save``):
             training goes on once the tensors are copied to host memory; at most one save is in flight
             (see :mod:`lightning_moe.checkpoint.writer`). Needs ``save_distributed_checkpoint=True``.
         activation_checkpointing: ``"none"``, ``"full"`` (each block recomputed in backward) or ``"selective"``
             (only the MoE expert FFNs and the attention core; dispatch all-to-alls run once), see
-            :mod:`lightning_moe.parallel.activation_checkpoint`.
+            :mod:`lightning_moe.parallel.plans.activation_checkpoint`.
         deterministic: ``torch.use_deterministic_algorithms(True)`` in every process, as
             ``Trainer(deterministic=True)`` does (either gives bitwise-identical runs of a layout).
         compile: compile each transformer block with ``torch.compile`` after parallelization (see
-            :mod:`lightning_moe.parallel.compile`).
+            :mod:`lightning_moe.parallel.plans.compile`).
         layout, layout_options: ``"auto"`` replaces the sizes above by the layout planner's best for
             the world size (``layout_options``: see ``lightning_moe.planner.resolve_auto_layout``).
         config: a ready :class:`~lightning_moe.ParallelConfig` instead of the arguments above (all but

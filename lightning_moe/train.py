@@ -42,9 +42,9 @@ from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
 from lightning_moe.checkpoint import latest_checkpoint
 from lightning_moe.data import resolve_batch_layout
 from lightning_moe.layout import PARALLEL_DIMS, size_problems
-from lightning_moe.parallel.parallelize import check_layout
-from lightning_moe.parallel.arguments import resolve_world_size
-from lightning_moe.parallel.context_parallel import check_context_parallel_support
+from lightning_moe.parallel.config.world_size import resolve_world_size
+from lightning_moe.parallel.plans.context_parallel import check_context_parallel_support
+from lightning_moe.parallel.plans.parallelize import check_layout
 
 
 

@@ -76,7 +76,7 @@ def test_resume_on_another_layout_continues_the_single_process_curve(tmp_path, t
 
 
 # Two experts: dp2·ep2 holds one expert per ep rank, fewer than its edp group of 2, so FSDP2 splits
-# each expert on its hidden dim (lightning_moe.parallel.data_parallel.expert_shard_dim).
+# each expert on its hidden dim (lightning_moe.parallel.plans.data_parallel.expert_shard_dim).
 TWO_EXPERTS_RUN = [o for o in TINY_RUN if not o.startswith("model.moe.num_experts=")] + ["model.moe.num_experts=2"]
 
 

@@ -22,7 +22,7 @@ def _reduced_grads(kind: str, device: str, divisor: float, world: int = 1, rank:
     from torch.distributed.fsdp import fully_shard
 
     from lightning_moe._compat import replicate_module
-    from lightning_moe.parallel.data_parallel import wrap_averaged
+    from lightning_moe.parallel.plans.data_parallel import wrap_averaged
 
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("edp",))
     torch.manual_seed(0)

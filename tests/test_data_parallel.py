@@ -34,7 +34,7 @@ def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float |
     from lightning_moe.cp import context_parallel_attention
     from lightning_moe.models import MoEGPT
     from lightning_moe.moe import set_aux_loss_scale
-    from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
+    from lightning_moe.parallel.plans.context_parallel import shard_batch_for_context_parallel
 
     dims = layout(ep=ep, cp=cp, tp=tp)
     torch.manual_seed(0)
@@ -59,7 +59,7 @@ def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float |
     set_aux_loss_scale(1.0)
     worst = 0.0
     if clip is not None:
-        from lightning_moe.parallel.grad_norm import clip_grad_norm_
+        from lightning_moe.parallel.runtime.grad_norm import clip_grad_norm_
 
         total = clip_grad_norm_(model.parameters(), clip)
         ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)

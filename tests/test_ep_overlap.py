@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
 from lightning_moe.comm.interleave import hand_off, run_interleaved
-from lightning_moe.parallel.accumulation import MicroBatchOverlap
+from lightning_moe.parallel.engines.accumulation import MicroBatchOverlap
 from tests.cli import train_in_pool
 from tests.dist_pool import get_pool
 
@@ -71,7 +71,7 @@ def _fsdp_steps_with_and_without_overlap() -> dict:
     import lightning_moe.moe.exchange as exchange
     from lightning_moe import ParallelDims, parallelize
     from lightning_moe.models import MoEGPT
-    from lightning_moe.parallel.fsdp_accumulation import GatherOncePerStep
+    from lightning_moe.parallel.engines.fsdp_accumulation import GatherOncePerStep
 
     dims = ParallelDims(ep=2)
     dims.build_mesh("cpu")

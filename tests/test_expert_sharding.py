@@ -34,7 +34,7 @@ OTHER = {"tp": 2, "ep": 2}  # etp = tp: experts split over tp, edp = 1 (no FSDP 
 def test_the_planner_applies_the_data_parallel_rule():
     import itertools
 
-    from lightning_moe.parallel.data_parallel import expert_shard_dim
+    from lightning_moe.parallel.plans.data_parallel import expert_shard_dim
     from lightning_moe.planner.parameters import expert_fsdp_dim
 
     assert expert_shard_dim((1, 32, 24), frozenset(), 2) == 1
@@ -59,7 +59,7 @@ def _train(model, optimizer, steps: range, replica: int, replicas: int, group) -
     """Optimizer steps over the same 4 micro-batches per step on any layout (accumulating 4 / replicas
     per replica), gradients clipped; the global mean loss and the total norm of each step."""
     from lightning_moe.moe import set_aux_loss_scale
-    from lightning_moe.parallel.grad_norm import clip_grad_norm_
+    from lightning_moe.parallel.runtime.grad_norm import clip_grad_norm_
 
     micro = GLOBAL_MICRO_BATCHES // replicas
     losses, norms = [], []
@@ -236,7 +236,7 @@ def meta_init_case() -> dict:
 
     from lightning_moe import parallelize
     from lightning_moe.models import MoEGPT
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     dims = layout(**SHARDED)
     torch.manual_seed(7)

@@ -207,7 +207,7 @@ def test_lightnings_default_displays_become_ours_with_their_settings(tmp_path):
 
 def test_tp_outputs_own_their_storage_with_the_same_values_and_gradients():
     """What keeps FSDP quiet: a view output comes back as no view, without a copy, same gradient."""
-    from lightning_moe.parallel.tensor_parallel import own_view_outputs
+    from lightning_moe.parallel.plans.tensor_parallel import own_view_outputs
 
     x = torch.randn(2, 3, requires_grad=True)
     logits = (x * 3).view_as(x)  # DTensor.to_local() returns such a view

@@ -124,7 +124,7 @@ def independent_losses(folder: Path, batch: dict[str, torch.Tensor]) -> tuple[to
 # -- one process -----------------------------------------------------------------------------------
 def test_load_whole_and_sharded_then_save_bit_for_bit(published, tmp_path):
     from lightning_moe.hf import HFMoEModule
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     whole = HFMoEModule(pretrained=published)
     assert whole.mtp_depth == 1 and whole.hparams.mtp_depth == 1
@@ -167,7 +167,7 @@ def test_mtp_loss_equals_transformers_layer(published):
 
 def test_new_depths_from_a_config_are_written_and_read_back(tmp_path):
     from lightning_moe.hf import TINY_CONFIGS, HFMoEModule
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     config = {"model_type": "deepseek_v3", **TINY_CONFIGS["deepseek_v3"]}
     assert HFMoEModule(config).mtp_depth == 0, "a config's num_nextn_predict_layers alone adds no depth"
@@ -194,7 +194,7 @@ def test_a_differing_copy_warns_on_both_loads(published, tmp_path):
     from safetensors.torch import save_file
 
     from lightning_moe.hf import HFMoEModule
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     folder = tmp_path / "edited"
     shutil.copytree(published, folder)

@@ -33,7 +33,7 @@ def sharded_load_case(folder: str, ep: int) -> dict:
 
     from lightning_moe import parallelize
     from lightning_moe.hf import HFMoEModule
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     reference = HFMoEModule(pretrained=folder)  # transformers' own from_pretrained, whole
     with torch.device("meta"):
@@ -66,7 +66,7 @@ def test_each_rank_reads_its_share_of_the_experts(pretrained, ep):
 
 def test_one_process_meta_build_equals_from_pretrained(pretrained):
     from lightning_moe.hf import HFMoEModule
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     reference = HFMoEModule(pretrained=pretrained)
     with torch.device("meta"):

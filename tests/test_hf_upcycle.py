@@ -106,7 +106,7 @@ def test_from_folder_and_meta_build_equal_the_eager_upcycle(folders):
     """A folder is read by from_pretrained (eager) or slice by slice (meta build, as the CLI does): the
     same parameters as upcycling the model object, bit for bit."""
     from lightning_moe.hf import UpcycledHFMoEModule, upcycle
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     dense = transformers.AutoModelForCausalLM.from_pretrained(folders["qwen2"], local_files_only=True)
     reference = upcycle(dense, 8, 1, granularity=2, seed=3)
@@ -205,7 +205,7 @@ def test_unknown_families_and_folders_are_refused(tmp_path):
 def upcycle_layout_case(folder: str, sizes: dict, meta: bool) -> float:
     from lightning_moe import parallelize
     from lightning_moe.hf import UpcycledHFMoEModule
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     dense = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
     kwargs = dict(pretrained=folder, num_experts=8, top_k=1, granularity=2, seed=0)
@@ -255,7 +255,7 @@ def test_a_config_mapping_upcycles_a_seeded_random_dense_model(folders):
     """The preset's default (no folder): the same values eagerly and built on the meta device; a
     ``pretrained`` folder replaces the mapping (the CLI's ``model.pretrained=...``)."""
     from lightning_moe.hf import UpcycledHFMoEModule, upcycle
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     spec = {"model_type": "qwen3", **DENSE["qwen3"]}
     eager = upcycle(spec, 4, 1, granularity=2, seed=1)

@@ -8,7 +8,7 @@ import sys
 # A child process: the setting lasts for the process, and the test measures its resident set.
 _CHILD = """
 import sys, torch
-from lightning_moe.parallel.host_memory import return_large_blocks_to_the_system
+from lightning_moe.parallel.runtime.host_memory import return_large_blocks_to_the_system
 
 def rss_mb():
     with open("/proc/self/status") as status:
@@ -40,7 +40,7 @@ def test_freed_tensors_leave_the_process_once_the_threshold_is_fixed():
 
 
 def test_a_users_own_threshold_wins(monkeypatch):
-    from lightning_moe.parallel.host_memory import return_large_blocks_to_the_system
+    from lightning_moe.parallel.runtime.host_memory import return_large_blocks_to_the_system
 
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     assert return_large_blocks_to_the_system() is False

@@ -149,7 +149,7 @@ def test_runtime_checks_raise_the_rules_words() -> None:
 
     from lightning_moe.cp import check_seq_len
     from lightning_moe.data import resolve_batch_layout
-    from lightning_moe.parallel.tensor_parallel import check_head_counts
+    from lightning_moe.parallel.plans.tensor_parallel import check_head_counts
 
     with pytest.raises(ValueError) as err:
         resolve_batch_layout(12, 4, 2)

@@ -40,7 +40,7 @@ def policy_case(precision: str) -> dict:
     """dp2 x ep2: the FSDP2 units' policy and the dp bytes of one forward (all-gathers only)."""
     from lightning_moe import comm, parallelize
     from lightning_moe.callbacks import count_collectives, group_dims
-    from lightning_moe.parallel.precision import apply_mixed_precision, fsdp_policies, mixed_precision_policy
+    from lightning_moe.parallel.plans.precision import apply_mixed_precision, fsdp_policies, mixed_precision_policy
     from tests.dist_pool import layout
 
     dims = layout(ep=2)
@@ -77,7 +77,7 @@ def test_bf16_mixed_gives_fsdp_bf16_all_gathers_at_half_the_bytes(pool4):
 
 
 def test_sixteen_bit_precisions_are_refused_with_the_fix():
-    from lightning_moe.parallel.precision import check_precision
+    from lightning_moe.parallel.plans.precision import check_precision
 
     with pytest.raises(ValueError, match=r"precision='16-mixed'.*gradient scaler.*Use precision='bf16-mixed'"):
         check_precision("16-mixed")
@@ -89,7 +89,7 @@ def checkpointing_case(mode: str, tp: int) -> dict:
     the ep collectives it issued."""
     from lightning_moe import comm, parallelize
     from lightning_moe.callbacks import count_collectives, group_dims
-    from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+    from lightning_moe.parallel.plans.activation_checkpoint import apply_activation_checkpointing
     from tests.dist_pool import layout
 
     dims = layout(ep=2, tp=tp)
@@ -252,7 +252,7 @@ class _CountingBlock(torch.nn.Module):
 
 
 def test_full_checkpointing_recomputes_without_counting_twice():
-    from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+    from lightning_moe.parallel.plans.activation_checkpoint import apply_activation_checkpointing
 
     torch.manual_seed(0)
     model = torch.nn.Module()
@@ -316,7 +316,7 @@ def test_compiled_blocks_train_the_single_process_curve_under_ep2(tmp_path, sing
 
 
 def test_compile_compiles_each_block_in_place():
-    from lightning_moe.parallel.compile import apply_compile
+    from lightning_moe.parallel.plans.compile import apply_compile
 
     model = _tiny_gpt()
     names = [name for name, _ in model.named_parameters()]

@@ -19,7 +19,7 @@ def meta_init_case(sizes: dict[str, int]) -> dict:
 
     from lightning_moe import parallelize
     from lightning_moe.models import MoEGPT
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     dims = layout(**sizes)
     torch.manual_seed(7)

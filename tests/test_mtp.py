@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from lightning_moe.models import MoEGPT
 from lightning_moe.models.blocks import rotary_cos_sin
 from lightning_moe.models.mtp import MTP_KEYS, add_mtp_targets
-from lightning_moe.parallel.context_parallel import SEQUENCE_KEYS
+from lightning_moe.parallel.plans.context_parallel import SEQUENCE_KEYS
 from tests.cli import train_in_pool
 
 REL = 1e-5

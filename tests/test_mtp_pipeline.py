@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lightning_moe.models import MoEGPT
 from lightning_moe.models.mtp import add_mtp_targets
-from lightning_moe.parallel.pipeline import (
+from lightning_moe.parallel.plans.pipeline import (
     concat_batches,
     pipeline_batch,
     split_module,
@@ -90,9 +90,9 @@ def mtp_pipeline_case(pp: int, dp: int = 1, ep: int = 1, depth: int = 1, num_lay
 
     from lightning_moe import parallelize
     from lightning_moe.moe import set_aux_loss_scale
-    from lightning_moe.parallel.grad_norm import clip_grad_norm_
-    from lightning_moe.parallel.pipeline import pipeline_stage_modules
-    from lightning_moe.parallel.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.plans.pipeline import pipeline_stage_modules
+    from lightning_moe.parallel.runtime.grad_norm import clip_grad_norm_
 
     def full(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

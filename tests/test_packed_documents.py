@@ -97,7 +97,7 @@ def test_nothing_leaks_between_documents_on_one_process():
 
 def test_bad_document_ids_are_refused():
     from lightning_moe.cp import check_document_ids
-    from lightning_moe.parallel.documents import batch_document_ids
+    from lightning_moe.parallel.runtime.documents import batch_document_ids
 
     batch = packed_batch()
     with pytest.raises(ValueError, match=r"do not match the inputs' \[batch, seq\] = \(2, 32\)"):
@@ -111,7 +111,7 @@ def test_bad_document_ids_are_refused():
 
 def test_selective_checkpointing_recomputes_under_the_same_mask():
     """The attention core recomputed in backward (outside the step) is masked as in forward."""
-    from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
+    from lightning_moe.parallel.plans.activation_checkpoint import apply_activation_checkpointing
 
     batch = packed_batch()
     grads = []

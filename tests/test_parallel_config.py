@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 import lightning_moe
 from lightning_moe import MoE5DStrategy, ParallelConfig
 from lightning_moe.conf import CONF_DIR
-from lightning_moe.parallel.config import PLANNED_FIELDS
+from lightning_moe.parallel.config.options import PLANNED_FIELDS
 from tests.presets import presets_this_torch_builds
 
 # The strategy arguments that are not layout options: Lightning's own, and the config itself.

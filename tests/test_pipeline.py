@@ -31,7 +31,7 @@ def _tiny_model(num_layers: int = 2, **moe_overrides):
 
 # -- splitting (one process) -------------------------------------------------------------------------
 def test_default_split_keeps_only_the_local_stage():
-    from lightning_moe.parallel.pipeline import pipeline_stage_modules, split_module
+    from lightning_moe.parallel.plans.pipeline import pipeline_stage_modules, split_module
 
     torch.manual_seed(0)
     full = _tiny_model(num_layers=4)
@@ -51,7 +51,7 @@ def test_default_split_keeps_only_the_local_stage():
 
 
 def test_virtual_stages_share_parameters_with_the_module():
-    from lightning_moe.parallel.pipeline import split_module
+    from lightning_moe.parallel.plans.pipeline import split_module
 
     torch.manual_seed(0)
     full = _tiny_model(num_layers=4)
@@ -68,14 +68,14 @@ def test_virtual_stages_share_parameters_with_the_module():
 
 
 def test_uneven_layer_count_names_the_numbers():
-    from lightning_moe.parallel.pipeline import split_module
+    from lightning_moe.parallel.plans.pipeline import split_module
 
     with pytest.raises(ValueError, match=r"3 layers cannot be split evenly into pp\*pp_stages_per_rank = 2"):
         split_module(_tiny_model(num_layers=3), pp_rank=0, pp=2)
 
 
 def test_custom_split_hook_and_layer_lists():
-    from lightning_moe.parallel.pipeline import split_module
+    from lightning_moe.parallel.plans.pipeline import split_module
 
     class Net(nn.Module):
         def __init__(self):
@@ -107,7 +107,7 @@ def test_custom_split_hook_and_layer_lists():
     ],
 )
 def test_schedule_configuration_errors(pp, schedule, microbatches, stages_per_rank, message):
-    from lightning_moe.parallel.pipeline import check_pipeline_config
+    from lightning_moe.parallel.plans.pipeline import check_pipeline_config
 
     with pytest.raises(ValueError, match=message):
         check_pipeline_config(pp, schedule, microbatches, stages_per_rank)
@@ -125,7 +125,7 @@ def test_strategy_rejects_bad_schedules_at_construction():
 
 
 def test_grouped_loader_concatenates_and_passes_resume_state_through():
-    from lightning_moe.parallel.pipeline import GroupedBatchLoader
+    from lightning_moe.parallel.plans.pipeline import GroupedBatchLoader
 
     class Loader:
         sampler = "the sampler"
@@ -178,10 +178,15 @@ def pipeline_grad_case(
     from lightning_moe import parallelize
     from lightning_moe.cp import context_parallel_attention
     from lightning_moe.moe import set_aux_loss_scale
-    from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
-    from lightning_moe.parallel.grad_norm import clip_grad_norm_
-    from lightning_moe.parallel.pipeline import concat_batches, pipeline_batch, pipeline_stage_modules, unpack_target_loss
-    from lightning_moe.parallel.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.plans.context_parallel import shard_batch_for_context_parallel
+    from lightning_moe.parallel.plans.pipeline import (
+        concat_batches,
+        pipeline_batch,
+        pipeline_stage_modules,
+        unpack_target_loss,
+    )
+    from lightning_moe.parallel.runtime.grad_norm import clip_grad_norm_
 
     dims = layout(pp=pp, ep=ep, tp=tp, cp=cp)
     torch.manual_seed(0)
@@ -275,8 +280,8 @@ class _CallCounter:
 def pipeline_eval_case(pp: int, schedule: str, stages_per_rank: int = 1, num_layers: int = 2) -> float:
     """Forward-only steps (validation): the micro-batch losses equal the single-process ones on every rank."""
     from lightning_moe import parallelize
-    from lightning_moe.parallel.pipeline import pipeline_stage_modules
-    from lightning_moe.parallel.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.plans.pipeline import pipeline_stage_modules
 
     dims = layout(pp=pp)
     torch.manual_seed(0)

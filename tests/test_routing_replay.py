@@ -277,7 +277,7 @@ def _packed_batch() -> dict[str, torch.Tensor]:
 def _one_process_context(batch: dict) -> contextlib.AbstractContextManager:
     """What the strategy's step enters on one process: the document mask for attention and MoE (none unpacked)."""
     from lightning_moe.cp import document_attention
-    from lightning_moe.parallel.documents import packed_documents
+    from lightning_moe.parallel.runtime.documents import packed_documents
 
     documents = batch.get("document_ids")
     return contextlib.nullcontext() if documents is None else packed_documents(document_attention(documents), documents)
@@ -286,7 +286,7 @@ def _one_process_context(batch: dict) -> contextlib.AbstractContextManager:
 def _step_context(dims, batch: dict, cp_comm: str) -> contextlib.AbstractContextManager:  # noqa: ANN001
     """What the strategy's step enters on this rank (MoE5DStrategy._step_context) for this rank's ``batch``."""
     from lightning_moe.cp import all_to_all_attention, context_parallel_attention, document_attention
-    from lightning_moe.parallel.documents import packed_documents
+    from lightning_moe.parallel.runtime.documents import packed_documents
 
     documents = batch.get("document_ids")
     if dims.cp > 1:
@@ -306,7 +306,7 @@ def replay_layout_case(tp: int, cp: int, ep: int, trace_path: str, packed: bool 
     import torch.distributed as dist
 
     from lightning_moe import parallelize
-    from lightning_moe.parallel.context_parallel import shard_batch_for_context_parallel
+    from lightning_moe.parallel.plans.context_parallel import shard_batch_for_context_parallel
     from tests.dist_pool import layout
 
     dims = layout(tp=tp, cp=cp, ep=ep)
@@ -454,8 +454,8 @@ def replay_pipeline_case(trace_path: str) -> dict:
     import torch.distributed as dist
 
     from lightning_moe import parallelize
-    from lightning_moe.parallel.pipeline import pipeline_batch, pipeline_stage_modules
-    from lightning_moe.parallel.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.plans.pipeline import pipeline_batch, pipeline_stage_modules
     from tests.dist_pool import layout
 
     dims = layout(pp=2)

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
-from lightning_moe.parallel.pipeline import check_pipeline_config, stage_ids, stage_rank
+from lightning_moe.parallel.plans.pipeline import check_pipeline_config, stage_ids, stage_rank
 from tests.cli import train_in_pool
 from tests.presets import NEEDS_V_SCHEDULE_TORCH
 

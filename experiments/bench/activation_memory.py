@@ -52,8 +52,8 @@ def _worker(rank: int, world: int, store_file: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     from lightning_moe import ParallelDims, parallelize
     from lightning_moe.models import MoEGPT
-    from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
-    from lightning_moe.parallel.precision import apply_mixed_precision, mixed_precision_policy
+    from lightning_moe.parallel.plans.activation_checkpoint import apply_activation_checkpointing
+    from lightning_moe.parallel.plans.precision import apply_mixed_precision, mixed_precision_policy
 
     dims = ParallelDims(ep=world)
     dims.validate(world)

@@ -20,8 +20,8 @@ The cases (:data:`CASES`):
 - ``shared expert``: a shared expert of the routed experts' FFN size, computed while the dispatch is
   in flight (in backward, its gradient while the dispatch's gradient travels);
 - ``micro-batch overlap``: ``MoE5DStrategy(overlap_ep_comm=True)``'s schedule
-  (:class:`lightning_moe.parallel.accumulation.MicroBatchOverlap`): micro-batch i's backward interleaved with micro-batch
-  i+1's forward, each one's all-to-alls in flight while the other computes.
+  (:class:`lightning_moe.parallel.engines.accumulation.MicroBatchOverlap`): micro-batch i's backward
+  interleaved with micro-batch i+1's forward, each one's all-to-alls in flight while the other computes.
 
 Each runs with infinite bandwidth (no simulator) and under the simulated link, round-robin, median
 of ``rounds``; the step time of a round is the slowest rank's. The link is set once, from the
@@ -110,7 +110,7 @@ def _micro_batches(rank: int) -> list[torch.Tensor]:
 
 def _training_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], overlap: bool) -> None:
     """Forward and backward of every micro-batch, gradients accumulated (as Lightning's loop runs them)."""
-    from lightning_moe.parallel.accumulation import MicroBatchOverlap
+    from lightning_moe.parallel.engines.accumulation import MicroBatchOverlap
 
     schedule = MicroBatchOverlap() if overlap else None
     for i, ids in enumerate(micro_batches):
@@ -210,8 +210,8 @@ def _pipeline_worker(rank: int, world: int, store_file: str, rounds: int, out: d
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     from lightning_moe import ParallelDims
     from lightning_moe.models.causal_lm import next_token_loss
-    from lightning_moe.parallel.pipeline import pipeline_batch, pipeline_stage_modules
-    from lightning_moe.parallel.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
+    from lightning_moe.parallel.plans.pipeline import pipeline_batch, pipeline_stage_modules
 
     dims = ParallelDims(pp=2, ep=EP)
     dims.build_mesh("cpu")

@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, store_file: str, meta: bool, out: dict) -> No
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     from lightning_moe import ParallelDims, parallelize
     from lightning_moe.models import MoEGPT
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     dims = ParallelDims(ep=world)
     dims.validate(world)
@@ -72,7 +72,7 @@ def _load_worker(rank: int, world: int, store_file: str, folder: str, out: dict)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     from lightning_moe import ParallelDims, parallelize
     from lightning_moe.hf import HFMoEModule
-    from lightning_moe.parallel.init import materialize_sharded
+    from lightning_moe.parallel.plans.init import materialize_sharded
 
     dims = ParallelDims(ep=world)
     dims.validate(world)

@@ -8,7 +8,7 @@ ep2·dp2 as HSDP with 2 replica groups and pp2·ep2 (4 processes each). Each ran
   built (Python, torch, Lightning, the data; what no tensor of the model accounts for);
 - its peak resident set over the run (``VmHWM`` at the end of fit).
 
-The strategy fixes glibc's mmap threshold on CPU (:mod:`lightning_moe.parallel.host_memory`), so
+The strategy fixes glibc's mmap threshold on CPU (:mod:`lightning_moe.parallel.runtime.host_memory`), so
 freed tensors leave the process and the peak follows the live tensors. The planner's estimate
 (:func:`lightning_moe.planner.memory_per_rank`, checkpointing ``none``) of the same layout is
 compared with the busiest rank's peak minus its floor; the last column is that rank's peak

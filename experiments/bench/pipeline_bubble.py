@@ -1,7 +1,7 @@
 """Pipeline bubble: measured idle fraction per rank against the theoretical ``(p-1)/(m+p-1)``.
 
 Two gloo processes (p = 2 stages) run GPipe and 1F1B schedules of ``torch.distributed.pipelining``
-on a stack of dense MLP blocks split by :func:`lightning_moe.parallel.pipeline.split_module`. Each
+on a stack of dense MLP blocks split by :func:`lightning_moe.parallel.plans.pipeline.split_module`. Each
 rank times the compute of its stage (``forward_one_chunk`` + ``backward_one_chunk``) and the wall
 time of the whole step; ``bubble = 1 - compute / step`` (idle time over step time), the median over
 the measured steps, then the mean over the ranks. The model is large enough that compute dominates the P2P sends.
@@ -74,7 +74,7 @@ def _measure(rank: int, schedule_name: str, microbatches: int) -> float:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from lightning_moe.parallel.pipeline import split_module
+    from lightning_moe.parallel.plans.pipeline import split_module
 
     torch.manual_seed(0)
     model = _Stack(HIDDEN, PP * BLOCKS_PER_STAGE)

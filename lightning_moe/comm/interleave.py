@@ -1,6 +1,6 @@
 """Two computations interleaved at their token all-to-alls: what micro-batch overlap of the expert-parallel
-all-to-alls runs (``MoE5DStrategy(overlap_ep_comm=True)``, :class:`lightning_moe.parallel.accumulation.OverlapEngine`;
-DualPipeV's paired forward and backward).
+all-to-alls runs (``MoE5DStrategy(overlap_ep_comm=True)``,
+:class:`lightning_moe.parallel.engines.accumulation.OverlapEngine`; DualPipeV's paired forward and backward).
 
 One micro-batch's backward and the next micro-batch's forward run interleaved, as Megatron's
 ``--overlap-moe-expert-parallel-comm`` does: each time one of them issues a token all-to-all

@@ -25,7 +25,7 @@ from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer
 from lightning_moe.models.mtp import add_mtp_targets, mtp_loss
 from lightning_moe.moe import DispatcherKind, MoELayer, TopKRouter
 from lightning_moe.parallel.dims import parallel_dims_of
-from lightning_moe.parallel.init import seeded_generator
+from lightning_moe.parallel.plans.init import seeded_generator
 
 __all__ = ["HFMoEModule"]
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from lightning_moe.hf.module import HFMoEModule
-from lightning_moe.parallel.init import materialize_sharded, seeded_generator
+from lightning_moe.parallel.plans.init import materialize_sharded, seeded_generator
 
 __all__ = ["UPCYCLE_TARGETS", "UpcycledHFMoEModule", "upcycle", "upcycle_config"]
 

@@ -26,8 +26,8 @@ from lightning_moe.models.mtp import MultiTokenPrediction, add_mtp_targets, mtp_
 from lightning_moe.moe import MoEConfig, MoELayer, token_keys
 from lightning_moe.moe.config import DEFAULT_NUM_EXPERTS
 from lightning_moe.parallel.dims import parallel_dims_of
-from lightning_moe.parallel.init import seeded_generator
-from lightning_moe.parallel.pipeline import stage_layer_keys
+from lightning_moe.parallel.plans.init import seeded_generator
+from lightning_moe.parallel.plans.pipeline import stage_layer_keys
 
 __all__ = ["MoEGPT", "is_moe_layer", "next_token_loss", "warmup_cosine_factor"]
 
@@ -167,7 +167,7 @@ class MoEGPT(CausalLMModule):
         (GPT-2), each drawn from its own generator seeded by `init_seed` and the name, so a rank
         that holds a shard draws exactly the slice one process draws. Norm weights are ones, other
         vectors (biases, expert-bias buffers) zeros. A strategy that builds the model on the meta
-        device materialises its shards from this (`lightning_moe.parallel.init.materialize_sharded`).
+        device materialises its shards from this (`lightning_moe.parallel.plans.init.materialize_sharded`).
         """
         index = index or ()
         if tensor.ndim < 2:
@@ -295,7 +295,7 @@ class MoEGPT(CausalLMModule):
     @property
     def pipeline_last_stage_modules(self) -> tuple[str, ...]:
         """The last pipeline stage's modules: `norm` and `output`, with MTP also `mtp` and a copy of
-        `tok_embeddings` (tied to the first stage's: see `lightning_moe.parallel.pipeline`)."""
+        `tok_embeddings` (tied to the first stage's: see `lightning_moe.parallel.plans.pipeline`)."""
         return ("norm", "output", "mtp", "tok_embeddings") if self.hparams.mtp_depth else ("norm", "output")
 
     def setup(self, stage: str) -> None:

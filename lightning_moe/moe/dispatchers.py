@@ -1,7 +1,7 @@
 """The dispatcher kinds (``MoEConfig.dispatcher``): their names, what each needs and offers, and their construction.
 
 One home per kind: :class:`DispatcherKind` names them, :data:`CAPABILITIES` says per kind what the
-rest of the code branches on (the layout checks of ``lightning_moe.parallel.expert_parallel``, the
+rest of the code branches on (the layout checks of ``lightning_moe.parallel.plans.expert_parallel``, the
 planner's byte models and overlap rules), and :func:`build_dispatcher` builds the dispatcher object,
 on one device (no groups) and under expert parallelism (:class:`ExpertGroups`) alike.
 
@@ -75,7 +75,7 @@ DISPATCHERS: tuple[str, ...] = tuple(k.value for k in DispatcherKind)
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """The process groups a dispatcher runs over, from ``lightning_moe.parallel.expert_parallel``.
+    """The process groups a dispatcher runs over, from ``lightning_moe.parallel.plans.expert_parallel``.
 
     ``ep_group``: the ranks exchanging tokens (None or of size 1: no expert parallelism);
     ``node_ids``: the node of each ep rank (inter-node bytes are counted; None: one node);

@@ -314,7 +314,7 @@ def _type_name(module: nn.Module) -> str:
 
 def _inferring() -> bool:
     """True while a pipeline stage runs its shape-inference forward (not a real micro-batch)."""
-    from lightning_moe.parallel.pipeline_runner import is_inferring_shapes
+    from lightning_moe.parallel.engines.pipeline_runner import is_inferring_shapes
 
     return is_inferring_shapes()
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_moe.parallel.accumulation import AccumulationEngine, OverlapEngine
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.lightning_pipeline import PipelineEngine
-from lightning_moe.parallel.pipeline import check_pipeline_config
-from lightning_moe.parallel.step_engine import StepEngine
+from lightning_moe.parallel.engines.accumulation import AccumulationEngine, OverlapEngine
+from lightning_moe.parallel.engines.lightning_pipeline import PipelineEngine
+from lightning_moe.parallel.engines.step_engine import StepEngine
+from lightning_moe.parallel.plans.pipeline import check_pipeline_config
 
 __all__ = ["choose_step_engine", "step_engine_of"]
 

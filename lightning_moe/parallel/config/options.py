@@ -23,10 +23,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe.cp.comm import CpComm, check_cp_comm
 from lightning_moe.layout import hsdp_problem
-from lightning_moe.parallel.activation_checkpoint import check_activation_checkpointing
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.parallelize import DATA_PARALLEL_KINDS
-from lightning_moe.parallel.pipeline import check_pipeline_config
+from lightning_moe.parallel.plans.activation_checkpoint import check_activation_checkpointing
+from lightning_moe.parallel.plans.parallelize import DATA_PARALLEL_KINDS
+from lightning_moe.parallel.plans.pipeline import check_pipeline_config
 
 
 # The fields ``layout="auto"`` takes from the planner (:func:`lightning_moe.planner.resolve_auto_layout`):
@@ -164,7 +164,7 @@ class ParallelConfig:
             )
 
     def _check_overlap_ep_comm(self) -> None:
-        """Where micro-batch overlap (:class:`lightning_moe.parallel.accumulation.OverlapEngine`) cannot run,
+        """Where micro-batch overlap (:class:`lightning_moe.parallel.engines.accumulation.OverlapEngine`) cannot run,
         say why (under ``layout="auto"`` the planner chooses ep, so ep is not checked)."""
         overlap, pp, data_parallel = self.overlap_ep_comm, self.pp, self.data_parallel
         if not isinstance(overlap, bool):

@@ -5,7 +5,7 @@ batch holds ``pp_microbatches`` loader batches and the schedule runs forward *an
 of them inside ``training_step``. :class:`PipelineEngine` keeps Lightning's contract around that:
 
 - gradient accumulation: the batch plan counts loader micro-batches; Lightning accumulates that
-  many over ``pp_microbatches`` Lightning batches (:class:`~lightning_moe.parallel.step_engine.StepEngine`);
+  many over ``pp_microbatches`` Lightning batches (:class:`~lightning_moe.parallel.engines.step_engine.StepEngine`);
 - gradients: Lightning zeroes gradients *after* ``training_step`` and before its backward, so the
   schedule's gradients are stashed and added back in ``backward``, as Lightning's backward would;
 - scaling: each micro-batch is ``1 / (pp_microbatches * accumulation)`` of the optimizer step, for
@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_moe.moe import set_aux_loss_scale
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.pipeline import (
+from lightning_moe.parallel.plans.pipeline import (
     GroupedBatchLoader,
     check_pipeline_config,
     pipeline_batch,
@@ -35,8 +35,8 @@ from lightning_moe.parallel.pipeline import (
     unpack_target,
     unpack_target_loss,
 )
-from lightning_moe.parallel.pipeline_runner import PipelineRunner
-from lightning_moe.parallel.step_engine import StepEngine
+from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
+from lightning_moe.parallel.engines.step_engine import StepEngine
 
 __all__ = ["PipelineEngine", "forward_through_pipeline"]
 

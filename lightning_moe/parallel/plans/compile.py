@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_moe.parallel.blocks import iter_blocks, require_block_container
+from lightning_moe.parallel.plans.blocks import iter_blocks, require_block_container
 
 _COMPILED_ATTR = "_lightning_moe_compiled"
 

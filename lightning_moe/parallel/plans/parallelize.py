@@ -7,11 +7,11 @@ from typing import Literal
 from torch import nn
 
 from lightning_moe.layout import V_SCHEDULES
-from lightning_moe.parallel.data_parallel import apply_data_parallel
 from lightning_moe.parallel.dims import ParallelDims
-from lightning_moe.parallel.expert_parallel import apply_expert_parallel, check_expert_layout
-from lightning_moe.parallel.pipeline import check_pipeline_split, split_module
-from lightning_moe.parallel.tensor_parallel import apply_tensor_parallel, check_head_counts
+from lightning_moe.parallel.plans.data_parallel import apply_data_parallel
+from lightning_moe.parallel.plans.expert_parallel import apply_expert_parallel, check_expert_layout
+from lightning_moe.parallel.plans.pipeline import check_pipeline_split, split_module
+from lightning_moe.parallel.plans.tensor_parallel import apply_tensor_parallel, check_head_counts
 
 DataParallelKind = Literal["fsdp", "hsdp", "ddp", "none"]
 DATA_PARALLEL_KINDS: tuple[str, ...] = ("fsdp", "hsdp", "ddp", "none")
@@ -63,7 +63,7 @@ def parallelize(
     """Parallelize ``module`` in place over the layout ``dims`` (its full ``(pp, dp, ep, cp, tp)``
     mesh built, :meth:`ParallelDims.build_mesh`) and return it.
 
-    Order: under pp > 1 the pipeline split first (:func:`lightning_moe.parallel.pipeline.split_module`:
+    Order: under pp > 1 the pipeline split first (:func:`lightning_moe.parallel.plans.pipeline.split_module`:
     the module keeps only this rank's ``pp_stages_per_rank`` stages, whose modules
     ``pipeline_stage_modules(module)`` returns; ``pp_schedule`` places them, in a V for
     ``"DualPipeV"``/``"ZBVZeroBubble"``), then expert parallel for every ``MoELayer`` (over

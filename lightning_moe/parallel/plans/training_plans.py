@@ -5,9 +5,9 @@ from __future__ import annotations
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_moe.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_moe.parallel.compile import apply_compile
-from lightning_moe.parallel.precision import apply_mixed_precision, mixed_precision_policy
+from lightning_moe.parallel.plans.activation_checkpoint import apply_activation_checkpointing
+from lightning_moe.parallel.plans.compile import apply_compile
+from lightning_moe.parallel.plans.precision import apply_mixed_precision, mixed_precision_policy
 
 __all__ = ["apply_training_plans"]
 

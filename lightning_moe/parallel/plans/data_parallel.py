@@ -12,8 +12,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_moe._compat import force_sum_reduction, replicate_module
 from lightning_moe.moe import MoELayer
-from lightning_moe.parallel.blocks import block_container, iter_blocks
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.plans.blocks import block_container, iter_blocks
 
 
 def apply_data_parallel(module: nn.Module, dims: ParallelDims, kind: str) -> None:

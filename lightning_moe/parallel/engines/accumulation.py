@@ -2,7 +2,7 @@
 
 :class:`AccumulationEngine` runs each micro-batch's forward and backward as Lightning calls them,
 with FSDP2's one gather per optimizer step when asked
-(:class:`~lightning_moe.parallel.fsdp_accumulation.GatherOncePerStep`, ``gather_once_per_step``).
+(:class:`~lightning_moe.parallel.engines.fsdp_accumulation.GatherOncePerStep`, ``gather_once_per_step``).
 :class:`OverlapEngine` (``overlap_ep_comm``) defers each micro-batch's backward into the next
 micro-batch's forward and runs the two interleaved (:func:`lightning_moe.comm.interleave.run_interleaved`),
 so that each one's expert all-to-alls are in flight while the other computes.
@@ -21,8 +21,8 @@ from torch import nn
 from lightning_moe._compat import optimizer_steps_after_this_batch
 from lightning_moe.moe import set_aux_loss_scale
 from lightning_moe.comm.interleave import run_interleaved
-from lightning_moe.parallel.fsdp_accumulation import GatherOncePerStep
-from lightning_moe.parallel.step_engine import StepEngine
+from lightning_moe.parallel.engines.fsdp_accumulation import GatherOncePerStep
+from lightning_moe.parallel.engines.step_engine import StepEngine
 
 __all__ = ["AccumulationEngine", "MicroBatchOverlap", "OverlapEngine"]
 

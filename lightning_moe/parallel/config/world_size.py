@@ -1,5 +1,6 @@
 """Checks of ``MoE5DStrategy``'s layout against the world size (the checks that need none:
-:class:`~lightning_moe.parallel.config.ParallelConfig`; ``layout="auto"`` is the strategy's, above the planner)."""
+:class:`~lightning_moe.parallel.config.ParallelConfig`; ``layout="auto"`` is the strategy's, above the
+planner)."""
 
 from __future__ import annotations
 

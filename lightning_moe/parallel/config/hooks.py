@@ -82,5 +82,5 @@ class ParallelHooks(Protocol):
     def initial_value(self, name: str, tensor: torch.Tensor, index: tuple[slice, ...]) -> torch.Tensor:
         """Meta-device init: the block ``index`` (slices of the global shape) of the initial value of
         parameter or buffer ``name`` (its name in the whole model), so every layout starts from the
-        single-process values (:func:`lightning_moe.parallel.init.materialize_sharded`)."""
+        single-process values (:func:`lightning_moe.parallel.plans.init.materialize_sharded`)."""
         ...

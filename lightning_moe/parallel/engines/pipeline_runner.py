@@ -29,9 +29,9 @@ from lightning_moe._compat import (
 from lightning_moe.cp.documents import current_document_ids
 from lightning_moe.layout import V_SCHEDULES
 from lightning_moe.comm.interleave import run_interleaved
-from lightning_moe.parallel.documents import take_document_ids
-from lightning_moe.parallel.grad_norm import count_norm_elsewhere
-from lightning_moe.parallel.pipeline import stage_rank, tied_end_modules
+from lightning_moe.parallel.plans.pipeline import stage_rank, tied_end_modules
+from lightning_moe.parallel.runtime.documents import take_document_ids
+from lightning_moe.parallel.runtime.grad_norm import count_norm_elsewhere
 
 __all__ = ["PipelineRunner", "is_inferring_shapes", "scale_gradient"]
 
@@ -134,10 +134,11 @@ class PipelineRunner:
     """This rank's pipeline stages and their schedules: training, evaluation with losses, forward only.
 
     Args:
-        stages: ``[(stage_index, module), ...]`` of this rank (:func:`lightning_moe.parallel.pipeline.split_module`).
+        stages: ``[(stage_index, module), ...]`` of this rank
+            (:func:`lightning_moe.parallel.plans.pipeline.split_module`).
         num_stages: stages of the whole pipeline (``pp * stages_per_rank``).
         group: the pp process group; device: where the stages run.
-        schedule: one of :data:`~lightning_moe.parallel.pipeline.PIPELINE_SCHEDULES`; microbatches: per step.
+        schedule: one of :data:`~lightning_moe.parallel.plans.pipeline.PIPELINE_SCHEDULES`; microbatches: per step.
         loss_fn: ``loss_fn(output, target) -> scalar`` of one micro-batch on the last stage.
         overlap_ep_comm: DualPipeV runs each of its overlapped forward/backward pairs interleaved at the
             expert all-to-alls (:mod:`lightning_moe.comm.interleave`), not one after the other.
@@ -147,7 +148,7 @@ class PipelineRunner:
     divide gradients accumulated by earlier steps). It returns the micro-batch losses on the rank
     that holds the last stage and None elsewhere. :meth:`forward_only` is the whole model's forward.
 
-    Tied end modules (:func:`~lightning_moe.parallel.pipeline.tied_end_modules`, e.g. the token
+    Tied end modules (:func:`~lightning_moe.parallel.plans.pipeline.tied_end_modules`, e.g. the token
     embedding that multi-token prediction uses on the last stage): when the first and the last stage
     run on different ranks, each holds a copy, equal at the start (same initialisation or
     checkpoint); after each training step the gradients of the two copies are summed over those two

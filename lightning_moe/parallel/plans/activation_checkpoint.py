@@ -1,7 +1,7 @@
 """Activation checkpointing for any module with a block list (``"none"``, ``"full"``, ``"selective"``).
 
 - ``"full"``: each transformer block (the module's block list, see
-  :mod:`lightning_moe.parallel.blocks`) keeps only its inputs; backward runs its forward again,
+  :mod:`lightning_moe.parallel.plans.blocks`) keeps only its inputs; backward runs its forward again,
   MoE dispatch included.
 - ``"selective"``: inside each block only the MoE expert FFNs (``MoELayer.experts``: the grouped
   GEMMs between dispatch and combine) and the attention core (``F.scaled_dot_product_attention``)
@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_moe.cp.documents import recompute_in_active_attention_mode
 from lightning_moe.moe.documents import recompute_with_routing_documents
-from lightning_moe.parallel.blocks import iter_blocks, require_block_container
+from lightning_moe.parallel.plans.blocks import iter_blocks, require_block_container
 
 ACTIVATION_CHECKPOINTING_MODES: tuple[str, ...] = ("none", "full", "selective")
 _WRAPPED_ATTR = "_lightning_moe_activation_checkpointing"

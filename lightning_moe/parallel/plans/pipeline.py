@@ -14,7 +14,7 @@ A module says how it splits in one of three ways (first match wins):
    (a ``ModuleList`` stage iterates over its own blocks, named ``blocks.2``, ``blocks.3``, ...).
    A module named in both lists (``MoEGPT``'s ``tok_embeddings`` under multi-token prediction) is
    *tied*: the first and the last stage each hold it under its own name, and
-   :class:`~lightning_moe.parallel.pipeline_runner.PipelineRunner` keeps the two copies equal.
+   :class:`~lightning_moe.parallel.engines.pipeline_runner.PipelineRunner` keeps the two copies equal.
 
 Rank ``r`` of the pp group runs the stages ``r, r + pp, r + 2 pp, ...`` (``stages_per_rank`` of them,
 "virtual" stages for the interleaved schedule); under the V schedules (:data:`lightning_moe.layout.V_SCHEDULES`) the two
@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_moe._compat import module_child_table, require_v_schedule_internals, shallow_copy_module
 from lightning_moe.layout import V_SCHEDULES
-from lightning_moe.parallel.blocks import block_container, blocks_attr, remove_block, subset
+from lightning_moe.parallel.plans.blocks import block_container, blocks_attr, remove_block, subset
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", *V_SCHEDULES)
 DEFAULT_FIRST_STAGE_MODULES: tuple[str, ...] = ("tok_embeddings",)
@@ -331,7 +331,7 @@ def pipeline_batch(
     parallelism, from which no position can be derived); so does the batch's ``sample_index`` when
     ``with_sample_index`` (the stages' forward takes it: routing replay keys tokens by it), and its
     ``document_ids`` (each stage's pre-hook hands them to the attention mode, see
-    :func:`lightning_moe.parallel.documents.take_document_ids`).
+    :func:`lightning_moe.parallel.runtime.documents.take_document_ids`).
     Without ``loss_mask``, context parallelism and multi-token prediction the target is ``labels``;
     otherwise a float64 ``[B, S, F]`` packing of labels, each sample's loss tokens over the whole
     sequence (all ranks of ``cp_group``) and the mask, and the same three per MTP depth (the batch's
@@ -392,7 +392,7 @@ def _per_sample_count(
 def unpack_target(target: torch.Tensor, cp: int = 1) -> dict[str, torch.Tensor]:
     """The loss entries of one micro-batch's :func:`pipeline_batch` target, named as in a batch dict:
     ``labels``, and when packed ``loss_mask``, ``loss_token_count`` (the micro-batch's loss tokens
-    divided by ``cp``, as :func:`lightning_moe.parallel.context_parallel.shard_batch_for_context_parallel`
+    divided by ``cp``, as :func:`lightning_moe.parallel.plans.context_parallel.shard_batch_for_context_parallel`
     gives it) and with multi-token prediction ``mtp_labels``/``mtp_loss_mask`` ``[B, S, D]`` and
     ``mtp_loss_token_count [D]``.
 

@@ -2,11 +2,11 @@
 
 A layout runs one of three engines, chosen once (:func:`lightning_moe.parallel.engines.choose_step_engine`):
 
-- :class:`~lightning_moe.parallel.accumulation.AccumulationEngine`: Lightning's gradient
+- :class:`~lightning_moe.parallel.engines.accumulation.AccumulationEngine`: Lightning's gradient
   accumulation, one loader micro-batch per Lightning batch (FSDP2's gather once per step optional);
-- :class:`~lightning_moe.parallel.accumulation.OverlapEngine`: the same with each micro-batch's
+- :class:`~lightning_moe.parallel.engines.accumulation.OverlapEngine`: the same with each micro-batch's
   backward interleaved with the next one's forward (``overlap_ep_comm``);
-- :class:`~lightning_moe.parallel.lightning_pipeline.PipelineEngine`: under pp > 1 a
+- :class:`~lightning_moe.parallel.engines.lightning_pipeline.PipelineEngine`: under pp > 1 a
   ``torch.distributed.pipelining`` schedule runs ``pp_microbatches`` loader micro-batches, forward
   and backward, inside each Lightning batch.
 
