@@ -150,6 +150,34 @@ def test_parallel_imports_no_planner():
     assert not found, "\n".join(found)
 
 
+# The kinds of parallel/ (its __init__.py describes them) and the kinds each may import besides itself
+# and dims.py, the ground all stand on: imports point one way, config -> plans <- engines -> runtime.
+PARALLEL_KINDS = {"dims": set(), "plans": set(), "runtime": set(), "engines": {"plans", "runtime"}, "config": {"plans"}}
+
+
+def test_the_kinds_of_parallel_import_one_way():
+    """Every module of ``parallel/`` is of one kind (a subpackage, or ``dims.py``) and imports, at any
+    level, only the kinds ``PARALLEL_KINDS`` allows it, and never the face ``lightning_moe.parallel``."""
+    found = []
+    for name, (_, tree) in SOURCES.items():
+        if not name.startswith("parallel/") or name == "parallel/__init__.py":
+            continue
+        kind = name.split("/")[1].removesuffix(".py")
+        if kind not in PARALLEL_KINDS:
+            found.append(f"{name}: of no kind of parallel/ (a module belongs in one of {sorted(PARALLEL_KINDS)})")
+            continue
+        allowed = PARALLEL_KINDS[kind] | {kind, "dims"}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            modules = _imported_modules(name, node)
+            if "lightning_moe.parallel" in modules:
+                found.append(f"{name}:{node.lineno}: imports the face lightning_moe.parallel")
+                continue
+            wrong = [m for m in modules if m.startswith("lightning_moe.parallel.") and m.split(".")[2] not in allowed]
+            found.extend(f"{name}:{node.lineno}: {kind} imports {m}" for m in wrong[:1])
+    assert not found, "\n".join(found)
+
 # Documents outside the repository that nothing may cite: the strings are assembled here so that this
 # file does not name them itself.
 ROOT = PACKAGE.parent
