@@ -25,3 +25,13 @@ def presets_this_torch_builds(options: list[str]) -> list:
         return (yaml.safe_load(path.read_text()) or {}).get("pp_schedule") in V_SCHEDULES
 
     return [pytest.param(o, marks=NEEDS_V_SCHEDULE_TORCH) if runs_v_schedule(o) else o for o in options]
+
+
+def long_where(params: list, is_long) -> list:
+    """``params`` (names or pytest params of one value) with those whose name ``is_long`` marked ``long``
+    (`make test-long`), their other marks kept."""
+    marked = []
+    for param in params:
+        name, marks = (param.values[0], list(param.marks)) if hasattr(param, "values") else (param, [])
+        marked.append(pytest.param(name, marks=[*marks, pytest.mark.long]) if is_long(name) else param)
+    return marked

@@ -268,11 +268,17 @@ def token_run(corpora: tuple[Path, Path], model: str = "tiny") -> list[str]:
 
 
 def _presets() -> list:
-    """The presets of at most 8 processes without context parallelism (the cp presets run below)."""
-    from tests.presets import presets_this_torch_builds
-    from tests.test_strategy_invariance import presets_without_cp_up_to_8_processes
+    """The presets of at most 8 processes without context parallelism (the cp presets run below).
 
-    return presets_this_torch_builds(presets_without_cp_up_to_8_processes())
+    Token data reaches tensor parallelism only as the sequence-parallel shards of the masked batch,
+    which tp2 and tp2_ep2_folded compare on it; the presets that combine tp with other dimensions on
+    more than 2 processes compare the default data in `make test` (test_strategy_invariance.py) and
+    token data in `make test-long`."""
+    from tests.presets import long_where, presets_this_torch_builds
+    from tests.test_strategy_invariance import _preset_processes, presets_without_cp_up_to_8_processes
+
+    return long_where(presets_this_torch_builds(presets_without_cp_up_to_8_processes()),
+                      lambda name: name.startswith(("tp2_", "dp2_tp2", "pp2_tp2")) and _preset_processes(name) > 2)
 
 
 def one_process_losses_on_first_use(tmp_path_factory, name: str, run_args) -> Any:
@@ -330,7 +336,10 @@ def _cp_cases() -> list:
 
     cases = []
     for preset in cp_presets_up_to_8_processes():  # by process count: the runs of one count share a pool
-        cases += [pytest.param(preset, comm, "tiny", id=f"{preset}-{comm}") for comm in ("ring", "a2a")]
+        # The document mask meets cp alone (cp2, cp4) and with tp (cp2_tp2); ep adds nothing to it, so the
+        # presets that add ep to those run in `make test-long` (and on the default data in `make test`).
+        marks = [pytest.mark.long] if "_ep" in preset else []
+        cases += [pytest.param(preset, comm, "tiny", id=f"{preset}-{comm}", marks=marks) for comm in ("ring", "a2a")]
         if preset == "cp2":
             cases += [pytest.param(preset, comm, HF_MODEL, id=f"{preset}-{comm}-qwen3_moe") for comm in ("ring", "a2a")]
     return cases
