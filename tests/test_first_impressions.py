@@ -2,17 +2,14 @@
 misleading line, count optimizer steps in the progress bar, and end with our run summary.
 
 Both run as a user runs them (a subprocess; Lightning's launcher re-executes the command for the
-other ranks), shortened by arguments only. stdout and stderr share one unbuffered pipe, so the
-order of the lines is the order they were printed in.
+other ranks), shortened by arguments only: the runs tests/test_readme.py makes of the README's
+`make train` and first example, once for both modules. ``make train``'s stdout and stderr share one
+unbuffered pipe, so the order of its lines is the order they were printed in.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import lightning as L
@@ -21,34 +18,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 
 from lightning_moe.callbacks import StepProgressBar
-from tests.dist_pool import close_pools
-
-# `make train`'s command (OMP_NUM_THREADS=1 python -m lightning_moe.train parallel=ep2) with the
-# default logger (W&B, offline), shortened.
-MAKE_TRAIN_SHORT = [
-    "parallel=ep2",
-    "trainer.max_steps=3",
-    "data.seq_len=32",
-    "data.max_corpus_bytes=200000",
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.moe.ffn_hidden_size=32",
-]
-
-# The README's first example, shortened by arguments (tiny model and corpus, 3 steps).
-README_EXAMPLE = textwrap.dedent(
-    """
-    import lightning as L
-    import lightning_moe                      # registers strategy="moe5d"
-    from lightning_moe.models import MoEGPT
-    from lightning_moe.data import ByteTextDataModule
-
-    trainer = L.Trainer(accelerator="cpu", devices=4, max_steps=3, use_distributed_sampler=False,
-                        strategy=lightning_moe.MoE5DStrategy(ep=2, tp=2))
-    trainer.fit(MoEGPT(hidden_size=32, num_layers=2, max_seq_len=32, moe={"num_experts": 8, "top_k": 2}),
-                datamodule=ByteTextDataModule(global_batch_size=16, seq_len=32, max_corpus_bytes=200000))
-    """
-)
+from tests.test_readme import PYTHON_BLOCKS, make_train_run, python_block_run
 
 # Lines the issue names: none may print.
 VIEW_WARNING = "returned a view tensor"
@@ -65,28 +35,17 @@ NOISE = {
 # calls use_lightning_moe_displays(model.trainer). Strict: these fail as soon as it does.
 
 
-def _run(cmd: list[str], cwd: Path) -> str:
-    close_pools()  # the run's processes get the cores to themselves
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("WANDB_MODE", None)  # the default must be offline
-    proc = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
 def make_train_output(tmp_path_factory) -> tuple[str, Path]:
-    run_dir = tmp_path_factory.mktemp("make_train") / "run"
-    cmd = [sys.executable, "-m", "lightning_moe.train", *MAKE_TRAIN_SHORT, f"hydra.run.dir={run_dir}"]
-    return _run(cmd, cwd=run_dir.parent), run_dir
+    return make_train_run(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def readme_example_output(tmp_path_factory) -> str:
-    workdir = tmp_path_factory.mktemp("readme_example")
-    script = workdir / "example.py"
-    script.write_text(README_EXAMPLE)
-    return _run([sys.executable, str(script)], cwd=workdir)
+    """The README's first example (tp=2, ep=2 on 4 processes), shrunk as tests/test_readme.py shrinks it."""
+    block = next(block for block in PYTHON_BLOCKS if block.source == "README.md" and "trainer.fit(MoEGPT(" in block.text)
+    proc, _ = python_block_run(block, tmp_path_factory)
+    return proc.stdout + proc.stderr
 
 
 def _bar_lines(output: str) -> list[str]:

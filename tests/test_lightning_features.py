@@ -1,8 +1,10 @@
 """Issue 14: what a Lightning user switches on with a flag works under MoE5DStrategy.
 
 Mixed precision (FSDP2 policy from the trainer's precision), predict/validate/test on every
-dimension, failures that end every rank within the process-group timeout. Trainer-level runs go
-through the CLI or a script in a subprocess (Lightning's launcher re-executes ``sys.argv``).
+dimension, failures that end every rank within the process-group timeout. Trainer-level runs are
+those of a user's script (tests/scripts/lightning_features_run.py): in a subprocess where the launch
+is under test (Lightning's launcher re-executes ``sys.argv``: failures, callbacks, compile and
+determinism), its ``main`` on the ranks of a test pool where only the results are.
 """
 
 from __future__ import annotations
@@ -138,10 +140,22 @@ def run_script(out_dir: Path, *args: str, timeout: int = 300) -> subprocess.Comp
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _script_on_this_rank(argv: list[str]) -> None:
+    from tests.launched_rank import launched_rank
+    from tests.scripts.lightning_features_run import main
+
+    with launched_rank(dist.get_world_size()):
+        main(argv)
+
+
 def run_features(out_dir: Path, *args: str) -> dict:
-    """Train 2 steps, validate, test and predict; the losses and every rank's results."""
-    proc = run_script(out_dir, *args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    """The script's run (train 2 steps, validate, test and predict) on the ranks of a test pool; the
+    losses and every rank's results."""
+    from tests.dist_pool import sole_pool
+    from tests.scripts.lightning_features_run import devices_of, parse_args
+
+    argv = [str(out_dir), *args]
+    sole_pool(devices_of(parse_args(argv))).run(_script_on_this_rank, argv=argv)
     ranks = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
     return {"losses": json.loads((out_dir / "summary.json").read_text())["losses"], "ranks": ranks}
 

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -131,16 +132,49 @@ def _rel(a: list[float], b: list[float]) -> float:
 # --- shell commands -------------------------------------------------------------------------------
 
 
+# One run serves every test that reads it: tests/test_first_impressions.py reads `make train` and the
+# README's first Python example too. Keyed by what ran; a session runs each once.
+_RUNS: dict[str, tuple[Any, Path]] = {}
+
+
+def make_train_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """`make train` as a user runs it (W&B offline by default), shrunk through ARGS (the Makefile's own
+    hook): (stdout and stderr in one unbuffered pipe, in the order printed; the run directory)."""
+    if "make train" not in _RUNS:
+        stale = subprocess.run(["make", "-q", ".venv/.installed"], cwd=ROOT, capture_output=True)
+        if stale.returncode != 0:
+            pytest.skip("make train would pip-install first (.venv/.installed is stale); run `make install`")
+        run_dir = tmp_path_factory.mktemp("make_train") / "run"
+        args = [arg for arg in SHRINK_TRAIN if arg != "logger=none"] + [f"hydra.run.dir={run_dir}"]
+        close_pools()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env.pop("WANDB_MODE", None)  # the default must be offline
+        proc = subprocess.run(["make", "train", f"ARGS={' '.join(args)}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+        assert proc.returncode == 0, f"make train failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
+        _RUNS["make train"] = (proc.stdout, run_dir)
+    return _RUNS["make train"]
+
+
+def python_block_run(block: Block, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The block, shrunk by its ``PYTHON_CHECKS`` substitutions, run as a script: (the process, its directory)."""
+    key = f"{block.source}:{block.line}"
+    if key not in _RUNS:
+        check = _python_check(block)
+        text = block.text
+        for typed, shrunk in check.substitutions:
+            assert typed in text, f"{key}: `{typed}` is gone; update PYTHON_CHECKS in tests/test_readme.py"
+            text = text.replace(typed, shrunk)
+        cwd = tmp_path_factory.mktemp("block")
+        script = cwd / "block.py"
+        script.write_text(text)
+        _RUNS[key] = (_run([sys.executable, str(script)], cwd), cwd)
+    return _RUNS[key]
+
+
 def run_make_train(command: str, comment: str, tmp_path: Path, state: dict) -> None:
-    """`make train`: the default experiment under ep2, shrunk through ARGS (the Makefile's own hook)."""
-    stale = subprocess.run(["make", "-q", ".venv/.installed"], cwd=ROOT, capture_output=True)
-    if stale.returncode != 0:
-        pytest.skip("make train would pip-install first (.venv/.installed is stale); run `make install`")
-    run_dir = tmp_path / "make_train"
-    # logger=none: starting W&B costs more than the run; its offline run is tested in test_hydra.py.
-    args = [*SHRINK_TRAIN, f"hydra.run.dir={run_dir}"]
-    proc = _run([*shlex.split(command), f"ARGS={' '.join(args)}"], ROOT)
-    out = proc.stdout + proc.stderr
+    """`make train`: the default experiment under ep2, shrunk through ARGS."""
+    out, run_dir = make_train_run(state["tmp_path_factory"])
     summary = _check_train_run(out, run_dir, ["parallel=ep2"])  # the README: ep2 unless ARGS picks a layout
     assert _layout_line(out) == {"tp": 1, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1}
     assert len(summary["losses"]) == STEPS
@@ -252,9 +286,9 @@ HANDLERS: list[tuple[str, Callable[[str, str, Path, dict], None]]] = [
 
 
 @pytest.fixture(scope="module")
-def state() -> dict:
+def state(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """What one README command leaves for a later one (the run dir with a checkpoint)."""
-    return {}
+    return {"tmp_path_factory": tmp_path_factory}
 
 
 @pytest.mark.slow
@@ -345,16 +379,9 @@ def _python_check(block: Block) -> PythonCheck:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"{b.source}:{b.line}" for b in PYTHON_BLOCKS])
-def test_readme_python_block(block: Block, tmp_path: Path) -> None:
-    check = _python_check(block)
-    text = block.text
-    for typed, shrunk in check.substitutions:
-        assert typed in text, f"{block.source}:{block.line}: `{typed}` is gone; update PYTHON_CHECKS in tests/test_readme.py"
-        text = text.replace(typed, shrunk)
-    script = tmp_path / "block.py"
-    script.write_text(text)
-    proc = _run([sys.executable, str(script)], tmp_path)
-    check.check(proc, tmp_path)
+def test_readme_python_block(block: Block, tmp_path_factory: pytest.TempPathFactory) -> None:
+    proc, cwd = python_block_run(block, tmp_path_factory)
+    _python_check(block).check(proc, cwd)
 
 
 def test_readme_is_a_front_door() -> None:

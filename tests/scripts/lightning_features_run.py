@@ -112,7 +112,7 @@ def eval_loader(trainer: L.Trainer) -> DataLoader:
     return DataLoader(samples, batch_size=EVAL_BATCH, shuffle=False)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
     for name in ("tp", "cp", "ep", "pp", "dp"):
@@ -128,7 +128,15 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true", help="MoE5DStrategy(deterministic=True)")
     parser.add_argument("--callbacks", action="store_true",
                         help="validate every step; ModelCheckpoint top-2, EarlyStopping, LearningRateMonitor, CSV logs")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def devices_of(args: argparse.Namespace) -> int:
+    return args.tp * args.cp * args.ep * args.pp * args.dp
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
     L.seed_everything(0)
@@ -136,7 +144,7 @@ def main() -> None:
     strategy = MoE5DStrategy(tp=args.tp, cp=args.cp, ep=args.ep, pp=args.pp, dp=args.dp,
                              activation_checkpointing=args.activation_checkpointing, compile=args.compile,
                              deterministic=args.deterministic, **extra)
-    devices = args.tp * args.cp * args.ep * args.pp * args.dp
+    devices = devices_of(args)
     data = ByteTextDataModule(seq_len=SEQ, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, max_corpus_bytes=200_000)
     callbacks: list[L.Callback] = [CommAccountingCallback(), SummaryCallback()]
     validation: dict = dict(val_check_interval=10**6)
