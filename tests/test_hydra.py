@@ -185,11 +185,22 @@ def test_multirun_writes_one_summary_per_job(tmp_path):
         assert "moe/load_imbalance" in header and "moe/layer1/aux_loss" in header
 
 
+@pytest.fixture(scope="module")
+def layouts_sweep(tmp_path_factory) -> tuple[Path, Path, str]:
+    """One sweep over two layouts with the W&B logger, read by the two tests below: (sweep dir, W&B dir, stdout)."""
+    tmp_path = tmp_path_factory.mktemp("layouts_sweep")
+    sweep_dir, wandb_dir = tmp_path / "sweep", tmp_path / "wandb_home"
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the default must be offline
+    env["WANDB_DIR"] = str(wandb_dir)
+    stdout = _run_cli(tmp_path, "--multirun", "parallel=single,ep2", "logger=wandb", *QUICK,
+                      f"hydra.sweep.dir={sweep_dir}", env=env)
+    return sweep_dir, wandb_dir, stdout
+
+
 @pytest.mark.slow
-def test_multirun_over_layouts_starts_processes_per_job(tmp_path):
+def test_multirun_over_layouts_starts_processes_per_job(layouts_sweep):
     """Each job of a sweep launches its own processes (not the whole sweep again) with the same losses."""
-    sweep_dir = tmp_path / "sweep"
-    _run_cli(tmp_path, "--multirun", "parallel=single,ep2", "logger=none", *QUICK, f"hydra.sweep.dir={sweep_dir}")
+    sweep_dir, _, _ = layouts_sweep
     single = _check_summary(sweep_dir / "0" / "summary.json", steps=3)
     ep2 = _check_summary(sweep_dir / "1" / "summary.json", steps=3)
     assert ep2["layout"]["ep"] == 2
@@ -202,13 +213,9 @@ def test_multirun_over_layouts_starts_processes_per_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_wandb_runs_offline_one_run_per_sweep_job(tmp_path):
-    sweep_dir, wandb_dir = tmp_path / "sweep", tmp_path / "wandb_home"
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the default must be offline
-    env["WANDB_DIR"] = str(wandb_dir)
-    stdout = _run_cli(
-        tmp_path, "--multirun", "model.moe.top_k=1,2", "logger=wandb", *QUICK, f"hydra.sweep.dir={sweep_dir}", env=env
-    )
+def test_wandb_runs_offline_one_run_per_sweep_job(layouts_sweep):
+    """One offline run per job, the multi-process job's included (its rank 0 logs)."""
+    sweep_dir, wandb_dir, stdout = layouts_sweep
     offline_runs = sorted((wandb_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 2  # the second job did not append to the first job's run
     for job, offline_run in enumerate(offline_runs):
