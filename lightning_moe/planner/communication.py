@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_moe.cp.comm import CpComm
-from lightning_moe.layout import PARALLEL_DIMS
+from lightning_moe.layout import PARALLEL_DIMS, ulysses_kv_heads
 from lightning_moe.moe.dispatchers import DispatcherKind, dispatcher_kind
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import (
@@ -66,30 +66,6 @@ def all_reduce_bytes(whole: int, n: int) -> int:
 # ---- all-to-all (Ulysses) context parallelism, as lightning_moe.cp.ulysses runs it ----
 
 
-def ulysses_heads_problem(heads: int, kv_heads: int, cp: int) -> str | None:
-    """Why all-to-all context parallelism cannot split ``heads`` query heads (and ``kv_heads`` key/value
-    heads) over ``cp`` ranks, or None: each rank takes ``heads / cp`` whole query heads, so cp must
-    divide them (``lightning_moe.cp.ulysses`` refuses it otherwise). Heads are those of one tp rank."""
-    if heads < 1 or kv_heads < 1 or heads % kv_heads:
-        return f"{heads} query heads per tp rank are not a multiple of {kv_heads} key/value heads"
-    if heads % cp:
-        return (
-            f"cp_comm='a2a' splits the {heads} query heads per tp rank over cp = {cp} ranks, and {cp} does not"
-            f" divide {heads}: use cp dividing the heads per tp rank, or cp_comm='ring'"
-        )
-    return None
-
-
-def ulysses_kv_heads(heads: int, kv_heads: int, cp: int) -> int:
-    """The key/value heads whose K and V travel: ``kv_heads`` repeated ``cp / gcd(kv_heads, cp)`` times,
-    a multiple of cp (fewer K/V heads than cp ranks are repeated up to cp, whole heads per rank), as
-    ``lightning_moe.cp.ulysses.ulysses_kv_heads``. ``ulysses_kv_heads(8, 2, 4) == 4``, ``(8, 8, 4) == 8``."""
-    problem = ulysses_heads_problem(heads, kv_heads, cp)
-    if problem:
-        raise ValueError(problem)
-    return kv_heads * (cp // math.gcd(kv_heads, cp))
-
-
 def ulysses_attention_bytes(
     batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int, cp: int, dtype_bytes: int, *, backward: bool = True
 ) -> int:
@@ -111,7 +87,7 @@ def ulysses_attention_bytes(
       head shards: the same bytes again); False gives the forward's alone
       (``lightning_moe.cp.ulysses.ulysses_bytes_per_rank``).
 
-    Forward: one all-to-all of Q, K and V (K and V with :func:`ulysses_kv_heads` heads, repeated up to
+    Forward: one all-to-all of Q, K and V (K and V with :func:`~lightning_moe.layout.ulysses_kv_heads` heads, repeated up to
     a multiple of cp) from ``[batch, H, seq_len/cp, head_dim]`` sequence shards to head shards, one of
     the output back. Of a tensor of ``n`` elements per rank a rank sends the ``(cp - 1) / cp`` bound
     for its peers: ``n = batch x (2 heads + 2 kv') x seq_len / cp x head_dim``, and the forward sends
