@@ -62,14 +62,8 @@ from lightning_moe.planner.groups import group_ranks, peer_split, ring_split
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
-from lightning_moe.planner.parameters import (
-    chunk_size,
-    fsdp_units,
-    local_shape,
-    parameter_bytes_per_rank,
-    parameter_specs,
-    rank_parameters,
-)
+from lightning_moe.planner.parameters import chunk_size, local_shape, parameter_specs
+from lightning_moe.planner.rank_shards import fsdp_units, parameter_bytes_per_rank, rank_parameters
 from lightning_moe.planner.search import (
     Plan,
     cp_comm_options,

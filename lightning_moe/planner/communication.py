@@ -29,7 +29,7 @@ from lightning_moe.planner.dtypes import (
 from lightning_moe.planner.groups import fsdp_shard_group, group_size, nodes_spanned, peer_split, ring_split
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
-from lightning_moe.planner.parameters import fsdp_units
+from lightning_moe.planner.rank_shards import fsdp_units
 
 # The kinds as module constants, read per layout (an enum member read off its class costs a call);
 # ``_RING``/``_A2A`` are the plain strings ``Layout.cp_comm`` and ``CommRecord.pattern`` hold.
