@@ -469,8 +469,8 @@ def ulysses_heads_problem(heads: int, kv_heads: int, cp: int) -> str | None:
         return f"{heads} query heads are not a multiple of {kv_heads} key/value heads"
     if heads % cp:
         return (
-            f"all-to-all (Ulysses) context parallelism splits the {heads} query heads of a tp rank over cp = {cp} ranks,"
-            f" and {cp} does not divide {heads}: use cp dividing the heads, or cp_comm='ring'"
+            f"all-to-all (Ulysses) context parallelism splits the {heads} query heads of a tp rank over"
+            f" cp = {cp} ranks, and {cp} does not divide {heads}: use cp dividing the heads, or cp_comm='ring'"
         )
     return None
 

@@ -43,7 +43,9 @@ MTP_SAVED_HIDDENS = 6
 MTP_TRAFFIC_HIDDENS = 10
 
 
-def mtp_flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, block: dict[str, float]) -> dict[str, float]:
+def mtp_flops_per_microbatch(
+    model: ModelShape, layout: Layout, seq_len: int, block: dict[str, float]
+) -> dict[str, float]:
     """Forward FLOPs of the ``model.mtp_depth`` MTP modules on one rank of the last stage, by op kind:
     per depth ``block``, a layer of the last layer's kind by op kind (the keys of
     :func:`lightning_moe.planner.flops.flops_per_microbatch`, which passes it), with ``eh_proj`` and

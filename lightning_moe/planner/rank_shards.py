@@ -35,7 +35,9 @@ def _rank_holds(spec: ParamSpec, model: ModelShape, layout: Layout, pp_rank: int
     return spec.layer in rank_layers(model, layout, pp_rank)
 
 
-def rank_parameters(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False) -> dict[str, tuple[int, ...]]:
+def rank_parameters(
+    model: ModelShape, layout: Layout, rank: int, *, padded: bool = False
+) -> dict[str, tuple[int, ...]]:
     """``{name: local shape}`` of every parameter ``rank`` holds (FSDP shards included), the last
     stage's multi-token prediction depths and embedding copy among them (:mod:`~lightning_moe.planner.mtp`).
 
@@ -56,7 +58,9 @@ def rank_parameters(model: ModelShape, layout: Layout, rank: int, *, padded: boo
     return out
 
 
-def parameter_bytes_per_rank(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False, dtype_bytes: int = FP32_BYTES) -> int:
+def parameter_bytes_per_rank(
+    model: ModelShape, layout: Layout, rank: int, *, padded: bool = False, dtype_bytes: int = FP32_BYTES
+) -> int:
     """Bytes of the parameter shards ``rank`` holds (exact chunks, or FSDP2's padded allocation)."""
     return dtype_bytes * sum(math.prod(shape) for shape in rank_parameters(model, layout, rank, padded=padded).values())
 
