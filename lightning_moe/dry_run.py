@@ -15,11 +15,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_moe._compat import fake_store
+from lightning_moe.layout import MESH_DIMS
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.plans.parallelize import parallelize
 from lightning_moe.planner import Layout, ModelShape, parameter_bytes_per_rank, rank_parameters
 
-__all__ = ["RankView", "dry_run"]
+__all__ = ["RankView", "dry_run", "format_dry_run"]
 
 
 @dataclass
@@ -104,3 +105,14 @@ def dry_run(
             )
         )
     return views
+
+
+def format_dry_run(views: Sequence[RankView], seconds: float) -> str:
+    """The dry run's table: per rank, its coordinates and what it holds against the planner's figure."""
+    lines = [f"Dry run on the fake process group ({seconds:.1f} s):", f"| rank | coordinates ({','.join(MESH_DIMS)}) | parameters | bytes | model bytes | padded (FSDP2) | match |", "|---|---|---|---|---|---|---|"]
+    for v in views:
+        coords = ",".join(str(v.coordinates[d]) for d in MESH_DIMS)
+        lines.append(f"| {v.rank} | {coords} | {v.parameters:,} | {v.parameter_bytes:,} | {v.model_bytes:,} | {v.model_padded_bytes:,} | {'yes' if v.matches else 'NO'} |")
+        for m in v.mismatches[:10]:
+            lines.append(f"    mismatch {m}")
+    return "\n".join(lines)

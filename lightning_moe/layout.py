@@ -461,6 +461,36 @@ def heads_problem(name: str, count: int, tp: int, *, owner: str | None = None) -
     return f"{label}={count} is not divisible by tp={tp}: choose tp dividing {name}"
 
 
+def ulysses_heads_problem(heads: int, kv_heads: int, cp: int) -> str | None:
+    """All-to-all (Ulysses) context parallelism (``cp_comm="a2a"``) gives each of the ``cp`` ranks
+    ``heads / cp`` whole query heads of the ``heads`` (and ``kv_heads`` key/value heads) one tp rank
+    holds: the query heads are a multiple of the key/value heads, and cp divides them."""
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} key/value heads"
+    if heads % cp:
+        return (
+            f"all-to-all (Ulysses) context parallelism splits the {heads} query heads of a tp rank over"
+            f" cp = {cp} ranks, and {cp} does not divide {heads}: use cp dividing the heads, or cp_comm='ring'"
+        )
+    return None
+
+
+def ulysses_kv_heads(heads: int, kv_heads: int, cp: int) -> int:
+    """The key/value heads whose K and V travel under all-to-all context parallelism: ``kv_heads``
+    repeated ``cp / gcd(kv_heads, cp)`` times, a multiple of cp (fewer K/V heads than cp ranks are
+    repeated up to whole heads per rank); ``ValueError`` where :func:`ulysses_heads_problem` objects.
+
+    Example::
+
+        ulysses_kv_heads(8, 2, 4)   # 4: each K/V head twice, one per rank
+        ulysses_kv_heads(8, 8, 4)   # 8: nothing repeated
+    """
+    problem = ulysses_heads_problem(heads, kv_heads, cp)
+    if problem:
+        raise ValueError(problem)
+    return kv_heads * (cp // math.gcd(kv_heads, cp))
+
+
 def experts_problem(num_experts: int, ep: int) -> str | None:
     """Each ep rank holds ``num_experts / ep`` experts."""
     if num_experts % ep == 0:

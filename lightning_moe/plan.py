@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_moe.conf import CONF_DIR
 from lightning_moe.dry_run import dry_run as build_on_fake_ranks
+from lightning_moe.dry_run import format_dry_run
 from lightning_moe.planner import Cluster, Estimate, Layout, ModelShape, estimate, layout_problems, plan
 from lightning_moe.planner.presets import layout_from_parallel
 from lightning_moe.planner.report import (
@@ -38,7 +39,6 @@ from lightning_moe.planner.report import (
     MFU_CONVENTION,
     format_bounds,
     format_constants,
-    format_dry_run,
     format_rejected,
     format_same_sizes,
     format_table,

@@ -95,7 +95,8 @@ def test_the_planner_counts_one_row_per_token_and_expected_destination_rank():
     it reaches 2 - 1/7 ranks on average, 3/4 of them other ranks; the per-slot path sends 2 x 3/4."""
     from lightning_moe.planner import ModelShape
     from lightning_moe.planner.candidate import Layout
-    from lightning_moe.planner.communication import comm_records, token_exchange_row_bytes
+    from lightning_moe.planner.comm import comm_records
+    from lightning_moe.planner.comm.ep import token_exchange_row_bytes
 
     config = {"vocab_size": 256, "hidden_size": 64, "num_layers": 1, "num_heads": 4, "ffn_hidden_size": 128}
     seq, ep, layout = 64, 4, Layout(ep=4, microbatches=1)

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from lightning_moe.conf import CONF_DIR
 from lightning_moe.plan import model_shape
 from lightning_moe.planner import Cluster, Layout, ModelShape, comm_records, enumerate_layouts, estimate, plan
-from lightning_moe.planner.communication import expected_nodes_per_token, token_exchange_row_bytes
+from lightning_moe.planner.comm.ep import expected_nodes_per_token, token_exchange_row_bytes
 from lightning_moe.planner.elementwise import elementwise_bytes_per_microbatch
 from lightning_moe.planner.flops import flops_per_microbatch
 from lightning_moe.planner.step_time import DEFAULT_EXPERT_LOAD_IMBALANCE, forward_seconds_by_kind, record_seconds

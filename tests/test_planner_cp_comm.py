@@ -27,7 +27,7 @@ from lightning_moe.planner import (
     plan,
     ulysses_attention_bytes,
 )
-from lightning_moe.planner.communication import ulysses_kv_heads
+from lightning_moe.layout import ulysses_kv_heads
 from lightning_moe.planner.presets import layout_from_parallel
 from lightning_moe.planner.report import format_same_sizes
 from lightning_moe.planner.step_time import record_seconds

@@ -108,6 +108,109 @@ def test_no_import_cycle_between_packages():
     assert not cycles, sorted(set(cycles))
 
 
+# Packages none of whose modules may lie on an import circle: the whole library.
+ACYCLIC_PACKAGES = ("lightning_moe",)
+
+
+def _module_name(path: str) -> str:
+    """``planner/comm/tp.py`` -> ``lightning_moe.planner.comm.tp``; a package's ``__init__.py`` is the package."""
+    parts = ["lightning_moe", *path.removesuffix(".py").split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, at module level and inside functions alike.
+    ``from package import name`` imports the submodule ``package.name`` where there is one, else the
+    package's ``__init__``; importing a submodule does not count as importing its parents."""
+    modules = {_module_name(name): (name, tree) for name, (_, tree) in SOURCES.items()}
+    graph: dict[str, set[str]] = {}
+    for module, (name, tree) in modules.items():
+        package = module if name.endswith("__init__.py") else module.rpartition(".")[0]
+        deps = graph.setdefault(module, set())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: the importing module's package, one level up per dot past the first
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:  # "lightning_moe.x.attr" -> the module holding attr
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    deps.add(target)
+    return graph
+
+
+def _import_circles(graph: dict[str, set[str]]) -> list[tuple[set[str], list[str]]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each with one
+    circle through it: the shortest from its first module back to it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[set[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if dep not in index:
+                connect(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = {stack.pop()}
+            while node not in component:
+                component.add(stack.pop())
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return [(component, _shortest_circle(min(component), component, graph)) for component in components]
+
+
+def _shortest_circle(start: str, component: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """``[start, ..., start]``: the fewest imports leading from ``start`` back to it inside ``component``."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for dep in sorted(graph[node] & component):
+                if dep == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if dep not in came_from:
+                    came_from[dep] = node
+                    following.append(dep)
+        frontier = following
+    raise AssertionError(f"{start} lies on no circle of {sorted(component)}")
+
+
+def test_no_import_circle_among_modules():
+    """No module of :data:`ACYCLIC_PACKAGES` lies on a circle of imports, whether the imports sit at
+    module level or inside functions: a function-level import holds the modules together as firmly,
+    it only defers the import to the first call."""
+    graph = _module_imports()
+    assert {"lightning_moe.planner.comm.ep", "lightning_moe.moe.dispatchers"} <= set(graph), "the scan found no modules"
+    found = [
+        f"{' -> '.join(circle)} (the circle's component: {', '.join(sorted(component))})"
+        for component, circle in _import_circles(graph)
+        if any(m == p or m.startswith(p + ".") for m in component for p in ACYCLIC_PACKAGES)
+    ]
+    assert not found, "\n".join(found)
+
+
 def test_lower_layers_import_nothing_above_them():
     """layout sits at the bottom, moe/ and cp/ are pure torch, parallel/ works on any module
     (docs/architecture.md, "Layers")."""

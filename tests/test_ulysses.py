@@ -372,9 +372,9 @@ def test_bytes_per_rank_formula() -> None:
 
 
 def test_the_planners_all_to_all_bytes_are_the_runtimes():
-    """The planner's estimate of a2a traffic (planner/communication.py) counts what the runtime sends."""
+    """The planner's estimate of a2a traffic (planner/comm/cp.py) counts what the runtime sends."""
     from lightning_moe.cp.ulysses import ulysses_bytes_per_rank
-    from lightning_moe.planner.communication import ulysses_attention_bytes
+    from lightning_moe.planner.comm.cp import ulysses_attention_bytes
 
     for heads, kv_heads, cp in [(8, 8, 2), (8, 2, 4), (4, 1, 2), (6, 3, 2), (12, 6, 4), (16, 2, 8)]:
         for batch, seq_len, head_dim, dtype_bytes in [(1, 64, 16, 4), (2, 4096, 128, 2)]:

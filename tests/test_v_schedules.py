@@ -44,9 +44,9 @@ def test_the_v_schedules_name_what_they_need(schedule):
 
 
 def test_an_older_torch_is_refused_before_any_work(monkeypatch):
-    import lightning_moe._compat
+    import lightning_moe._compat.pipelining
 
-    monkeypatch.setattr(lightning_moe._compat, "_torch_version", lambda: (2, 11))
+    monkeypatch.setattr(lightning_moe._compat.pipelining, "_torch_version", lambda: (2, 11))
     with pytest.raises(MisconfigurationException, match=r"pp_schedule='DualPipeV' needs torch >= 2.13, found .*use pp_schedule='1F1B'"):
         MoE5DStrategy(pp=2, pp_schedule="DualPipeV", pp_stages_per_rank=2, pp_microbatches=4)
 

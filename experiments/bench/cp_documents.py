@@ -304,7 +304,8 @@ def planner_records(sizes: dict, hkv: int) -> dict[str, Any]:
     """The planner's cp record of one attention call at cp = 4 with ``hkv`` K/V heads for ``ring`` and
     ``a2a`` (fp32), and its forward attention FLOPs per rank."""
     from lightning_moe.planner.candidate import Layout
-    from lightning_moe.planner.communication import comm_records, ulysses_attention_bytes
+    from lightning_moe.planner.comm import comm_records
+    from lightning_moe.planner.comm.cp import ulysses_attention_bytes
     from lightning_moe.planner.flops import flops_per_microbatch
     from lightning_moe.planner.model_shape import ModelShape
 

@@ -168,10 +168,3 @@ __all__ = [
     "wrap_distributed_functions",
     "torch_function_disabled",
 ]
-
-
-def _torch_version() -> tuple[int, int]:
-    # The (major, minor) of the installed torch, for every version check of the door: the
-    # pipelining module reads it here at each call, so replacing it here reaches all of them.
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)

@@ -22,12 +22,10 @@ PIPELINE_MIN_TORCH = (2, 11)
 
 
 def _torch_version() -> tuple[int, int]:
-    # The package's ``lightning_moe._compat._torch_version``, looked up at each call: the one place
-    # that reads torch's version, so that replacing it there (tests pretend an older torch) reaches
-    # every check below.
-    from lightning_moe import _compat
-
-    return _compat._torch_version()
+    # The (major, minor) of the installed torch, looked up at each call by every version check below:
+    # replacing it here (tests pretend an older torch) reaches all of them.
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def pipeline_p2p_batcher() -> tuple[ModuleType, str] | None:

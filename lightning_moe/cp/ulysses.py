@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from torch import Tensor
 
 from lightning_moe.cp.documents import DocumentAttentionMode, SequenceShardedAttentionMode, check_document_ids
 from lightning_moe.cp.sharding import LAYOUTS, Layout, shard_sequence
+from lightning_moe.layout import ulysses_heads_problem, ulysses_kv_heads
 
 __all__ = [
     "UlyssesAttentionMode",
@@ -53,32 +53,7 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------------
-# Head arithmetic (pure; the planner uses it too)
-
-
-def _head_problem(heads_q: int, heads_kv: int, cp: int) -> str | None:
-    if heads_q < 1 or heads_kv < 1 or heads_q % heads_kv:
-        return f"{heads_q} query heads are not a multiple of {heads_kv} key/value heads"
-    if heads_q % cp:
-        return (
-            f"all-to-all (Ulysses) context parallelism splits the {heads_q} query heads over cp = {cp} ranks,"
-            f" and {cp} does not divide {heads_q}: use cp dividing the heads, or cp_comm='ring'"
-        )
-    return None
-
-
-def ulysses_kv_heads(heads_q: int, heads_kv: int, cp: int) -> int:
-    """The K/V heads that travel: ``heads_kv`` repeated ``cp / gcd(heads_kv, cp)`` times, a multiple of cp.
-
-    Example::
-
-        ulysses_kv_heads(8, 2, 4)   # 4: each K/V head twice, one per rank
-        ulysses_kv_heads(8, 8, 4)   # 8: nothing repeated
-    """
-    problem = _head_problem(heads_q, heads_kv, cp)
-    if problem:
-        raise ValueError(problem)
-    return heads_kv * (cp // math.gcd(heads_kv, cp))
+# Bytes (pure; the head rule, ulysses_kv_heads, is lightning_moe.layout's)
 
 
 def ulysses_bytes_per_rank(
@@ -201,7 +176,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, cp: int, layout: str, enable_gqa: bo
         raise ValueError(
             f"{q.shape[1]} query heads but {k.shape[1]} key/value heads; pass enable_gqa=True as SDPA requires"
         )
-    problem = _head_problem(q.shape[1], k.shape[1], cp)
+    problem = ulysses_heads_problem(q.shape[1], k.shape[1], cp)
     if problem:
         raise ValueError(problem)
     if layout == "zigzag" and q.shape[2] % 2:

@@ -5,7 +5,7 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
 
 - **Inputs** (:mod:`.model_shape`, :mod:`.cluster`, :mod:`.layout`): the model's shape and parameter
   counts, the machine, and a candidate layout with the layers each pipeline rank holds.
-- **Parameters** (:mod:`.parameters`): the rank's parameter shards exactly as
+- **Parameters** (:mod:`.parameters`, :mod:`.rank_shards`): the rank's parameter shards exactly as
   ``lightning_moe.parallelize`` lays them out, and the FSDP2 units they are gathered in.
 - **FLOPs** (:mod:`.flops`) per token: attention projections, the attention core with its sequence
   term (causal: half the score/value products), dense and expert SwiGLU GEMMs, the router and the
@@ -14,9 +14,9 @@ keyword arguments of :class:`lightning_moe.models.MoEGPT`), a cluster preset and
 - **Memory** (:mod:`.memory`) per rank: parameters, fp32 gradients and Adam states, FSDP2's unsharded
   parameter and gradient buffers, and activations under each activation-checkpointing mode (``none``,
   ``selective``, ``full``). HSDP (``Layout.dp_replicate``) shards within a replica group only.
-- **Communication** (:mod:`.communication`, :mod:`.groups`) bytes per optimizer step and rank for
-  every dimension, from the same collectives the code issues, each split into intra-node and
-  inter-node bytes by where the group's ranks sit (rank order tp-cp-ep-dp-pp). Dim names, group
+- **Communication** (:mod:`.comm`, one module per dimension, and :mod:`.groups`) bytes per optimizer
+  step and rank for every dimension, from the same collectives the code issues, each split into
+  intra-node and inter-node bytes by where the group's ranks sit (rank order tp-cp-ep-dp-pp). Dim names, group
   spans and the size rules come from :mod:`lightning_moe.layout`, as ``ParallelDims``' meshes do.
   :func:`accounted_comm_bytes` (:mod:`.accounting`) maps them onto the dims under which
   :class:`~lightning_moe.callbacks.CommAccountingCallback` records them, for checks against runs.
@@ -55,21 +55,17 @@ Example::
 from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.accounting import accounted_comm_bytes
 from lightning_moe.planner.cluster import Cluster
-from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, ulysses_attention_bytes
+from lightning_moe.planner.comm import comm_records
+from lightning_moe.planner.comm.cp import ulysses_attention_bytes
+from lightning_moe.planner.comm.record import CommRecord, comm_bytes_by_dim
 from lightning_moe.planner.dtypes import PRECISIONS
 from lightning_moe.planner.flops import flops_per_microbatch
 from lightning_moe.planner.groups import group_ranks, peer_split, ring_split
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
-from lightning_moe.planner.parameters import (
-    chunk_size,
-    fsdp_units,
-    local_shape,
-    parameter_bytes_per_rank,
-    parameter_specs,
-    rank_parameters,
-)
+from lightning_moe.planner.parameters import chunk_size, local_shape, parameter_specs
+from lightning_moe.planner.rank_shards import fsdp_units, parameter_bytes_per_rank, rank_parameters
 from lightning_moe.planner.search import (
     Plan,
     cp_comm_options,

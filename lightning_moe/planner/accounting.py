@@ -4,7 +4,8 @@ bytes mapped onto the dims under which the callback counts them, for checks agai
 from __future__ import annotations
 
 from lightning_moe.layout import ACCOUNTED_GROUPS, MESH_DIMS, PARALLEL_DIMS, accounted_dim, accounted_shared_dim
-from lightning_moe.planner.communication import CommRecord, comm_records
+from lightning_moe.planner.comm import comm_records
+from lightning_moe.planner.comm.record import CommRecord
 from lightning_moe.planner.groups import group_spans
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
@@ -40,7 +41,7 @@ def accounted_comm_bytes(
 ) -> dict[str, float]:
     """Bytes per optimizer step and rank, per dim, as ``comm/<dim>_bytes`` of
     :class:`~lightning_moe.callbacks.CommAccountingCallback` records them (mean over ranks);
-    ``ep_ranks_per_token``: as :func:`~lightning_moe.planner.communication.comm_records` takes it.
+    ``ep_ranks_per_token``: as :func:`~lightning_moe.planner.comm.comm_records` takes it.
 
     Example::
 

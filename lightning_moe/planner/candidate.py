@@ -37,7 +37,7 @@ class Layout:
     group only, over ``dp_shard`` x the group's other dims, and all-reduces gradient shards across
     the replica groups. ``overlap_ep_comm``: each micro-batch's backward runs interleaved with the
     next one's forward, each one's expert all-to-alls in flight while the other computes
-    (:class:`lightning_moe.parallel.accumulation.OverlapEngine`; the strategy takes it with ep > 1, and either pp = 1 and
+    (:class:`lightning_moe.parallel.engines.accumulation.OverlapEngine`; the strategy takes it with ep > 1, and either pp = 1 and
     ``gather_once_per_step`` or ``pp_schedule="DualPipeV"``, whose paired forward and backward
     interleave the same way, :func:`lightning_moe.planner.search.layout_problems`).
     ``v_schedule``: the pipeline schedule places two stages per rank in a V (:attr:`v_schedule`).
@@ -239,7 +239,7 @@ def _rank_layers(num_layers: int, pp: int, stages_per_rank: int, v_schedule: boo
 
 
 def rank_stages(layout: Layout, pp_rank: int) -> list[int]:
-    """Stages of pipeline rank ``pp_rank`` (lightning_moe.parallel.pipeline.stage_ids): loop placement
+    """Stages of pipeline rank ``pp_rank`` (lightning_moe.parallel.plans.pipeline.stage_ids): loop placement
     ``pp_rank + k * pp``, or under a V schedule ``pp_rank`` and ``2 * pp - 1 - pp_rank``."""
     return _rank_stages(layout.pp, layout.pp_stages_per_rank, layout.v_schedule, pp_rank)
 

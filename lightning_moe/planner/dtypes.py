@@ -18,6 +18,6 @@ ADAM_STATE_BYTES = 2 * FP32_BYTES  # exp_avg and exp_avg_sq (torch.optim.AdamW)
 ACTIVATION_BYTES = {"32-true": FP32_BYTES, "bf16-mixed": BF16_BYTES}
 # FSDP2 all-gathers parameters in the MixedPrecisionPolicy's param_dtype (bf16 under "bf16-mixed",
 # none under "32-true") and reduce-scatters gradients in its reduce_dtype, fp32 under both
-# (lightning_moe.parallel.precision.mixed_precision_policy).
+# (lightning_moe.parallel.plans.precision.mixed_precision_policy).
 FSDP_GATHER_BYTES = {"32-true": FP32_BYTES, "bf16-mixed": BF16_BYTES}
 FSDP_REDUCE_BYTES = FP32_BYTES

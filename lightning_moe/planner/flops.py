@@ -48,7 +48,9 @@ def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers
             out["dense"] += ffn
     if last:
         out["dense"] += 2 * tokens * h * model.vocab_size / tp
-        for kind, value in mtp_flops_per_microbatch(model, layout, seq_len).items():
-            out[kind] += value
+        if model.mtp_depth:  # each depth's block is a layer of the last layer's kind
+            block = flops_per_microbatch(model, layout, seq_len, [model.num_layers - 1], last=False)
+            for kind, value in mtp_flops_per_microbatch(model, layout, seq_len, block).items():
+                out[kind] += value
     return out
 

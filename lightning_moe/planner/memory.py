@@ -183,9 +183,10 @@ def memory_per_rank(
             mode: in_flight * sum(counts[kind] * per_layer[(kind, mode)] for kind, i in examples.items() if i is not None)
             for mode in CHECKPOINT_MODES
         }
-        if last_stage:  # the MTP depths run after the last layer, on every micro-batch in flight
+        if last_stage and model.mtp_depth:  # the MTP depths run after the last layer, on every micro-batch in flight
             for mode in CHECKPOINT_MODES:
-                acts[mode] += in_flight * mtp_activation_bytes(model, layout, seq_len, mode, precision)
+                block = activation_bytes_per_layer(model, layout, seq_len, model.num_layers - 1, mode, precision)
+                acts[mode] += in_flight * mtp_activation_bytes(model, layout, seq_len, block, precision)
         if layers:  # full recompute rebuilds one layer's activations at a time
             acts["full"] += max(per_layer[(kind, "none")] for kind, i in examples.items() if i is not None)
         logits = 0.0

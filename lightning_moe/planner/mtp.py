@@ -13,6 +13,10 @@ layer's, and runs ``enorm``, ``hnorm``, ``eh_proj`` and the final norm on sequen
 their weights replicated over tp. FSDP2 wraps each depth's experts (and, under tp, router and shared
 expert) as units of their own; the rest joins the root unit under pp = 1, and under pp > 1 forms
 one unit (the ``mtp`` child) beside the embedding copy's.
+
+Where a term holds a block of the last layer's kind, the module counting that quantity for the main
+model passes the block's figure in (:mod:`~lightning_moe.planner.flops`, :mod:`~lightning_moe.planner.memory`,
+:mod:`~lightning_moe.planner.elementwise`), so those modules import this one and not the reverse.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from functools import lru_cache
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.dtypes import ACTIVATION_BYTES
 from lightning_moe.planner.model_shape import ModelShape
-from lightning_moe.planner.parameters import ParamSpec, _parameter_specs, local_shape
+from lightning_moe.planner.parameters import ParamSpec, local_shape, parameter_specs_for
 
 __all__ = ["mtp_activation_bytes", "mtp_elementwise_bytes_per_token", "mtp_flops_per_microbatch", "mtp_parameter_specs",
            "mtp_units"]  # fmt: skip
@@ -39,24 +43,26 @@ MTP_SAVED_HIDDENS = 6
 MTP_TRAFFIC_HIDDENS = 10
 
 
-def mtp_flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int) -> dict[str, float]:
-    """Forward FLOPs of the ``model.mtp_depth`` MTP modules on one rank of the last stage, by op kind
-    (the keys of :func:`lightning_moe.planner.flops.flops_per_microbatch`).
+def mtp_flops_per_microbatch(
+    model: ModelShape, layout: Layout, seq_len: int, block: dict[str, float]
+) -> dict[str, float]:
+    """Forward FLOPs of the ``model.mtp_depth`` MTP modules on one rank of the last stage, by op kind:
+    per depth ``block``, a layer of the last layer's kind by op kind (the keys of
+    :func:`lightning_moe.planner.flops.flops_per_microbatch`, which passes it), with ``eh_proj`` and
+    the shared output head added to its dense FLOPs.
 
     Example::
 
-        mtp_flops_per_microbatch(ModelShape(mtp_depth=1), Layout(), seq_len=4096)["dense"]
+        block = flops_per_microbatch(shape, Layout(), 4096, [shape.num_layers - 1], last=False)
+        mtp_flops_per_microbatch(shape, Layout(), 4096, block)["dense"]
     """
-    from lightning_moe.planner.flops import flops_per_microbatch
-
     if not model.mtp_depth:
         return {"dense": 0.0, "shared_expert": 0.0, "expert": 0.0, "attention": 0.0}
-    block = flops_per_microbatch(model, layout, seq_len, [model.num_layers - 1], last=False)
     tokens = layout.micro_batch_size * seq_len / layout.cp
     h = model.hidden_size
     # eh_proj runs on the tp rank's sequence shard, the head on the vocabulary shard: both / tp.
-    block["dense"] += 2 * tokens * (2 * h * h + h * model.vocab_size) / layout.tp
-    return {kind: model.mtp_depth * value for kind, value in block.items()}
+    depth = {**block, "dense": block["dense"] + 2 * tokens * (2 * h * h + h * model.vocab_size) / layout.tp}
+    return {kind: model.mtp_depth * value for kind, value in depth.items()}
 
 
 def mtp_parameter_specs(model: ModelShape, layout: Layout) -> tuple[ParamSpec, ...]:
@@ -73,7 +79,7 @@ def _mtp_parameter_specs(model: ModelShape, tp_on: bool, etp_is_tp: bool, pipeli
     h = model.hidden_size
     rest = "mtp" if pipelined else "last"
     out = []
-    for spec in _parameter_specs(model, tp_on, etp_is_tp):
+    for spec in parameter_specs_for(model, tp_on, etp_is_tp):
         if spec.stage_part == f"layer:{layer}":
             unit = spec.unit.replace(f"layer{layer}", "mtp") if "." in spec.unit else rest
             name = spec.name.replace(f"layers.{layer}.", "mtp.0.block.")
@@ -115,24 +121,23 @@ def _mtp_units(model: ModelShape, mesh: Layout, rank: int) -> dict[str, tuple[in
     return out
 
 
-def mtp_activation_bytes(model: ModelShape, layout: Layout, seq_len: int, mode: str, precision: str) -> float:
+def mtp_activation_bytes(model: ModelShape, layout: Layout, seq_len: int, block: float, precision: str) -> float:
     """Activations the ``model.mtp_depth`` MTP depths keep for backward, for one micro-batch, on one
-    rank of the last stage: per depth a block of the last layer's kind under checkpointing ``mode``
-    (:func:`~lightning_moe.planner.memory.activation_bytes_per_layer`) and, in every mode, the per-token
+    rank of the last stage: per depth ``block``, what a layer of the last layer's kind keeps under the
+    checkpointing mode (:func:`~lightning_moe.planner.memory.activation_bytes_per_layer`, which
+    :func:`~lightning_moe.planner.memory.memory_per_rank` passes) and, in every mode, the per-token
     modules' :data:`MTP_SAVED_HIDDENS` hidden-size tensors on the rank's sequence shard. The
     depths' logits are :func:`~lightning_moe.planner.memory.memory_per_rank`'s.
 
     Example::
 
-        mtp_activation_bytes(ModelShape(mtp_depth=1), Layout(), 4096, "none", "bf16-mixed")
+        block = activation_bytes_per_layer(shape, Layout(), 4096, shape.num_layers - 1, "none", "bf16-mixed")
+        mtp_activation_bytes(shape, Layout(), 4096, block, "bf16-mixed")
     """
-    from lightning_moe.planner.memory import activation_bytes_per_layer
-
     if not model.mtp_depth:
         return 0.0
     tokens = layout.micro_batch_size * seq_len / layout.cp / layout.tp
     per_token = MTP_SAVED_HIDDENS * model.hidden_size * ACTIVATION_BYTES[precision]
-    block = activation_bytes_per_layer(model, layout, seq_len, model.num_layers - 1, mode, precision)
     return model.mtp_depth * (block + tokens * per_token)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.cluster import Cluster
-from lightning_moe.planner.communication import CommRecord
+from lightning_moe.planner.comm.record import CommRecord
 from lightning_moe.planner.groups import fsdp_shard_group, group_size
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import expert_fsdp_dim

@@ -1,9 +1,11 @@
-"""Parameters: every one of the model, sharded as ``lightning_moe.parallelize`` shards it on each rank.
+"""Parameters: every one of the main model, sharded as ``lightning_moe.parallelize`` shards it on each rank.
 
 Tensor-parallel plan, experts ``Shard(0)`` over ep and their FFN dim over etp, then FSDP2's ``Shard(0)``
 of the local tensor over the dense/expert/token data-parallel meshes, padded as FSDP2 pads (experts
 fewer per rank than their edp group shard on another dim instead: :func:`expert_fsdp_dim`); and the
-FSDP2 units those parameters are gathered in.
+specs of each kind (embedding, last stage, one MoE and one dense layer) that per-rank sums read. The
+multi-token prediction depths' specs start from these (:mod:`lightning_moe.planner.mtp`); what a rank
+holds of both, and the FSDP2 units, are :mod:`lightning_moe.planner.rank_shards`'.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lightning_moe.planner.dtypes import FP32_BYTES
 from lightning_moe.planner.groups import fsdp_shard_group, group_index, group_size
 from lightning_moe.planner.candidate import Layout, holds_first_stage, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
+
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -32,7 +34,7 @@ def chunk_size(length: int, parts: int, index: int) -> int:
 
 def expert_fsdp_dim(local: tuple[int, ...] | list[int], tp_dim: int | None, n: int) -> int:
     """The dim FSDP2 shards an expert parameter's local tensor on over its ``n`` edp ranks, as
-    ``lightning_moe.parallel.data_parallel.expert_shard_dim`` chooses it: dim 0 when the rank holds at
+    ``lightning_moe.parallel.plans.data_parallel.expert_shard_dim`` chooses it: dim 0 when the rank holds at
     least ``n`` experts; else the largest dim other than dim 0 and ``tp_dim`` that ``n`` divides
     (ties: the lower dim), so each rank holds ``1 / (ep * edp)`` of the expert state; dim 0 if none.
 
@@ -62,23 +64,17 @@ class ParamSpec:
         return int(self.stage_part.split(":")[1]) if self.stage_part.startswith("layer:") else None
 
 
-@dataclass
-class FsdpUnit:
-    name: str
-    group: str
-    root: bool
-    padded_shard_numel: float  # per rank, summed over the unit's parameters
-    ranks_fraction: float  # fraction of all ranks holding one such unit (pipeline stages)
-    count: int = 1  # units of this kind in the model
-
-
 def parameter_specs(model: ModelShape, layout: Layout) -> list[ParamSpec]:
     """Every parameter of the model with how ``lightning_moe.parallelize`` shards it."""
-    return list(_parameter_specs(model, layout.tp > 1, layout.etp == layout.tp))
+    return list(parameter_specs_for(model, layout.tp > 1, layout.etp == layout.tp))
 
 
 @lru_cache(maxsize=64)
-def _parameter_specs(model: ModelShape, tp_on: bool, etp_is_tp: bool) -> tuple[ParamSpec, ...]:
+def parameter_specs_for(model: ModelShape, tp_on: bool, etp_is_tp: bool) -> tuple[ParamSpec, ...]:
+    """:func:`parameter_specs` from the two facts of a layout the specs depend on: ``tp_on``, tensor
+    parallelism (tp > 1), and ``etp_is_tp``, the experts split over tp as well (etp = tp). Cached per
+    model and pair, so the layouts of a search share a handful of tuples (the MTP depths' specs,
+    :func:`~lightning_moe.planner.mtp.mtp_parameter_specs`, start from the same)."""
     h, v = model.hidden_size, model.vocab_size
     specs = [
         ParamSpec("tok_embeddings.weight", (v, h), 0 if tp_on else None, False, "first", "dense", "first"),
@@ -139,14 +135,6 @@ def local_shape(spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True
     return tuple(shape)
 
 
-def _rank_holds(spec: ParamSpec, model: ModelShape, layout: Layout, pp_rank: int) -> bool:
-    if spec.stage_part == "first":
-        return holds_first_stage(layout, pp_rank)
-    if spec.stage_part == "last":
-        return holds_last_stage(layout, pp_rank)
-    return spec.layer in rank_layers(model, layout, pp_rank)
-
-
 def representative_specs(model: ModelShape, layout: Layout) -> list[ParamSpec]:
     """The embedding/norm/output specs and those of one MoE and one dense layer (all layers of a kind
     shard alike): with :func:`kind_of` and :func:`kind_counts`, per-rank sums need no loop over every layer."""
@@ -158,7 +146,7 @@ def _representative_specs(model: ModelShape, tp_on: bool, etp_is_tp: bool) -> tu
     moe = next((i for i in range(model.num_layers) if model.is_moe(i)), None)
     dense = next((i for i in range(model.num_layers) if not model.is_moe(i)), None)
     keep = {"first", "last", f"layer:{moe}", f"layer:{dense}"}
-    return tuple(s for s in _parameter_specs(model, tp_on, etp_is_tp) if s.stage_part in keep)
+    return tuple(s for s in parameter_specs_for(model, tp_on, etp_is_tp) if s.stage_part in keep)
 
 
 def representative_numels(model: ModelShape, layout: Layout, rank: int) -> tuple[tuple[ParamSpec, str, int, int], ...]:
@@ -194,70 +182,3 @@ def kind_counts(model: ModelShape, layout: Layout, pp_rank: int) -> dict[str, in
 def _layer_kinds(model: ModelShape, layers: tuple[int, ...]) -> tuple[int, int]:
     """``(MoE layers, dense layers)`` among ``layers``."""
     return sum(model.is_moe(i) for i in layers), sum(not model.is_moe(i) for i in layers)
-
-
-def rank_parameters(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False) -> dict[str, tuple[int, ...]]:
-    """``{name: local shape}`` of every parameter ``rank`` holds (FSDP shards included), the last
-    stage's multi-token prediction depths and embedding copy among them (:mod:`.mtp`).
-
-    Example::
-
-        rank_parameters(shape, Layout(tp=2, dp=2), rank=3)["layers.0.attention.wq.weight"]
-    """
-    from lightning_moe.planner.mtp import mtp_parameter_specs
-
-    pp_rank = layout.coordinates(rank)["pp"]
-    out = {
-        spec.name: local_shape(spec, layout, rank, padded=padded)
-        for spec in parameter_specs(model, layout)
-        if _rank_holds(spec, model, layout, pp_rank)
-    }
-    if model.mtp_depth and holds_last_stage(layout, pp_rank):  # every depth shards as the first
-        for spec in mtp_parameter_specs(model, layout):
-            shape = local_shape(spec, layout, rank, padded=padded)
-            out.update({spec.name.replace("mtp.0.", f"mtp.{k}.", 1): shape for k in range(model.mtp_depth)})
-    return out
-
-
-def parameter_bytes_per_rank(model: ModelShape, layout: Layout, rank: int, *, padded: bool = False, dtype_bytes: int = FP32_BYTES) -> int:
-    """Bytes of the parameter shards ``rank`` holds (exact chunks, or FSDP2's padded allocation)."""
-    return dtype_bytes * sum(math.prod(shape) for shape in rank_parameters(model, layout, rank, padded=padded).values())
-
-
-def fsdp_units(model: ModelShape, layout: Layout) -> list[FsdpUnit]:
-    """FSDP2 units as ``apply_data_parallel`` wraps them: per block, experts, router (tp > 1), the root.
-
-    Under pp = 1 the whole module is the root unit (embedding, final norm, output), which FSDP does
-    not reshard after forward; under pp > 1 each of those children is a unit of its own and every
-    top-level unit (embedding, norm, output, each block) is first called on its own and becomes a
-    root. Experts and router units nest inside a block and never are. ``count``: units of that
-    kind in the whole model. The last stage's multi-token prediction depths add theirs
-    (:func:`~lightning_moe.planner.mtp.mtp_units`).
-    """
-    totals: dict[tuple[str, str], float] = {}
-    groups: dict[tuple[str, str], str] = {}
-    for spec, kind, padded_shard, _ in representative_numels(model, layout, rank=0):
-        if kind in ("first", "last"):
-            name = spec.name if layout.pp > 1 else "root"
-        else:
-            name = spec.unit.split(".", 1)[1] if "." in spec.unit else "block"
-        key = (kind, name)
-        totals[key] = totals.get(key, 0) + padded_shard
-        groups[key] = spec.group
-    counts = {"first": 1, "last": 1, "moe": model.num_moe_layers, "dense": model.num_layers - model.num_moe_layers}
-    units = []
-    for (kind, name), numel in totals.items():
-        if kind in ("first", "last") and name == "root" and any(u.name == "root" for u in units):
-            units[[u.name for u in units].index("root")].padded_shard_numel += numel  # type: ignore[misc]
-            continue
-        root = kind in ("first", "last") or (layout.pp > 1 and name == "block")
-        units.append(FsdpUnit(name, groups[(kind, name)], root, numel, 1.0 / layout.pp, counts[kind]))
-    from lightning_moe.planner.mtp import mtp_units
-
-    for name, (count, shard, _, group) in mtp_units(model, layout, rank=0).items():
-        if name == "last":  # pp = 1: the MTP modules' own parameters are the root's
-            next(u for u in units if u.name == "root").padded_shard_numel += shard
-            continue
-        units.append(FsdpUnit(name, group, "." not in name, shard, 1.0 / layout.pp, count))
-    return units
-

@@ -1,24 +1,21 @@
 """What the planner's results look like to a person: the ranked tables, the layouts that do not fit,
-``plan.png``, ``plan.json``'s text and a dry run's table."""
+``plan.png`` and ``plan.json``'s text."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lightning_moe.layout import MESH_DIMS, PARALLEL_DIMS
+from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.search import Plan
 from lightning_moe.planner.step_time import Estimate
 
-if TYPE_CHECKING:
-    from lightning_moe.parallel.dry_run import RankView
-
-__all__ = ["GIB", "MFU_CONVENTION", "format_bounds", "format_constants", "format_dry_run", "format_rejected", "format_same_sizes", "format_table", "plan_json", "plot_plan"]
+__all__ = ["GIB", "MFU_CONVENTION", "format_bounds", "format_constants", "format_rejected", "format_same_sizes", "format_table", "plan_json", "plot_plan"]
 
 GIB = 2**30
 MFU_CONVENTION = (
@@ -196,13 +193,3 @@ def plan_json(out: Mapping[str, Any]) -> str:
         return "[\n" + ",\n".join(json.dumps(x) for x in v) + "\n]" if isinstance(v, list) and v else json.dumps(v)
 
     return "{\n" + ",\n".join(f"{json.dumps(k)}: {value(v)}" for k, v in out.items()) + "\n}\n"
-
-
-def format_dry_run(views: Sequence[RankView], seconds: float) -> str:
-    lines = [f"Dry run on the fake process group ({seconds:.1f} s):", f"| rank | coordinates ({','.join(MESH_DIMS)}) | parameters | bytes | model bytes | padded (FSDP2) | match |", "|---|---|---|---|---|---|---|"]
-    for v in views:
-        coords = ",".join(str(v.coordinates[d]) for d in MESH_DIMS)
-        lines.append(f"| {v.rank} | {coords} | {v.parameters:,} | {v.parameter_bytes:,} | {v.model_bytes:,} | {v.model_padded_bytes:,} | {'yes' if v.matches else 'NO'} |")
-        for m in v.mismatches[:10]:
-            lines.append(f"    mismatch {m}")
-    return "\n".join(lines)

@@ -8,12 +8,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lightning_moe.cp.comm import CP_COMM_KINDS, CpComm
-from lightning_moe.layout import V_SCHEDULES, default_micro_batch_size, fold_size, mesh_factorizations, sequence_split_problem, size_problems
+from lightning_moe.layout import (
+    V_SCHEDULES,
+    default_micro_batch_size,
+    fold_size,
+    mesh_factorizations,
+    sequence_split_problem,
+    size_problems,
+    ulysses_heads_problem,
+)
 from lightning_moe.moe.dispatchers import dispatcher_kind
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
 from lightning_moe.planner.candidate import Layout
-from lightning_moe.planner.communication import ulysses_heads_problem
 from lightning_moe.planner.groups import nodes_spanned
 from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.model_shape import ModelShape
@@ -90,7 +97,8 @@ def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: s
 
 def a2a_heads_problem(model: ModelShape, layout: Layout) -> str | None:
     """Why all-to-all context parallelism (``cp_comm="a2a"``) cannot run ``layout``'s cp for ``model``,
-    or None: the query heads per tp rank must divide by cp (``lightning_moe.cp.ulysses``'s check).
+    or None: the query heads per tp rank must divide by cp (:func:`~lightning_moe.layout.ulysses_heads_problem`,
+    which ``lightning_moe.cp.ulysses`` checks too).
     None for cp = 1 and where tp does not divide the heads (the layout rules say so already)."""
     tp, cp = layout.tp, layout.cp
     if cp == 1 or model.num_heads % tp or model.num_kv_heads % tp:

@@ -23,7 +23,9 @@ from typing import Any
 from lightning_moe.cp.comm import CpComm
 from lightning_moe.moe.dispatchers import dispatcher_kind
 from lightning_moe.planner.cluster import Cluster
-from lightning_moe.planner.communication import CommRecord, comm_bytes_by_dim, comm_records, fsdp_reduces, record_split
+from lightning_moe.planner.comm import comm_records
+from lightning_moe.planner.comm.record import CommRecord, comm_bytes_by_dim, record_split
+from lightning_moe.planner.comm.step import fsdp_reduces
 from lightning_moe.planner.muon import muon_comm_records, newton_schulz_seconds
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES
 from lightning_moe.planner.elementwise import elementwise_bytes_per_microbatch
