@@ -9,7 +9,7 @@ ARGS ?=
 # parts the tests use run on CPU with what is already installed).
 TEST_READERS := megatron-core==0.16.1 litdata==0.2.76
 
-.PHONY: install train test test-long test-fast test-floor bench sweep clean
+.PHONY: install train lint test test-long test-fast test-floor bench sweep clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ install: $(VENV)/.installed
 TRAIN_LAYOUT := $(if $(findstring parallel,$(ARGS)),,parallel=ep2)
 train: install
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m lightning_moe.train $(TRAIN_LAYOUT) $(ARGS)
+
+# ruff's formatter and linter (pyproject.toml's [tool.ruff]); `ruff format . && ruff check --fix .` fixes most.
+lint: install
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 
 # The suite in two passes, then its wall time: the in-process tests on 2 pytest workers (each file on
 # one worker, so that its module fixtures and memoized runs stay shared), then the multi-process and
