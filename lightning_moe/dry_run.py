@@ -75,12 +75,19 @@ def dry_run(
             raise ValueError(f"dry_run rank {rank} is outside world_size={world}")
         dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
         try:
-            dims = ParallelDims(**layout.parallel_sizes(), etp=layout.etp, fold_ep=layout.fold_ep, dp_replicate=layout.dp_replicate)
+            dims = ParallelDims(
+                **layout.parallel_sizes(), etp=layout.etp, fold_ep=layout.fold_ep, dp_replicate=layout.dp_replicate
+            )
             dims.validate(world)
             dims.build_mesh("cpu")
             with torch.device("meta"):
                 module = build_module()
-            parallelize(module, dims, data_parallel="hsdp" if layout.hsdp else "fsdp", pp_stages_per_rank=layout.pp_stages_per_rank)
+            parallelize(
+                module,
+                dims,
+                data_parallel="hsdp" if layout.hsdp else "fsdp",
+                pp_stages_per_rank=layout.pp_stages_per_rank,
+            )
             shapes = {}
             numel = nbytes = 0
             for name, param in module.named_parameters():
@@ -91,7 +98,11 @@ def dry_run(
         finally:
             dist.destroy_process_group()
         expected = rank_parameters(shape, layout, rank)
-        mismatches = [f"{n}: built {shapes.get(n)}, model {expected.get(n)}" for n in sorted(set(shapes) | set(expected)) if shapes.get(n) != expected.get(n)]
+        mismatches = [
+            f"{n}: built {shapes.get(n)}, model {expected.get(n)}"
+            for n in sorted(set(shapes) | set(expected))
+            if shapes.get(n) != expected.get(n)
+        ]
         views.append(
             RankView(
                 rank=rank,
@@ -109,10 +120,16 @@ def dry_run(
 
 def format_dry_run(views: Sequence[RankView], seconds: float) -> str:
     """The dry run's table: per rank, its coordinates and what it holds against the planner's figure."""
-    lines = [f"Dry run on the fake process group ({seconds:.1f} s):", f"| rank | coordinates ({','.join(MESH_DIMS)}) | parameters | bytes | model bytes | padded (FSDP2) | match |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Dry run on the fake process group ({seconds:.1f} s):",
+        f"| rank | coordinates ({','.join(MESH_DIMS)}) | parameters | bytes | model bytes | padded (FSDP2) | match |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for v in views:
         coords = ",".join(str(v.coordinates[d]) for d in MESH_DIMS)
-        lines.append(f"| {v.rank} | {coords} | {v.parameters:,} | {v.parameter_bytes:,} | {v.model_bytes:,} | {v.model_padded_bytes:,} | {'yes' if v.matches else 'NO'} |")
+        lines.append(
+            f"| {v.rank} | {coords} | {v.parameters:,} | {v.parameter_bytes:,} | {v.model_bytes:,} | {v.model_padded_bytes:,} | {'yes' if v.matches else 'NO'} |"
+        )
         for m in v.mismatches[:10]:
             lines.append(f"    mismatch {m}")
     return "\n".join(lines)

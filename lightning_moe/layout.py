@@ -40,11 +40,15 @@ DENSE_GROUPS: dict[str, tuple[str, ...]] = {
 EXPERT_MESH_DIMS: tuple[str, ...] = ("pp", "edp", "ep", "etp")
 # HSDP (``data_parallel="hsdp"``): dp splits into replica groups (slower) of ``dp_shard`` ranks each,
 # so the full mesh comes from a root with dp split in two; the expert view splits edp alike.
-HSDP_MESH_DIMS: tuple[str, ...] = tuple(n for d in MESH_DIMS for n in (("dp_replicate", "dp_shard") if d == "dp" else (d,)))
+HSDP_MESH_DIMS: tuple[str, ...] = tuple(
+    n for d in MESH_DIMS for n in (("dp_replicate", "dp_shard") if d == "dp" else (d,))
+)
 EXPERT_HSDP_MESH_DIMS: tuple[str, ...] = ("pp", "edp_replicate", "edp_shard", "ep", "etp")
 # The full mesh with ep split by node, for two-stage dispatch: the ep ranks sharing a position in
 # their nodes (one per node), then those of one node.
-EP_NODE_MESH_DIMS: tuple[str, ...] = tuple(n for d in MESH_DIMS for n in (("ep_node", "ep_local") if d == "ep" else (d,)))
+EP_NODE_MESH_DIMS: tuple[str, ...] = tuple(
+    n for d in MESH_DIMS for n in (("ep_node", "ep_local") if d == "ep" else (d,))
+)
 
 # Pipeline schedules of two stages per rank placed in a V: rank r runs stages r and 2 pp - 1 - r, so
 # the first and the last stage share rank 0 (DeepSeek's DualPipeV; zero-bubble ZB-V splits backward).
@@ -340,8 +344,9 @@ def resolve_layout(
     if dp == -1:
         dp = world_size // (tp * cp * mesh_ep * pp)  # type: ignore[operator]
     replicate = _resolve_hsdp(int(dp), data_parallel, dp_replicate, dp_shard)
-    return ResolvedLayout(tp=tp, cp=cp, ep=ep, dp=int(dp), pp=pp, etp=default_etp(tp, etp, fold), fold_ep=fold,
-                          dp_replicate=replicate)
+    return ResolvedLayout(
+        tp=tp, cp=cp, ep=ep, dp=int(dp), pp=pp, etp=default_etp(tp, etp, fold), fold_ep=fold, dp_replicate=replicate
+    )
 
 
 def mesh_factorizations(world_size: int) -> list[dict[str, int]]:
@@ -448,7 +453,9 @@ def fold_problem(ep: int, fold_ep: Sequence[str], tp: int = 1, cp: int = 1, etp:
             f" choose ep as a multiple of {folded} or fold fewer dims"
         )
     if "tp" in fold_ep and tp > 1 and default_etp(tp, etp, fold_ep) != 1:
-        return f"etp={etp} with ep folded over tp: the tp ranks hold different experts, so set etp=1 (or leave it unset)"
+        return (
+            f"etp={etp} with ep folded over tp: the tp ranks hold different experts, so set etp=1 (or leave it unset)"
+        )
     return None
 
 

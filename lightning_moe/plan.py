@@ -59,10 +59,14 @@ def _check_preset(group: str, choice: str | None) -> None:
         raise ValueError(f"{group}={choice!r} is not a preset: choose one of {available_presets(group)}")
 
 
-def model_shape(model_cfg: Mapping[str, Any], name: str = "model", architecture: Mapping[str, Any] | None = None) -> ModelShape:
+def model_shape(
+    model_cfg: Mapping[str, Any], name: str = "model", architecture: Mapping[str, Any] | None = None
+) -> ModelShape:
     """The planner's :class:`ModelShape` of a composed ``model`` config (MoEGPT arguments), with the
     published model's ``architecture`` terms (``conf/architecture/<model>.yaml``) where given."""
-    container = OmegaConf.to_container(model_cfg, resolve=False) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    container = (
+        OmegaConf.to_container(model_cfg, resolve=False) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    )
     if isinstance(architecture, DictConfig):
         architecture = OmegaConf.to_container(architecture, resolve=True)  # type: ignore[assignment]
     return ModelShape.from_config(container, name=name, architecture=architecture)
@@ -80,14 +84,18 @@ def dry_run(
         views = dry_run(cfg.model, Layout(tp=8, ep=64, pp=2, dp=1, etp=8), num_layers=4)
         [v.matches for v in views]
     """
-    cfg = OmegaConf.create(OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg))
+    cfg = OmegaConf.create(
+        OmegaConf.to_container(model_cfg, resolve=True) if isinstance(model_cfg, DictConfig) else dict(model_cfg)
+    )
     if num_layers is not None:
         cfg.num_layers = int(num_layers)
     return build_on_fake_ranks(partial(hydra.utils.instantiate, cfg), model_shape(cfg), layout, ranks=ranks)
 
 
 # -- entry ---------------------------------------------------------------------------------------------
-def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+def run_plan(
+    cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[str, str | None] | None = None
+) -> dict[str, Any]:
     """Plan from a composed ``plan`` config: print the tables, write ``plan.json``/``plan.png``; returns the JSON.
 
     Example (the config composed as the CLI would)::
@@ -108,7 +116,9 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
     world_size, seq_len, gbs = cfg.world_size, cfg.data.seq_len, cfg.data.global_batch_size
     budget = None if cfg.memory_budget_gib is None else float(cfg.memory_budget_gib) * GIB
     if cfg.get("dry_run_layers") is not None and not (isinstance(cfg.dry_run_layers, int) and cfg.dry_run_layers >= 1):
-        raise ValueError(f"dry_run_layers={cfg.dry_run_layers!r} must be a positive integer (or null for the model's depth)")
+        raise ValueError(
+            f"dry_run_layers={cfg.dry_run_layers!r} must be a positive integer (or null for the model's depth)"
+        )
     # A micro-batch set in the data config is what will run: rank that one only. Unset, the ranking
     # picks it per layout (the label names it), and a requested layout gets the data modules' default.
     micro_batch = cfg.data.get("micro_batch_size")
@@ -171,7 +181,9 @@ def run_plan(cfg: DictConfig, output_dir: Path | None = None, choices: Mapping[s
         views = dry_run(cfg.model, target.layout, ranks=cfg.dry_run_ranks, num_layers=cfg.dry_run_layers)
         seconds = time.perf_counter() - started
         print()
-        print(f"Dry run of {target.layout.label()}" + (f" with {cfg.dry_run_layers} layers" if cfg.dry_run_layers else ""))
+        print(
+            f"Dry run of {target.layout.label()}" + (f" with {cfg.dry_run_layers} layers" if cfg.dry_run_layers else "")
+        )
         print(format_dry_run(views, seconds))
         out["dry_run"] = {
             "layout": target.layout.label(),

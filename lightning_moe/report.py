@@ -38,7 +38,6 @@ from lightning_moe.callbacks.plots import plot_curves
 from lightning_moe.layout import PARALLEL_DIMS
 
 
-
 @dataclass
 class Job:
     """One job of a sweep: its number, overrides, ``summary.json`` (None if missing) and status."""

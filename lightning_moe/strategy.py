@@ -97,6 +97,7 @@ def auto_layout(world_size: int, layout_options: dict[str, Any] | None) -> dict[
     rank_zero_info(f"layout='auto': {best.layout.label()} (estimated {best.step_time:.3g} s per step){other}")
     return best.layout.strategy_kwargs()
 
+
 class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     """Train any LightningModule with tensor, context, expert, data and pipeline parallelism.
 
@@ -239,8 +240,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)  # as a YAML config gives it
         config = _config_of_arguments(config, {name: arguments[name] for name in ParallelConfig.field_names()})
-        super().__init__(save_distributed_checkpoint=config.save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(
+            save_distributed_checkpoint=config.save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         self._apply_config(config)
         self._hang_watchdog: HangWatchdog | None = None
         self.checkpoint_writer = CheckpointWriter(asynchronous=config.async_checkpoint)
@@ -252,8 +256,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         try:
             self.parallel_dims = config.parallel_dims()
             self.step_engine = choose_step_engine(
-                self.parallel_dims, pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
-                pp_stages_per_rank=config.pp_stages_per_rank, overlap_ep_comm=config.overlap_ep_comm,
+                self.parallel_dims,
+                pp_schedule=config.pp_schedule,
+                pp_microbatches=config.pp_microbatches,
+                pp_stages_per_rank=config.pp_stages_per_rank,
+                overlap_ep_comm=config.overlap_ep_comm,
                 gather_once_per_step=config.gather_once_per_step,
             )
         except ValueError as err:
@@ -270,10 +277,17 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         if self.parallel_dims.ranks_per_node is None:
             self.parallel_dims.ranks_per_node = self.num_processes  # Lightning's devices per node
         try:
-            resolve_world_size(self.parallel_dims, self.num_nodes * self.num_processes, self.config.data_parallel,
-                               self.config.dp_replicate, self.config.dp_shard)
+            resolve_world_size(
+                self.parallel_dims,
+                self.num_nodes * self.num_processes,
+                self.config.data_parallel,
+                self.config.dp_replicate,
+                self.config.dp_shard,
+            )
         except ValueError as err:
-            raise MisconfigurationException(f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})") from err
+            raise MisconfigurationException(
+                f"{err} (devices={self.num_processes}, num_nodes={self.num_nodes})"
+            ) from err
         try:
             check_precision(self._precision_flag())
         except ValueError as err:
@@ -331,8 +345,13 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                 pp_stages_per_rank=config.pp_stages_per_rank,
                 pp_schedule=config.pp_schedule,
             )
-        apply_training_plans(self.model, precision=self._precision_flag(), activation_checkpointing=config.activation_checkpointing,
-                             recompute_attention=self.parallel_dims.cp == 1, compile=config.compile)
+        apply_training_plans(
+            self.model,
+            precision=self._precision_flag(),
+            activation_checkpointing=config.activation_checkpointing,
+            recompute_attention=self.parallel_dims.cp == 1,
+            compile=config.compile,
+        )
         materialize(self.model, self.root_device, getattr(self.lightning_module, "initial_value", None))
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -345,12 +364,15 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         # Dense and expert parameters are DTensors on different meshes, which torch's clip_grad_norm_
         # cannot stack: gradient_clip_val goes through ours (norms combined over pp stages).
         plugin, stages_group = self.precision_plugin, self.step_engine.stages_group
-        route_gradient_clipping(plugin, lambda opt, clip_val: clip_grad_norm_(plugin.main_params(opt), clip_val, group=stages_group))
+        route_gradient_clipping(
+            plugin, lambda opt, clip_val: clip_grad_norm_(plugin.main_params(opt), clip_val, group=stages_group)
+        )
         self.step_engine.build(self.model, self.lightning_module, self.root_device)
         self._apply_timeout()  # groups created while parallelizing
         # A rank that issues no collective for `timeout` ends with its stacks in the run directory.
-        self._hang_watchdog = hang_watchdog(self.process_group_timeout, Path(trainer.default_root_dir) / "stacks",
-                                            self.global_rank, self.world_size)
+        self._hang_watchdog = hang_watchdog(
+            self.process_group_timeout, Path(trainer.default_root_dir) / "stacks", self.global_rank, self.world_size
+        )
 
     def _apply_timeout(self) -> None:
         """Every process group, mesh sub-groups included, gets ``timeout`` (torch gives sub-groups its
@@ -361,8 +383,13 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         module = self.lightning_module
-        return self.step_engine.backward(partial(super().backward, closure_loss, optimizer, *args, **kwargs), closure_loss,
-                                         module.trainer, self.precision_plugin, module)
+        return self.step_engine.backward(
+            partial(super().backward, closure_loss, optimizer, *args, **kwargs),
+            closure_loss,
+            module.trainer,
+            self.precision_plugin,
+            module,
+        )
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -394,7 +421,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         if self._hang_watchdog is not None and self._hang_watchdog.running:
-            print(self._hang_watchdog.report(f"training stopped by {type(exception).__name__}"), file=sys.stderr, flush=True)
+            print(
+                self._hang_watchdog.report(f"training stopped by {type(exception).__name__}"),
+                file=sys.stderr,
+                flush=True,
+            )
 
     @override
     def teardown(self) -> None:
@@ -427,8 +458,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         documents = batch_document_ids(batch)
         if dims.cp > 1:
             attention = (
-                all_to_all_attention(dims.cp_group, document_ids=documents) if self.config.cp_comm == CpComm.A2A
-                else context_parallel_attention(dims.cp_group, head_chunks=self.config.cp_head_chunks, document_ids=documents)
+                all_to_all_attention(dims.cp_group, document_ids=documents)
+                if self.config.cp_comm == CpComm.A2A
+                else context_parallel_attention(
+                    dims.cp_group, head_chunks=self.config.cp_head_chunks, document_ids=documents
+                )
             )
         elif documents is not None:
             attention = document_attention(documents)
@@ -441,8 +475,14 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         module = self.lightning_module
         assert module is not None
         batch = args[0] if args else kwargs.get("batch")
-        return self.step_engine.training_step(partial(super().training_step, *args, **kwargs), batch, module.trainer,
-                                              self.optimizers, module, partial(self._step_context, batch))
+        return self.step_engine.training_step(
+            partial(super().training_step, *args, **kwargs),
+            batch,
+            module.trainer,
+            self.optimizers,
+            module,
+            partial(self._step_context, batch),
+        )
 
     def _eval_step(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         """The module's own evaluation step: under pp > 1 ``self(...)`` runs the whole model through the
@@ -471,7 +511,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
         """Write into a staging path, mark it complete, then swap it in: a crash mid-save leaves the
         previous checkpoint. With ``async_checkpoint`` the files are written in the background.
 
@@ -482,12 +524,22 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         add_strategy_state(checkpoint, self.parallel_dims, self.lightning_module.trainer.accumulate_grad_batches)
         path = Path(self.broadcast(str(filepath)))
         if not self.config.save_distributed_checkpoint:
-            save_file_atomically(path, lambda staging: super(MoE5DStrategy, self).save_checkpoint(checkpoint, staging, storage_options),
-                                 is_global_zero=self.is_global_zero, barrier=self.barrier)
+            save_file_atomically(
+                path,
+                lambda staging: super(MoE5DStrategy, self).save_checkpoint(checkpoint, staging, storage_options),
+                is_global_zero=self.is_global_zero,
+                barrier=self.barrier,
+            )
             return
         tensors, metadata = split_checkpoint(checkpoint)
-        self.checkpoint_writer.save(tensors, metadata, path, global_step=checkpoint.get("global_step", 0),
-                                    is_global_zero=self.is_global_zero, barrier=self.barrier)
+        self.checkpoint_writer.save(
+            tensors,
+            metadata,
+            path,
+            global_step=checkpoint.get("global_step", 0),
+            is_global_zero=self.is_global_zero,
+            barrier=self.barrier,
+        )
 
     @override
     def remove_checkpoint(self, filepath: str | Path) -> None:
@@ -500,8 +552,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         # One form under every layout: each parameter's state and group options under its name in
         # the whole model (DCP writes non-tensor entries once, from rank 0, and pipeline stages hold
         # different parameters, so a nested param_groups list could not hold them all).
-        return optimizer_state_dict(self.model, optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer,
-                                    full=not self.config.save_distributed_checkpoint)
+        return optimizer_state_dict(
+            self.model,
+            optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer,
+            full=not self.config.save_distributed_checkpoint,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -513,19 +568,28 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             raise MisconfigurationException(str(err)) from err
         assert self.model is not None and self.lightning_module is not None
         if path.is_file():  # one file of whole tensors (save_distributed_checkpoint=False)
-            contents = load_one_file_checkpoint(self.model, self.optimizers, path, strict=self.lightning_module.strict_loading)
+            contents = load_one_file_checkpoint(
+                self.model, self.optimizers, path, strict=self.lightning_module.strict_loading
+            )
             restore_strategy_state(contents, self.lightning_module.trainer.accumulate_grad_batches)
             return contents
         metadata = read_metadata(path)
-        load_model_and_optimizers(self.model, self.optimizers, path, complete=self.step_engine.stages_group is None,
-                                  strict=self.lightning_module.strict_loading)
+        load_model_and_optimizers(
+            self.model,
+            self.optimizers,
+            path,
+            complete=self.step_engine.stages_group is None,
+            strict=self.lightning_module.strict_loading,
+        )
         restore_strategy_state(metadata, self.lightning_module.trainer.accumulate_grad_batches)
         return metadata
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(cls.strategy_name, cls, description="lightning-moe 5D parallel strategy (tp, cp, ep, dp, pp)")
+        strategy_registry.register(
+            cls.strategy_name, cls, description="lightning-moe 5D parallel strategy (tp, cp, ep, dp, pp)"
+        )
 
 
 def register() -> None:

@@ -47,9 +47,6 @@ from lightning_moe.parallel.plans.context_parallel import check_context_parallel
 from lightning_moe.parallel.plans.parallelize import check_layout
 
 
-
-
-
 def _launch_children_for_this_job_only() -> None:
     """Make Lightning's process launcher re-run this sweep job, not the whole ``--multirun``.
 
@@ -191,9 +188,12 @@ def check_config(cfg: DictConfig) -> None:
     layout = resolve_world_size(dims, devices * num_nodes, config.data_parallel, config.dp_replicate, config.dp_shard)
     data = cfg.data
     if "global_batch_size" in data:
-        resolve_batch_layout(data.global_batch_size, data.get("micro_batch_size"), layout.dp_ep, strategy.microbatches_per_step)
-    problems = size_problems(*(getattr(dims, d) for d in PARALLEL_DIMS), dims.etp, seq_len=data.get("seq_len"),
-                             fold_ep=dims.fold_ep)
+        resolve_batch_layout(
+            data.global_batch_size, data.get("micro_batch_size"), layout.dp_ep, strategy.microbatches_per_step
+        )
+    problems = size_problems(
+        *(getattr(dims, d) for d in PARALLEL_DIMS), dims.etp, seq_len=data.get("seq_len"), fold_ep=dims.fold_ep
+    )
     if problems:
         raise ValueError(problems[0])
     try:

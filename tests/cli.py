@@ -42,7 +42,11 @@ TINY_RUN = [
 
 
 def run_cli(
-    run_dir: Path, *overrides: str, timeout: int = 600, torchrun_procs: int | None = None, base: Sequence[str] = TINY_RUN
+    run_dir: Path,
+    *overrides: str,
+    timeout: int = 600,
+    torchrun_procs: int | None = None,
+    base: Sequence[str] = TINY_RUN,
 ) -> dict:
     """Run ``python -m lightning_moe.train`` with ``base`` and ``overrides``; return its summary.json.
 
@@ -57,7 +61,9 @@ def run_cli(
     cmd = [*launcher, "lightning_moe.train", *base, *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return json.loads((run_dir / "summary.json").read_text())
 
 

@@ -10,8 +10,12 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--cost-report", metavar="FILE", default=None,
-                     help="write each test's time, split into new processes, the worker pool and the test process (tests/cost_report.py)")
+    parser.addoption(
+        "--cost-report",
+        metavar="FILE",
+        default=None,
+        help="write each test's time, split into new processes, the worker pool and the test process (tests/cost_report.py)",
+    )
 
 
 def pytest_configure(config):

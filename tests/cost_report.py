@@ -82,11 +82,16 @@ class CostRecorder:
         total = time.perf_counter() - start
         spent = self.current
         self.current = None
-        self.records.append({
-            "test": item.nodeid, "family": family(item.nodeid), "seconds": round(total, 3),
-            "subprocess": round(spent["subprocess"], 3), "pool": round(spent["pool"], 3),
-            "slow": item.get_closest_marker("slow") is not None,
-        })
+        self.records.append(
+            {
+                "test": item.nodeid,
+                "family": family(item.nodeid),
+                "seconds": round(total, 3),
+                "subprocess": round(spent["subprocess"], 3),
+                "pool": round(spent["pool"], 3),
+                "slow": item.get_closest_marker("slow") is not None,
+            }
+        )
 
     def pytest_sessionfinish(self, session, exitstatus):
         self.uninstall()
@@ -109,10 +114,14 @@ def table(records: list[dict]) -> str:
             row[1] += record["seconds"]
             row[2] += record["subprocess"]
             row[3] += record["pool"]
-    lines = ["| family | tests | s | in new processes (s) | in the worker pool (s) | in the test process (s) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| family | tests | s | in new processes (s) | in the worker pool (s) | in the test process (s) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, (count, seconds, launched, pooled) in sorted(rows.items(), key=lambda kv: (kv[0] == "all", -kv[1][1])):
-        lines.append(f"| {name} | {count} | {seconds:.0f} | {launched:.0f} | {pooled:.0f} | {seconds - launched - pooled:.0f} |")
+        lines.append(
+            f"| {name} | {count} | {seconds:.0f} | {launched:.0f} | {pooled:.0f} | {seconds - launched - pooled:.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -66,7 +66,9 @@ class DistributedPool:
         self._store_dir = tempfile.TemporaryDirectory()
         store_file = f"{self._store_dir.name}/store"
         self._procs = [
-            ctx.Process(target=_worker, args=(rank, world_size, store_file, self._tasks[rank], self._results), daemon=True)
+            ctx.Process(
+                target=_worker, args=(rank, world_size, store_file, self._tasks[rank], self._results), daemon=True
+            )
             for rank in range(world_size)
         ]
         for proc in self._procs:
@@ -82,7 +84,9 @@ class DistributedPool:
                 rank, ok, value = self._results.get(timeout=TASK_TIMEOUT_S)
             except Exception as err:  # queue.Empty: a rank hung, most likely after another failed
                 self.close()
-                raise RuntimeError(f"{fn.__name__}: no result within {TASK_TIMEOUT_S}s; failures so far: {failures}") from err
+                raise RuntimeError(
+                    f"{fn.__name__}: no result within {TASK_TIMEOUT_S}s; failures so far: {failures}"
+                ) from err
             if ok:
                 outputs[rank] = value
             else:

@@ -26,7 +26,9 @@ class StopRank(pl.Callback):
     def __init__(self, rank: int, step: int, seconds: float = 600.0) -> None:
         self.rank, self.step, self.seconds = rank, step, seconds
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             print(f"rank {self.rank} stops at step {self.step} at {time.time():.3f}", flush=True)
             time.sleep(self.seconds)
@@ -39,7 +41,9 @@ class KillRank(pl.Callback):
     def __init__(self, rank: int, step: int) -> None:
         self.rank, self.step = rank, step
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    ) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.global_rank == self.rank and trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -49,9 +53,14 @@ class RecordSamples(pl.Callback):
     """Each rank appends the ``sample_index`` of every training batch it starts, with the optimizer step
     it belongs to and the torchrun attempt, to ``<default_root_dir>/samples/rank<r>.jsonl``."""
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: dict, batch_idx: int) -> None:
-        record = {"attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "step": trainer.global_step,
-                  "samples": batch["sample_index"].flatten().tolist()}
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: dict, batch_idx: int
+    ) -> None:
+        record = {
+            "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "step": trainer.global_step,
+            "samples": batch["sample_index"].flatten().tolist(),
+        }
         folder = Path(trainer.default_root_dir) / "samples"
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"rank{trainer.global_rank}.jsonl", "a") as log:

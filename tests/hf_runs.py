@@ -17,7 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_script(
-    script: Path, args: Sequence[str], world: int, cwd: Path = ROOT, env: Mapping[str, str] | None = None, timeout: int = 900
+    script: Path,
+    args: Sequence[str],
+    world: int,
+    cwd: Path = ROOT,
+    env: Mapping[str, str] | None = None,
+    timeout: int = 900,
 ) -> None:
     """``python script *args`` (``world > 1``: under ``torchrun --nproc_per_node=world``), offline, one
     thread per process; ``AssertionError`` with the command and its output tails when it fails."""
@@ -29,7 +34,9 @@ def run_script(
     cmd = [*launcher, str(script), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
 
 
 def train_hf_in_pool(layout: Mapping[str, int], out: Path, save_hf: bool, families: Sequence[str]) -> None:

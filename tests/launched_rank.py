@@ -24,7 +24,9 @@ class Output:
 
 
 @contextlib.contextmanager
-def launched_rank(devices: int | None = None, env: Mapping[str, str] | None = None, capture: bool = False) -> Iterator[Output]:
+def launched_rank(
+    devices: int | None = None, env: Mapping[str, str] | None = None, capture: bool = False
+) -> Iterator[Output]:
     """This rank of the initialised process group as one of ``devices`` per node (default: all of them on
     one node): ``LOCAL_RANK`` and ``NODE_RANK`` set as torchrun sets them, and ``env`` besides; on leaving,
     every variable is back as it was.
@@ -64,9 +66,15 @@ def _captured() -> Iterator[Output]:
     handler = logging.StreamHandler(buffer)
     logging.getLogger().addHandler(handler)
     try:
-        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            contextlib.redirect_stdout(buffer),
+            contextlib.redirect_stderr(buffer),
+        ):
             warnings.simplefilter("always")
             yield output
     finally:
         logging.getLogger().removeHandler(handler)
-    output.text = buffer.getvalue() + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
+    output.text = buffer.getvalue() + "".join(
+        warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught
+    )

@@ -43,7 +43,13 @@ def make_layer(seed: int = 0, num_experts: int = E, **kwargs: object) -> MoELaye
         if layer.router.use_expert_bias:
             layer.router.expert_bias.copy_(torch.linspace(-0.3, 0.3, num_experts))
         for name, p in layer.named_parameters():
-            if name in ("router.bias", "experts.b1", "experts.b3", "expert_output_bias.weight", "shared_expert_gate.weight"):
+            if name in (
+                "router.bias",
+                "experts.b1",
+                "experts.b3",
+                "expert_output_bias.weight",
+                "shared_expert_gate.weight",
+            ):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
     return layer
 
@@ -187,7 +193,12 @@ class ReferenceStep:
 
 
 def reference_step(
-    reference: nn.Module, micro_batch: MicroBatch, mine: int, ep_peers: list[int], num_micro_batches: int, pieces: int = 1
+    reference: nn.Module,
+    micro_batch: MicroBatch,
+    mine: int,
+    ep_peers: list[int],
+    num_micro_batches: int,
+    pieces: int = 1,
 ) -> ReferenceStep:
     """Every micro-batch of the step through ``reference``, each a separate forward and backward of
     ``(y * probe).sum()``.
@@ -216,7 +227,9 @@ def reference_step(
     return ReferenceStep(out, grad_x, experts)
 
 
-def expert_grad_block(layer: nn.Module, name: str, ep_rank: int, ep: int, tp_rank: int = 0, tp: int = 1) -> torch.Tensor:
+def expert_grad_block(
+    layer: nn.Module, name: str, ep_rank: int, ep: int, tp_rank: int = 0, tp: int = 1
+) -> torch.Tensor:
     """The gradient of ``layer.experts.<name>`` that ep rank ``ep_rank`` holds: its block of E/ep experts
     and, with expert tensor parallelism over ``tp`` ranks, tp rank ``tp_rank``'s FFN shard of it."""
     grad = getattr(layer.experts, name).grad
@@ -225,13 +238,18 @@ def expert_grad_block(layer: nn.Module, name: str, ep_rank: int, ep: int, tp_ran
     return block.chunk(tp, FFN_DIM[name])[tp_rank] if tp > 1 else block
 
 
-def expert_and_router_grad_errors(layer: nn.Module, step: ReferenceStep, reference: nn.Module, ep_rank: int, ep: int) -> dict[str, float]:
+def expert_and_router_grad_errors(
+    layer: nn.Module, step: ReferenceStep, reference: nn.Module, ep_rank: int, ep: int
+) -> dict[str, float]:
     """Largest absolute differences from the reference of an ep layer's expert gradients (this rank's
     block, ``w1``/``w2``/``w3``) and of its router gradient summed over all ranks (a collective)."""
     import torch.distributed as dist
 
     errors = {
-        name: (getattr(layer.experts, name).grad.to_local() - expert_grad_block(step.experts, name, ep_rank, ep)).abs().max().item()
+        name: (getattr(layer.experts, name).grad.to_local() - expert_grad_block(step.experts, name, ep_rank, ep))
+        .abs()
+        .max()
+        .item()
         for name in ("w1", "w2", "w3")
     }
     # The sum over ranks of the local router gradients equals the reference's over all micro-batches.

@@ -141,7 +141,9 @@ def _expected_step(step: int) -> dict[str, Any]:
     }
 
 
-def _fit(tmp_path: Path, callbacks: list[Any], module: pl.LightningModule | None = None, **trainer_kwargs: Any) -> RecordingLogger:
+def _fit(
+    tmp_path: Path, callbacks: list[Any], module: pl.LightningModule | None = None, **trainer_kwargs: Any
+) -> RecordingLogger:
     logger = RecordingLogger()
     kwargs: dict[str, Any] = dict(
         accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2, log_every_n_steps=1, logger=logger,
@@ -157,7 +159,11 @@ def _fit(tmp_path: Path, callbacks: list[Any], module: pl.LightningModule | None
 def fitted(tmp_path: Path) -> SimpleNamespace:
     """Two optimizer steps of two micro-batches each, with every observability callback."""
     metrics_cb, summary_cb = MoEMetricsCallback(), SummaryCallback(dirpath=tmp_path)
-    plots_cb, comm_cb, throughput_cb = ExpertLoadPlotCallback(every_n_steps=1), CommAccountingCallback(), ThroughputCallback()
+    plots_cb, comm_cb, throughput_cb = (
+        ExpertLoadPlotCallback(every_n_steps=1),
+        CommAccountingCallback(),
+        ThroughputCallback(),
+    )
     logger = _fit(tmp_path, [plots_cb, metrics_cb, comm_cb, throughput_cb, summary_cb])
     return SimpleNamespace(
         logger=logger, metrics_cb=metrics_cb, summary_cb=summary_cb, plots_cb=plots_cb, path=tmp_path / "summary.json"
@@ -193,8 +199,10 @@ def test_imbalance_is_max_over_mean_of_the_summed_counts(fitted):
 
 
 def test_per_layer_keys_can_be_switched_off(tmp_path):
-    logger = _fit(tmp_path, [MoEMetricsCallback(per_layer=False, percentiles=[25])], max_steps=1, accumulate_grad_batches=1)
-    (_, metrics), = _moe_records(logger)
+    logger = _fit(
+        tmp_path, [MoEMetricsCallback(per_layer=False, percentiles=[25])], max_steps=1, accumulate_grad_batches=1
+    )
+    ((_, metrics),) = _moe_records(logger)
     assert not any(key.startswith("moe/layer") for key in metrics)
     assert "moe/aux_loss_p25" in metrics and "moe/aux_loss_p50" not in metrics
 
@@ -269,7 +277,11 @@ def test_heatmaps_every_n_steps_and_imbalance_plot_at_the_end(fitted, tmp_path):
         "expert_load_step000001.png", "expert_load_step000002.png", "load_imbalance.png",
     ]  # fmt: skip
     assert all(p.stat().st_size > 0 for p in plots.iterdir())
-    assert fitted.plots_cb.paths == [plots / "expert_load_step000001.png", plots / "expert_load_step000002.png", plots / "load_imbalance.png"]
+    assert fitted.plots_cb.paths == [
+        plots / "expert_load_step000001.png",
+        plots / "expert_load_step000002.png",
+        plots / "load_imbalance.png",
+    ]
 
 
 def test_heatmap_matrix_is_layers_by_experts(tmp_path):
@@ -304,7 +316,16 @@ def test_optimizer_step_hooks_follow_gradient_accumulation(tmp_path):
             events.append(("end", trainer.global_step))
 
     _fit(tmp_path, [Recorder()])
-    assert events == [("start", 0), ("micro", 0), ("micro", 1), ("end", 1), ("start", 1), ("micro", 1), ("micro", 2), ("end", 2)]
+    assert events == [
+        ("start", 0),
+        ("micro", 0),
+        ("micro", 1),
+        ("end", 1),
+        ("start", 1),
+        ("micro", 1),
+        ("micro", 2),
+        ("end", 2),
+    ]
 
 
 def test_model_flops_per_token_counts_active_parameters_and_attention():
@@ -325,7 +346,11 @@ def test_model_flops_per_token_counts_active_parameters_and_attention():
 
 def test_failed_run_writes_error_txt_and_no_summary(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
-        _fit(tmp_path, [MoEMetricsCallback(), CommAccountingCallback(), SummaryCallback()], module=FakeStatsModule(fail_at_batch=1))
+        _fit(
+            tmp_path,
+            [MoEMetricsCallback(), CommAccountingCallback(), SummaryCallback()],
+            module=FakeStatsModule(fail_at_batch=1),
+        )
     assert not (tmp_path / "summary.json").exists()
     assert (tmp_path / "error.txt").read_text() == "RuntimeError: boom\n"
 

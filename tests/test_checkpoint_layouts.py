@@ -30,11 +30,20 @@ def checkpoint_after_5_steps(tmp_path_factory, name: str, *overrides: str):
     """Train 5 of the 10 scheduled steps on a layout (once per test session) and return its DCP folder."""
     if name not in _CHECKPOINTS:
         run_dir = tmp_path_factory.mktemp(f"ckpt_{name}") / "run"
-        train_in_pool(run_dir, *overrides, *FOUR_LAYERS, "trainer.max_steps=5", "model.max_steps=10",
-                      "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=5")
+        train_in_pool(
+            run_dir,
+            *overrides,
+            *FOUR_LAYERS,
+            "trainer.max_steps=5",
+            "model.max_steps=10",
+            "callbacks=checkpoint",
+            "callbacks.checkpoint.every_n_train_steps=5",
+        )
         ckpt = run_dir / "checkpoints" / "last.ckpt"
         one_file = "parallel.save_distributed_checkpoint=false" in overrides
-        assert ckpt.is_file() if one_file else ckpt.is_dir(), "one file of whole tensors, or a sharded DCP checkpoint folder"
+        assert ckpt.is_file() if one_file else ckpt.is_dir(), (
+            "one file of whole tensors, or a sharded DCP checkpoint folder"
+        )
         assert not list(run_dir.glob("checkpoints/*.staging")), "no half-written checkpoint is left behind"
         _CHECKPOINTS[name] = ckpt
     return _CHECKPOINTS[name]
@@ -62,13 +71,19 @@ PAIRS = [
     ("folded_to_unfolded_tp2_etp1_ep2", "tp2_ep2_folded", ["parallel=tp2_etp1_ep2"]),
     ("one_file_ep2_to_tp2", "ep2_one_file", ["parallel=tp2"]),
     ("ep2_to_single", "ep2", ["parallel=single"]),  # ep 2 -> 1, accumulation 2 -> 4
-    ("pp2_to_single_micro4", "pp2_interleaved", ["parallel=single", "data.micro_batch_size=4"]),  # pp 2 -> 1, micro 2 -> 4
+    (
+        "pp2_to_single_micro4",
+        "pp2_interleaved",
+        ["parallel=single", "data.micro_batch_size=4"],
+    ),  # pp 2 -> 1, micro 2 -> 4
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,source,target", PAIRS, ids=[pair[0] for pair in PAIRS])
-def test_resume_on_another_layout_continues_the_single_process_curve(tmp_path, tmp_path_factory, reference, name, source, target):
+def test_resume_on_another_layout_continues_the_single_process_curve(
+    tmp_path, tmp_path_factory, reference, name, source, target
+):
     ckpt = checkpoint_after_5_steps(tmp_path_factory, source, *A_LAYOUTS[source])
     resumed = train_in_pool(tmp_path / name, *target, *FOUR_LAYERS, "model.max_steps=10", f"ckpt_path={ckpt}")
     assert len(resumed["losses"]) == 5, "the resumed run starts at step 6"
@@ -84,11 +99,25 @@ TWO_EXPERTS_RUN = [o for o in TINY_RUN if not o.startswith("model.moe.num_expert
 def test_dp2_ep2_experts_sharded_on_the_hidden_dim_resume_on_one_process(tmp_path):
     reference = train_in_pool(tmp_path / "reference", "parallel=single", *FOUR_LAYERS, base=TWO_EXPERTS_RUN)["losses"]
     source = tmp_path / "source"
-    train_in_pool(source, "parallel=dp2_ep2", *FOUR_LAYERS, "trainer.max_steps=5", "model.max_steps=10",
-                  "callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=5", base=TWO_EXPERTS_RUN)
+    train_in_pool(
+        source,
+        "parallel=dp2_ep2",
+        *FOUR_LAYERS,
+        "trainer.max_steps=5",
+        "model.max_steps=10",
+        "callbacks=checkpoint",
+        "callbacks.checkpoint.every_n_train_steps=5",
+        base=TWO_EXPERTS_RUN,
+    )
     ckpt = source / "checkpoints" / "last.ckpt"
-    resumed = train_in_pool(tmp_path / "resumed", "parallel=single", *FOUR_LAYERS, "model.max_steps=10",
-                            f"ckpt_path={ckpt}", base=TWO_EXPERTS_RUN)["losses"]
+    resumed = train_in_pool(
+        tmp_path / "resumed",
+        "parallel=single",
+        *FOUR_LAYERS,
+        "model.max_steps=10",
+        f"ckpt_path={ckpt}",
+        base=TWO_EXPERTS_RUN,
+    )["losses"]
     assert len(resumed) == 5, "the resumed run starts at step 6"
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference[5:]), rtol=REL, atol=0.0)
 
@@ -97,7 +126,10 @@ def test_dp2_ep2_experts_sharded_on_the_hidden_dim_resume_on_one_process(tmp_pat
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["model.hidden_size=48"], r"the checkpoint holds another model .*shape differs: .*tok_embeddings.weight is \(256, 32\)"),
+        (
+            ["model.hidden_size=48"],
+            r"the checkpoint holds another model .*shape differs: .*tok_embeddings.weight is \(256, 32\)",
+        ),
         (["parallel=ep4", "model.moe.num_experts=6"], r"num_experts 6 is not divisible by ep 4"),
     ],
     ids=["another_model", "experts_not_divisible"],
@@ -113,7 +145,9 @@ def test_bad_resume_fails_before_training(tmp_path, tmp_path_factory, overrides,
 @pytest.mark.slow
 def test_missing_checkpoint_folder_names_itself(tmp_path):
     output = run_cli_error(tmp_path / "bad", *FOUR_LAYERS, f"ckpt_path={tmp_path / 'nowhere' / 'last.ckpt'}")
-    assert "nowhere/last.ckpt" in output and ("does not exist" in output or "not found" in output.lower()), output[-3000:]
+    assert "nowhere/last.ckpt" in output and ("does not exist" in output or "not found" in output.lower()), output[
+        -3000:
+    ]
 
 
 # -- the checkpoint CLI and crash safety -------------------------------------------------------------
@@ -127,7 +161,10 @@ def test_consolidate_equals_the_single_process_state_after_the_same_steps(tmp_pa
     other = checkpoint_after_5_steps(tmp_path_factory, source, *A_LAYOUTS[source])
     for ckpt, out in ((single, tmp_path / "single.pt"), (other, tmp_path / "other.pt")):
         assert main(["consolidate", str(ckpt), str(out), "--with-optimizer"]) == 0
-    want, got = torch.load(tmp_path / "single.pt", weights_only=True), torch.load(tmp_path / "other.pt", weights_only=True)
+    want, got = (
+        torch.load(tmp_path / "single.pt", weights_only=True),
+        torch.load(tmp_path / "other.pt", weights_only=True),
+    )
     assert "tok_embeddings.weight" in want and "layers.3.feed_forward.experts.w1" in want
     assert set(got) == set(want)
     for key in want:
@@ -192,7 +229,12 @@ def test_batch_counters_follow_the_new_accumulation():
 
     state = loops(20)  # 5 steps x 4 batches, saved inside the 20th batch
     rescale_batch_progress(state, old_accumulate=4, new_accumulate=2)
-    assert state["fit_loop"]["epoch_loop.batch_progress"]["current"] == {"ready": 10, "started": 10, "processed": 10, "completed": 9}
+    assert state["fit_loop"]["epoch_loop.batch_progress"]["current"] == {
+        "ready": 10,
+        "started": 10,
+        "processed": 10,
+        "completed": 9,
+    }
     with pytest.raises(ValueError, match=r"saved after 21 training batches, not at an optimizer step"):
         rescale_batch_progress(loops(21), old_accumulate=4, new_accumulate=2)
 
@@ -221,9 +263,16 @@ def test_moegpt_without_a_mixtral_equivalent_is_refused():
     from lightning_moe.hf.moegpt import moegpt_to_mixtral
     from lightning_moe.models import MoEGPT
 
-    model = MoEGPT(hidden_size=32, num_layers=2, num_heads=4, moe_layer_freq=2,
-                   moe={"num_experts": 4, "ffn_hidden_size": 32, "shared_expert_hidden_size": 32})
-    with pytest.raises(ValueError, match=r"does not map exactly onto Mixtral: moe_layer_freq=2 leaves dense layers.*a shared expert"):
+    model = MoEGPT(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        moe_layer_freq=2,
+        moe={"num_experts": 4, "ffn_hidden_size": 32, "shared_expert_hidden_size": 32},
+    )
+    with pytest.raises(
+        ValueError, match=r"does not map exactly onto Mixtral: moe_layer_freq=2 leaves dense layers.*a shared expert"
+    ):
         moegpt_to_mixtral(model)
 
 
@@ -240,12 +289,14 @@ def _fit_loop_state(*, epoch_closed: bool, last_batch: bool) -> dict:
         epochs[scope]["processed"] = epoch_done
     return {
         "epoch": epoch_done,
-        "loops": {"fit_loop": {
-            "epoch_progress": epochs,
-            "epoch_loop.batch_progress": {**progress(12, 12 if epoch_closed else 11), "is_last_batch": last_batch},
-            "epoch_loop.state_dict": {"_batches_that_stepped": 3 if epoch_closed else 2},
-            "state_dict": {"combined_loader": [{"epoch": epoch_done, "samples_consumed": 24}]},
-        }},
+        "loops": {
+            "fit_loop": {
+                "epoch_progress": epochs,
+                "epoch_loop.batch_progress": {**progress(12, 12 if epoch_closed else 11), "is_last_batch": last_batch},
+                "epoch_loop.state_dict": {"_batches_that_stepped": 3 if epoch_closed else 2},
+                "state_dict": {"combined_loader": [{"epoch": epoch_done, "samples_consumed": 24}]},
+            }
+        },
     }
 
 
@@ -257,7 +308,13 @@ def test_a_checkpoint_saved_when_max_steps_cuts_the_epoch_reads_as_saved_at_that
     rewind_epoch_cut_short(at_train_end)
     assert at_train_end == _fit_loop_state(epoch_closed=False, last_batch=False)
     # Saved at the step itself, or after the epoch ran out of data: left as Lightning wrote it.
-    for state in (_fit_loop_state(epoch_closed=False, last_batch=False), _fit_loop_state(epoch_closed=True, last_batch=True)):
-        unchanged = _fit_loop_state(epoch_closed=state["epoch"] == 1, last_batch=state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"])
+    for state in (
+        _fit_loop_state(epoch_closed=False, last_batch=False),
+        _fit_loop_state(epoch_closed=True, last_batch=True),
+    ):
+        unchanged = _fit_loop_state(
+            epoch_closed=state["epoch"] == 1,
+            last_batch=state["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"],
+        )
         rewind_epoch_cut_short(state)
         assert state == unchanged

@@ -32,9 +32,14 @@ EVERY_2_STEPS = ["callbacks=checkpoint", "callbacks.checkpoint.every_n_train_ste
 def _kill_while_writing(tmp_path: Path, mode: str) -> Path:
     """Run tests/scripts/interrupted_save.py until its second save of last.ckpt blocks mid-write, then SIGKILL it."""
     script = ROOT / "tests" / "scripts" / "interrupted_save.py"
-    child = subprocess.Popen([sys.executable, str(script), str(tmp_path), mode], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
-                                                                    "PYTHONPATH": str(ROOT)})
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), mode],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+    )
     expected = {"blocked", "training goes on"} if mode == "async" else {"blocked"}
     seen: set[str] = set()
     try:
@@ -84,7 +89,9 @@ def test_incomplete_checkpoints_are_skipped_or_refused_with_their_name(tmp_path)
     assert f"skipping checkpoint {truncated}: __0_0.distcp is truncated (4 of 10 bytes)" in messages
     assert f"skipping checkpoint {unmarked}: it has no commit marker {COMMIT_FILE}" in messages
     assert f"skipping checkpoint {tmp_path / 'last.ckpt'}: it does not exist" in messages
-    with pytest.raises(ValueError, match=rf"checkpoint {truncated} is incomplete: __0_0.distcp is truncated .*ckpt_path=auto"):
+    with pytest.raises(
+        ValueError, match=rf"checkpoint {truncated} is incomplete: __0_0.distcp is truncated .*ckpt_path=auto"
+    ):
         require_complete(truncated)
     with pytest.raises(FileNotFoundError, match=r"nowhere.ckpt does not exist"):
         require_complete(tmp_path / "nowhere.ckpt")
@@ -101,7 +108,9 @@ def test_bad_periodic_and_async_arguments_are_refused():
         PeriodicCheckpoint("ckpt", every_n_minutes=0)
     with pytest.raises(ValueError, match=r"\(keep_last=0\) must be a positive integer, or -1"):
         PeriodicCheckpoint("ckpt", every_n_train_steps=2, keep_last=0)
-    with pytest.raises(MisconfigurationException, match=r"async_checkpoint=True needs save_distributed_checkpoint=True"):
+    with pytest.raises(
+        MisconfigurationException, match=r"async_checkpoint=True needs save_distributed_checkpoint=True"
+    ):
         MoE5DStrategy(async_checkpoint=True, save_distributed_checkpoint=False)
 
 
@@ -115,8 +124,11 @@ def test_saves_come_right_after_an_optimizer_step_every_n_steps_or_minutes(monke
     from lightning_moe.checkpoint import periodic
 
     saved: list[tuple[int, int]] = []
-    monkeypatch.setattr(ModelCheckpoint, "on_train_batch_end",
-                        lambda self, trainer, module, outputs, batch, batch_idx: saved.append((trainer.global_step, batch_idx)))
+    monkeypatch.setattr(
+        ModelCheckpoint,
+        "on_train_batch_end",
+        lambda self, trainer, module, outputs, batch, batch_idx: saved.append((trainer.global_step, batch_idx)),
+    )
     clock = [0.0]
     monkeypatch.setattr(periodic.time, "monotonic", lambda: clock[0])
     callback = PeriodicCheckpoint("ckpt", every_n_train_steps=4, every_n_minutes=0.75)
@@ -139,14 +151,22 @@ def _consolidated(checkpoint: Path) -> dict[str, torch.Tensor]:
 def test_async_periodic_checkpoints_resume_with_auto_on_the_uninterrupted_curve(tmp_path):
     # The uninterrupted run (sync saves); ckpt_path=auto finds no checkpoint and starts fresh.
     reference_dir = tmp_path / "reference"
-    reference = train_in_pool(reference_dir, "parallel=ep2", *EVERY_2_STEPS, "callbacks.checkpoint.keep_last=-1",
-                              "ckpt_path=auto")["losses"]
+    reference = train_in_pool(
+        reference_dir, "parallel=ep2", *EVERY_2_STEPS, "callbacks.checkpoint.keep_last=-1", "ckpt_path=auto"
+    )["losses"]
     assert len(reference) == 10
 
     # Steps 1-6 of the same schedule with background saves, keeping the last 2.
     run = tmp_path / "interrupted"
-    first = train_in_pool(run, "parallel=ep2", "parallel.async_checkpoint=true", *EVERY_2_STEPS,
-                          "callbacks.checkpoint.keep_last=2", "trainer.max_steps=6", "model.max_steps=10")["losses"]
+    first = train_in_pool(
+        run,
+        "parallel=ep2",
+        "parallel.async_checkpoint=true",
+        *EVERY_2_STEPS,
+        "callbacks.checkpoint.keep_last=2",
+        "trainer.max_steps=6",
+        "model.max_steps=10",
+    )["losses"]
     torch.testing.assert_close(torch.tensor(first), torch.tensor(reference[:6]), rtol=REL, atol=0.0)
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step_000004.ckpt", "step_000006.ckpt"]
@@ -164,8 +184,9 @@ def test_async_periodic_checkpoints_resume_with_auto_on_the_uninterrupted_curve(
     (checkpoints / f"step_000010.ckpt{STAGING_SUFFIX}").mkdir()
     shutil.copy(shard, checkpoints / f"step_000010.ckpt{STAGING_SUFFIX}" / shard.name)
 
-    resumed = train_in_pool(run, "parallel=ep2", *EVERY_2_STEPS, "callbacks.checkpoint.keep_last=2", "model.max_steps=10",
-                            "ckpt_path=auto")["losses"]
+    resumed = train_in_pool(
+        run, "parallel=ep2", *EVERY_2_STEPS, "callbacks.checkpoint.keep_last=2", "model.max_steps=10", "ckpt_path=auto"
+    )["losses"]
     assert len(resumed) == 4, "resumed from step_000006.ckpt, the newest complete checkpoint"
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(reference[6:]), rtol=REL, atol=0.0)
     # The resumed run kept its last 2 and replaced what the kill left.

@@ -93,13 +93,27 @@ def test_the_sbatch_script_on_two_nodes_trains_the_one_process_losses_in_the_job
     job_id = _job_id_with_free_port()
     bin_dir = _fake_slurm_commands(tmp_path / "bin")
     env = dict(
-        _outside_any_launcher(), PATH=f"{bin_dir}:{os.environ['PATH']}", ACCELERATOR="cpu",
-        SLURM_JOB_ID=job_id, SLURM_JOB_NAME="lightning-moe", SLURM_JOB_NODELIST="node[1-2]", SLURM_NNODES="2",
-        SLURM_NTASKS_PER_NODE="2", SLURM_CPUS_PER_TASK="1", PYTHONPATH=str(ROOT), WANDB_MODE="offline",
+        _outside_any_launcher(),
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        ACCELERATOR="cpu",
+        SLURM_JOB_ID=job_id,
+        SLURM_JOB_NAME="lightning-moe",
+        SLURM_JOB_NODELIST="node[1-2]",
+        SLURM_NNODES="2",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_CPUS_PER_TASK="1",
+        PYTHONPATH=str(ROOT),
+        WANDB_MODE="offline",
     )
     script = ROOT / "experiments" / "slurm" / "train.sbatch"
-    proc = subprocess.run(["bash", str(script), *TINY_RUN, "parallel=dp2_ep2", "logger=wandb"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        ["bash", str(script), *TINY_RUN, "parallel=dp2_ep2", "logger=wandb"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
 
     # No hydra.run.dir: every task found outputs/slurm-<job id> by itself, and nothing else.
@@ -121,11 +135,28 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_same_losses
     # ranks read the first attempt's gloo addresses from it; docs/cluster.md.
     env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(ROOT))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4", "--max-restarts=1",
-        "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--rdzv-id=killed", "-m", "lightning_moe.train",
-        *TINY_RUN, "parallel=dp2_ep2", "logger=wandb", "trainer.log_every_n_steps=1", "callbacks=checkpoint",
-        "callbacks.checkpoint.every_n_train_steps=2", "ckpt_path=auto", "+callbacks.fault._target_=tests.faults.KillRank", "+callbacks.fault.rank=1",
-        f"+callbacks.fault.step={KILL_STEP}", RECORD_SAMPLES,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=4",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        "--rdzv-id=killed",
+        "-m",
+        "lightning_moe.train",
+        *TINY_RUN,
+        "parallel=dp2_ep2",
+        "logger=wandb",
+        "trainer.log_every_n_steps=1",
+        "callbacks=checkpoint",
+        "callbacks.checkpoint.every_n_train_steps=2",
+        "ckpt_path=auto",
+        "+callbacks.fault._target_=tests.faults.KillRank",
+        "+callbacks.fault.rank=1",
+        f"+callbacks.fault.step={KILL_STEP}",
+        RECORD_SAMPLES,
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
@@ -137,7 +168,7 @@ def test_a_killed_rank_restarts_the_job_from_its_checkpoint_with_the_same_losses
     losses = json.loads((run_dir / "summary.json").read_text())["losses"]
     # The resumed attempt records the steps after its checkpoint: those of the uninterrupted run.
     assert len(losses) == len(single_losses) - 4
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single_losses[-len(losses):]), rtol=REL, atol=0.0)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(single_losses[-len(losses) :]), rtol=REL, atol=0.0)
     # No sample repeated or skipped: the first attempt's steps up to the checkpoint and the restart's
     # after it trained on exactly the samples of the uninterrupted run, step by step.
     resumed_from = KILL_STEP - 1

@@ -62,11 +62,15 @@ def _imported_names(tree: ast.AST, module: str) -> dict[str, str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                names[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                names[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0]
+                )
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for alias in node.names:
                 names[alias.asname or alias.name] = f"{base}.{alias.name}"
     return names
@@ -105,7 +109,10 @@ class _PrivateUseFinder(ast.NodeVisitor):
     private names, and ``obj._x`` where lightning-moe defines no ``_x`` itself."""
 
     def __init__(
-        self, path: Path, own_names: set[str], door_names: set[str] = frozenset(),
+        self,
+        path: Path,
+        own_names: set[str],
+        door_names: set[str] = frozenset(),
         constants: dict[str, dict[str, str]] | None = None,
     ) -> None:
         self.path, self.own_names, self.door_names = path, own_names, door_names
@@ -238,7 +245,11 @@ def _own_private_names() -> set[str]:
                 names.add(node.id)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and ast.unparse(node.value) == "self":
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and ast.unparse(node.value) == "self"
+            ):
                 names.add(node.attr)
     return {name for name in names if _private(name)}
 
@@ -264,7 +275,9 @@ def _module_string_constants(tree: ast.AST) -> dict[str, str]:
     return found
 
 
-def _string_constants_in_scope(tree: ast.AST, imports: dict[str, str], constants: dict[str, dict[str, str]]) -> dict[str, str]:
+def _string_constants_in_scope(
+    tree: ast.AST, imports: dict[str, str], constants: dict[str, dict[str, str]]
+) -> dict[str, str]:
     """This module's string constants and those it imports from other lightning-moe modules."""
     scope = _module_string_constants(tree)
     for name, dotted in imports.items():
@@ -296,7 +309,9 @@ def _door_private_names(own: set[str]) -> set[str]:
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 defined.add(node.id)  # the door's own module, local and class-body names
     overrides = {n for path in _door_files() for n in _overridden_foreign_names(path)}
-    return {n for n in names if _private(n) and not n.startswith(OWN_MARKER_PREFIX) and n not in own} - (defined - overrides)
+    return {n for n in names if _private(n) and not n.startswith(OWN_MARKER_PREFIX) and n not in own} - (
+        defined - overrides
+    )
 
 
 def _overridden_foreign_names(path: Path) -> set[str]:
@@ -354,7 +369,9 @@ def test_pyproject_floors_match_compat():
 
 # -- the version range each _compat name was checked on ------------------------------------------------
 # "Checked on: torch 2.11-2.13." / "Checked on: lightning 2.6-2.6, torch 2.13-2.13." (floor-ceiling, or one version)
-_CHECKED_ON = re.compile(r"Checked on: ((?:[A-Za-z][\w.-]* \d+\.\d+(?:-\d+\.\d+)?)(?:, [A-Za-z][\w.-]* \d+\.\d+(?:-\d+\.\d+)?)*)\.")
+_CHECKED_ON = re.compile(
+    r"Checked on: ((?:[A-Za-z][\w.-]* \d+\.\d+(?:-\d+\.\d+)?)(?:, [A-Za-z][\w.-]* \d+\.\d+(?:-\d+\.\d+)?)*)\."
+)
 _RANGE = re.compile(r"([A-Za-z][\w.-]*) (\d+\.\d+)(?:-(\d+\.\d+))?")
 
 
@@ -459,7 +476,9 @@ def _is_plain_import(path: Path, name: str) -> bool:
     """Whether ``name`` is a module import of ``path`` without an attribute docstring (``import torch``)."""
     body = ast.parse(path.read_text()).body
     for node, after in zip(body, [*body[1:], None]):
-        if isinstance(node, (ast.Import, ast.ImportFrom)) and name in [a.asname or a.name.split(".")[0] for a in node.names]:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and name in [
+            a.asname or a.name.split(".")[0] for a in node.names
+        ]:
             return not (isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant))
     return False
 
@@ -500,13 +519,17 @@ def floor_problems(
         if package not in required:
             problems.append(f"{module}: states a floor for {package}, which pyproject.toml does not require")
         elif _minor(required[package] + ".0") != _minor(floor + ".0"):
-            problems.append(f"{module}: states {package} >= {floor}, pyproject.toml requires {package}>={required[package]}")
+            problems.append(
+                f"{module}: states {package} >= {floor}, pyproject.toml requires {package}>={required[package]}"
+            )
     for name in names:
         for package, (checked_floor, _) in checked_on(docs.get(name, "")).items():
             if package not in required:
                 continue  # an optional extra (transformers): no floor is claimed for it
             if package not in floors:
-                problems.append(f"{module}: {name} was checked on {package}, but the module states no 'Floors: {package} >= ...'")
+                problems.append(
+                    f"{module}: {name} was checked on {package}, but the module states no 'Floors: {package} >= ...'"
+                )
             elif _minor(checked_floor) > _minor(floors[package] + ".0"):
                 problems.append(
                     f"{module}: {name} was checked on {package} {checked_floor} and up, above the module's floor"
@@ -530,7 +553,11 @@ def test_each_door_module_states_the_floors_pyproject_requires():
 
 def test_a_floor_that_pyproject_or_a_name_contradicts_fails():
     required = {"torch": "2.11", "lightning": "2.6"}
-    docs = {"old": "Checked on: torch 2.11-2.13.", "new": "Checked on: torch 2.13-2.13.", "hf": "Checked on: transformers 5.24-5.24."}
+    docs = {
+        "old": "Checked on: torch 2.11-2.13.",
+        "new": "Checked on: torch 2.13-2.13.",
+        "hf": "Checked on: transformers 5.24-5.24.",
+    }
     doc = "Torch things.\n\nFloors: torch >= 2.11 (every API present there)."
     assert stated_floors(doc) == {"torch": "2.11"}
     assert stated_floors("Floors: lightning >= 2.6, torch >= 2.11.") == {"lightning": "2.6", "torch": "2.11"}
@@ -544,8 +571,12 @@ def test_a_floor_that_pyproject_or_a_name_contradicts_fails():
 
 
 def test_a_version_outside_the_checked_range_fails_with_the_way_out():
-    docs = {"new": "Wraps x. Checked on: torch 2.11-2.13.", "both": "Checked on: lightning 2.6-2.6, torch\n    2.13-2.13.",
-            "single": "Checked on: hydra-core 1.3.", "bare": "Wraps x. Present in torch 2.9."}
+    docs = {
+        "new": "Wraps x. Checked on: torch 2.11-2.13.",
+        "both": "Checked on: lightning 2.6-2.6, torch\n    2.13-2.13.",
+        "single": "Checked on: hydra-core 1.3.",
+        "bare": "Wraps x. Present in torch 2.9.",
+    }
     versions = {"torch": "2.13.0+cpu", "lightning": "2.6.6", "hydra-core": "1.3.8"}
     assert version_range_problems(docs, ["new", "both", "single"], versions.get) == []
     assert checked_on(docs["both"]) == {"lightning": ("2.6", "2.6"), "torch": ("2.13", "2.13")}

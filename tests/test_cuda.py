@@ -85,8 +85,13 @@ def ring_attention_threads(
         try:
             local = [zigzag_shard(t, rank, cp, dim=2).contiguous() for t in (q, k, v)]
             cfg = ra._Config(
-                ring=_ThreadRing(rank, cp, boxes), causal=causal, scale=1.0 / q.shape[-1] ** 0.5, layout="zigzag",
-                kernel=ra._select_kernel(kernel, local[0]) if isinstance(kernel, str) else kernel, groups=q.shape[1] // k.shape[1], head_chunks=1,
+                ring=_ThreadRing(rank, cp, boxes),
+                causal=causal,
+                scale=1.0 / q.shape[-1] ** 0.5,
+                layout="zigzag",
+                kernel=ra._select_kernel(kernel, local[0]) if isinstance(kernel, str) else kernel,
+                groups=q.shape[1] // k.shape[1],
+                head_chunks=1,
             )
             # The autograd Function's forward and backward called directly: autograd runs CUDA
             # backward nodes on one worker thread per device, where ranks blocked on each other's
@@ -152,8 +157,24 @@ def fake_cuda_attention_ops():
         seed = torch.zeros((), dtype=torch.int64)
         return out.to(q.dtype), lse, empty, empty, q.shape[2], k.shape[2], seed, seed.clone(), empty
 
-    def flash_bwd(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,  # noqa: ANN001, ANN202
-                  scale=None):
+    def flash_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cum_q,
+        cum_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        seed,
+        offset,
+        *,  # noqa: ANN001, ANN202
+        scale=None,
+    ):
         assert cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[2], k.shape[2])
         assert lse.shape == q.shape[:3] and lse.is_contiguous()
         dq, dk, dv = ra._torch_backward(dout, q, k, v, out, lse, is_causal, scale, ())
@@ -169,8 +190,22 @@ def fake_cuda_attention_ops():
         seed = torch.zeros((), dtype=torch.int64)
         return out, padded, seed, seed.clone()
 
-    def eff_bwd(dout, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal=False, *,  # noqa: ANN001, ANN202
-                scale=None):
+    def eff_bwd(
+        dout,
+        q,
+        k,
+        v,
+        attn_bias,
+        out,
+        lse,
+        seed,
+        offset,
+        dropout_p,
+        grad_input_mask,
+        is_causal=False,
+        *,  # noqa: ANN001, ANN202
+        scale=None,
+    ):
         rows = q.shape[2]
         assert attn_bias is None and list(grad_input_mask) == [True, True, True, False]
         assert lse.shape[-1] == -(-rows // 32) * 32
@@ -213,8 +248,12 @@ def test_efficient_kernel_lse_padding_and_cpu_refusal():
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize(
     "kernel,dtype,tol",
-    [("flash", torch.bfloat16, 3e-2), ("efficient", torch.bfloat16, 3e-2), ("efficient", torch.float32, 1e-4),
-     ("auto", torch.float16, 1e-2)],
+    [
+        ("flash", torch.bfloat16, 3e-2),
+        ("efficient", torch.bfloat16, 3e-2),
+        ("efficient", torch.float32, 1e-4),
+        ("auto", torch.float16, 1e-2),
+    ],
 )
 def test_ring_attention_cuda_kernels_match_full_attention(cp, kernel, dtype, tol):
     if kernel == "flash" and ra._flash_kernel(torch.zeros(1, 1, 8, 64, device="cuda", dtype=dtype)) is None:
@@ -257,8 +296,11 @@ def _fwd_bwd(layer, x, probe, autocast: bool):  # noqa: ANN001, ANN202
 @_cuda_test
 @pytest.mark.parametrize(
     "kwargs",
-    [pytest.param({}, id="softmax"), pytest.param({"capacity_factor": 1.25}, id="capacity"),
-     pytest.param({"score_func": "sigmoid", "expert_bias": True, "shared_expert_hidden_size": 64}, id="deepseek")],
+    [
+        pytest.param({}, id="softmax"),
+        pytest.param({"capacity_factor": 1.25}, id="capacity"),
+        pytest.param({"score_func": "sigmoid", "expert_bias": True, "shared_expert_hidden_size": 64}, id="deepseek"),
+    ],
 )
 @pytest.mark.parametrize("autocast,tol", [(False, 1e-4), (True, 3e-2)], ids=["fp32_bmm", "bf16_grouped_mm"])
 def test_moe_layer_cuda_matches_cpu(kwargs, autocast, tol):
@@ -405,14 +447,32 @@ def _train_losses(accelerator: str, steps: int, out: str) -> None:
     ids = (starts + torch.arange(65)) % 256
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
     loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
-    model = MoEGPT(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64,
-                   moe={"num_experts": 4, "top_k": 2, "ffn_hidden_size": 128}, max_steps=steps, lr=3e-3,
-                   warmup_steps=1)
+    model = MoEGPT(
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=64,
+        moe={"num_experts": 4, "top_k": 2, "ffn_hidden_size": 128},
+        max_steps=steps,
+        lr=3e-3,
+        warmup_steps=1,
+    )
     losses = Losses()
     trainer = L.Trainer(
-        accelerator=accelerator, devices=1, strategy=MoE5DStrategy(), precision="bf16-mixed", max_steps=steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, limit_val_batches=0, callbacks=[losses],
+        accelerator=accelerator,
+        devices=1,
+        strategy=MoE5DStrategy(),
+        precision="bf16-mixed",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        callbacks=[losses],
     )
     trainer.fit(model, loader)
     Path(out).write_text(json.dumps(losses.values))
@@ -423,7 +483,10 @@ def _run_training(accelerator: str, steps: int, tmp_path: Path) -> list[float]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
     subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--train", accelerator, str(steps), str(out)],
-        check=True, cwd=tmp_path, env=env, timeout=600,
+        check=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
     )
     return json.loads(out.read_text())
 

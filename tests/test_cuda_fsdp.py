@@ -16,7 +16,9 @@ from torch import nn
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _reduced_grads(kind: str, device: str, divisor: float, world: int = 1, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _reduced_grads(
+    kind: str, device: str, divisor: float, world: int = 1, rank: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(reduced local grad shard, local unreduced reference grad)`` of a Linear wrapped like the experts."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -141,8 +141,14 @@ def test_forced_alignment_under_expert_parallelism(ep, dispatcher, capacity_fact
     from tests.test_expert_parallel import ATOL, WORLD, ep_layer_case
 
     reports = get_pool(WORLD).run(
-        ep_layer_case, ep=ep, dispatcher=dispatcher, capacity_factor=capacity_factor, score_func=score_func,
-        expert_bias=expert_bias, one_rank=one_rank, pad_rows=CUDA_GROUP_ALIGN,
+        ep_layer_case,
+        ep=ep,
+        dispatcher=dispatcher,
+        capacity_factor=capacity_factor,
+        score_func=score_func,
+        expert_bias=expert_bias,
+        one_rank=one_rank,
+        pad_rows=CUDA_GROUP_ALIGN,
     )
     for rank, report in enumerate(reports):
         for key in ("out", "grad_x", "w1", "w2", "w3", "router"):

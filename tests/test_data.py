@@ -113,7 +113,9 @@ def test_train_val_split_is_disjoint_tail(tmp_path):
     seq_len, windows = 7, 200
     data = b"".join(bytes([w]) * (seq_len + 1) for w in range(windows))
     dm = ByteTextDataModule(
-        path=_write_bin(tmp_path / "c.bin", data), seq_len=seq_len, global_batch_size=4,
+        path=_write_bin(tmp_path / "c.bin", data),
+        seq_len=seq_len,
+        global_batch_size=4,
         val_fraction=0.1,
     )
     dm.setup("fit")
@@ -130,7 +132,9 @@ def test_train_val_split_is_disjoint_tail(tmp_path):
 
 def test_val_fraction_zero_gives_no_val_loader(tmp_path):
     dm = ByteTextDataModule(
-        path=_write_bin(tmp_path / "c.bin", bytes(1000)), seq_len=9, global_batch_size=4,
+        path=_write_bin(tmp_path / "c.bin", bytes(1000)),
+        seq_len=9,
+        global_batch_size=4,
         val_fraction=0.0,
     )
     dm.setup("fit")
@@ -147,9 +151,7 @@ def test_error_seq_len_longer_than_corpus(tmp_path):
 
 
 def test_error_too_few_windows_for_a_global_batch(tmp_path):
-    dm = ByteTextDataModule(
-        path=_write_bin(tmp_path / "c.bin", bytes(1000)), seq_len=99, global_batch_size=16
-    )
+    dm = ByteTextDataModule(path=_write_bin(tmp_path / "c.bin", bytes(1000)), seq_len=99, global_batch_size=16)
     with pytest.raises(ValueError, match=r"too few windows for one global batch.*global_batch_size is 16"):
         dm.setup("fit")
 
@@ -179,7 +181,8 @@ def test_error_global_batch_not_divisible(tmp_path):
     dm = ByteTextDataModule(path=path, seq_len=9, global_batch_size=10)
     dm.trainer = _fake_trainer(num_replicas=4, rank=0)
     with pytest.raises(
-        ValueError, match=r"global_batch_size 10 not divisible by micro_batch_size\*dp_ep = 2\*4 = 8 \(the default, 2 on every layout\)"
+        ValueError,
+        match=r"global_batch_size 10 not divisible by micro_batch_size\*dp_ep = 2\*4 = 8 \(the default, 2 on every layout\)",
     ):
         dm.setup("fit")
     with pytest.raises(ValueError, match=r"global_batch_size 10 not divisible by micro_batch_size"):
@@ -188,7 +191,9 @@ def test_error_global_batch_not_divisible(tmp_path):
 
 def test_error_conflicting_trainer_accumulation(tmp_path):
     dm = ByteTextDataModule(
-        path=_write_bin(tmp_path / "c.bin", bytes(10_000)), seq_len=9, global_batch_size=16,
+        path=_write_bin(tmp_path / "c.bin", bytes(10_000)),
+        seq_len=9,
+        global_batch_size=16,
         micro_batch_size=4,
     )
     dm.trainer = _fake_trainer(num_replicas=1, rank=0, accumulate=3)
@@ -201,7 +206,9 @@ def test_error_conflicting_trainer_accumulation(tmp_path):
 
 def test_setup_sets_layout_and_accumulation(tmp_path):
     dm = ByteTextDataModule(
-        path=_write_bin(tmp_path / "c.bin", bytes(10_000)), seq_len=9, global_batch_size=16,
+        path=_write_bin(tmp_path / "c.bin", bytes(10_000)),
+        seq_len=9,
+        global_batch_size=16,
         micro_batch_size=2,
     )
     dm.trainer = _fake_trainer(num_replicas=2, rank=1)
@@ -225,8 +232,13 @@ def _rank_micro_batches(n: int, shuffle: bool = True, epoch: int = 0) -> list[li
     out = []
     for rank in range(n):
         sampler = LayoutInvariantSampler(
-            range(100), global_batch_size=16, micro_batch_size=2, num_replicas=n, rank=rank,
-            shuffle=shuffle, seed=7,
+            range(100),
+            global_batch_size=16,
+            micro_batch_size=2,
+            num_replicas=n,
+            rank=rank,
+            shuffle=shuffle,
+            seed=7,
         )
         sampler.set_epoch(epoch)
         indices = list(sampler)
@@ -247,8 +259,7 @@ def test_sampler_steps_see_the_same_samples_for_any_layout(shuffle):
     else:
         assert reference.tolist() == list(range(steps * 16))
     # micro-batch j of step s, from the shared order
-    expected = [[reference[s * 16 + 2 * j : s * 16 + 2 * j + 2].tolist() for j in range(8)]
-                for s in range(steps)]
+    expected = [[reference[s * 16 + 2 * j : s * 16 + 2 * j + 2].tolist() for j in range(8)] for s in range(steps)]
     for n in (1, 2, 4):
         per_rank = _rank_micro_batches(n, shuffle)
         accumulate = 8 // n
@@ -285,8 +296,14 @@ def test_lightning_keeps_the_sampler_and_accumulates(tmp_path):
         model = MoEGPT(hidden_size=32, num_layers=1, num_heads=2, moe_layer_freq=0, warmup_steps=1)
         dm = ByteTextDataModule(path=path, seq_len=16, global_batch_size=16, micro_batch_size=micro)
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+            accelerator="cpu",
+            devices=1,
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
         )
         trainer.fit(model, datamodule=dm)
         assert trainer.global_step == 3
@@ -305,8 +322,12 @@ def test_resumed_sampler_skips_the_finished_micro_batches():
     state = loader.state_dict()
     assert state == {"epoch": 0, "samples_consumed": 3 * 4 * 2}  # 3 micro-batches of 4 on each of 2 ranks
 
-    resumed_sampler = LayoutInvariantSampler(range(64), global_batch_size=16, micro_batch_size=4, num_replicas=2, rank=1)
-    resumed = ResumableDataLoader(range(64), batch_size=4, sampler=resumed_sampler, drop_last=True, progress=lambda: (0, 0))
+    resumed_sampler = LayoutInvariantSampler(
+        range(64), global_batch_size=16, micro_batch_size=4, num_replicas=2, rank=1
+    )
+    resumed = ResumableDataLoader(
+        range(64), batch_size=4, sampler=resumed_sampler, drop_last=True, progress=lambda: (0, 0)
+    )
     resumed.load_state_dict(state)
     assert [int(i) for batch in resumed for i in batch] == full[3 * 4 :]
     # The skip applies once: the next pass over the epoch is whole again.
@@ -321,9 +342,17 @@ def test_resume_state_is_layout_free():
     from lightning_moe.data import LayoutInvariantSampler, ResumableDataLoader
 
     def loader(replicas: int, rank: int, micro: int, done: int, group: int = 1) -> ResumableDataLoader:
-        sampler = LayoutInvariantSampler(range(64), global_batch_size=16, micro_batch_size=micro, num_replicas=replicas, rank=rank)
-        return ResumableDataLoader(range(64), batch_size=micro, sampler=sampler, drop_last=True,
-                                   progress=lambda: (0, done), microbatches_per_step=group)
+        sampler = LayoutInvariantSampler(
+            range(64), global_batch_size=16, micro_batch_size=micro, num_replicas=replicas, rank=rank
+        )
+        return ResumableDataLoader(
+            range(64),
+            batch_size=micro,
+            sampler=sampler,
+            drop_last=True,
+            progress=lambda: (0, done),
+            microbatches_per_step=group,
+        )
 
     state = loader(2, 0, 4, done=4).state_dict()  # 2 optimizer steps of 16 samples
     assert state == {"epoch": 0, "samples_consumed": 32}
@@ -336,5 +365,7 @@ def test_resume_state_is_layout_free():
             resumed.load_state_dict(state)
             seen += [int(i) for batch in resumed for i in batch]
         assert sorted(seen) == sorted(order[32:])  # exactly the samples of steps 3 and 4
-    with pytest.raises(ValueError, match=r"40 samples were consumed, not a multiple of micro_batch_size\*dp_ep = 8\*2 = 16"):
+    with pytest.raises(
+        ValueError, match=r"40 samples were consumed, not a multiple of micro_batch_size\*dp_ep = 8\*2 = 16"
+    ):
         loader(2, 0, 8, done=0).load_state_dict({"epoch": 0, "samples_consumed": 40})

@@ -48,8 +48,16 @@ def _optimize(output_dir: Path, items: list, **kwargs) -> Path:
     os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(scratch / "data")
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            litdata.optimize(fn=_identity, inputs=items, output_dir=str(output_dir), num_workers=1,
-                             start_method="fork", keep_data_ordered=True, verbose=False, **kwargs)
+            litdata.optimize(
+                fn=_identity,
+                inputs=items,
+                output_dir=str(output_dir),
+                num_workers=1,
+                start_method="fork",
+                keep_data_ordered=True,
+                verbose=False,
+                **kwargs,
+            )
     finally:
         multiprocessing.set_start_method(previous, force=True)
         os.environ.clear()
@@ -115,8 +123,10 @@ def test_documents_and_stream_match_what_was_optimized(written, name):
         for before, after in [(1, 1), (7, 40), (0, 3), (3, 0)]:
             start, stop = int(boundary) - before, int(boundary) + after
             assert np.array_equal(corpus.read(start, stop), flat[start:stop]), (start, stop)
-    assert np.array_equal(corpus.read(corpus.chunk_offsets[1] - 5, corpus.chunk_offsets[3] + 5),
-                          flat[corpus.chunk_offsets[1] - 5 : corpus.chunk_offsets[3] + 5])
+    assert np.array_equal(
+        corpus.read(corpus.chunk_offsets[1] - 5, corpus.chunk_offsets[3] + 5),
+        flat[corpus.chunk_offsets[1] - 5 : corpus.chunk_offsets[3] + 5],
+    )
     assert np.array_equal(corpus.read(0, corpus.num_tokens), flat)
     assert corpus.read(5, 5).size == 0 and corpus.read(0, 10**9).size == len(flat)
     assert corpus.max_token_id() == int(flat.max()) and corpus._max_token_id == int(flat.max())
@@ -206,8 +216,7 @@ def test_missing_directory_and_index(tmp_path):
 
 
 def test_other_item_loader_is_refused(tmp_path):
-    directory = _optimize(tmp_path / "pytree", [torch.arange(5, dtype=torch.int32)] * 4,
-                          item_loader=None, chunk_size=2)
+    directory = _optimize(tmp_path / "pytree", [torch.arange(5, dtype=torch.int32)] * 4, item_loader=None, chunk_size=2)
     assert is_litdata_directory(directory)
     with pytest.raises(ValueError, match=_path(directory / "index.json") + r": .*PyTreeLoader.*" + FIX):
         LitdataTokens(directory)

@@ -25,7 +25,9 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
     return {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
 
 
-def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float | None = None, cp: int = 1, tp: int = 1) -> float:
+def dp_grad_case(
+    ep: int, data_parallel: str, load_balancing: str, clip: float | None = None, cp: int = 1, tp: int = 1
+) -> float:
     from contextlib import nullcontext
 
     from torch.distributed.tensor import DTensor
@@ -38,8 +40,14 @@ def dp_grad_case(ep: int, data_parallel: str, load_balancing: str, clip: float |
 
     dims = layout(ep=ep, cp=cp, tp=tp)
     torch.manual_seed(0)
-    moe = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 24, "load_balancing": load_balancing,
-           "aux_loss_coeff": 0.1, "z_loss_coeff": 0.01}
+    moe = {
+        "num_experts": 4,
+        "top_k": 2,
+        "ffn_hidden_size": 24,
+        "load_balancing": load_balancing,
+        "aux_loss_coeff": 0.1,
+        "z_loss_coeff": 0.01,
+    }
     model = MoEGPT(hidden_size=32, num_layers=2, num_heads=4, moe=moe)
     reference = copy.deepcopy(model)
     parallelize(model, dims, data_parallel=data_parallel)

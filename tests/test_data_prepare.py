@@ -23,9 +23,16 @@ from lightning_moe.data.indexed import IndexedCorpusWriter, IndexedTokens  # noq
 from lightning_moe.data.prepare import main, parse_args, prepare  # noqa: E402
 
 EOS = "<|endoftext|>"
-TRAIN_TEXT = "\n".join(f"def step_{i}(x):\n    return x * {i}  # the quick brown fox, naïve café {i}\n" for i in range(200))
-DOCS = ["The quick brown fox jumps over the lazy dog.", "", "def f(x):\n    return x * 2\r\n",
-        "naïve café — ünïcödé ✓", "  spaced  out  "]
+TRAIN_TEXT = "\n".join(
+    f"def step_{i}(x):\n    return x * {i}  # the quick brown fox, naïve café {i}\n" for i in range(200)
+)
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "",
+    "def f(x):\n    return x * 2\r\n",
+    "naïve café — ünïcödé ✓",
+    "  spaced  out  ",
+]
 MORE_DOCS = ["second file, first record", "second file, second record"]
 
 
@@ -37,8 +44,9 @@ def tok_dir(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[EOS], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[EOS], show_progress=False
+    )
     tok.train_from_iterator(TRAIN_TEXT.splitlines(keepends=True), trainer=trainer)
     folder = tmp_path_factory.mktemp("tok")
     tok.save(str(folder / "tokenizer.json"))
@@ -118,7 +126,9 @@ def test_saved_dataset_folder(tmp_path, tok_dir, tok, monkeypatch):
     datasets = pytest.importorskip("datasets")
     texts = [f"record {i}: " + DOCS[i % len(DOCS)] for i in range(40)] + [""]
     # Two shards: read in the order state.json lists them.
-    datasets.Dataset.from_dict({"text": texts, "n": list(range(len(texts)))}).save_to_disk(tmp_path / "ds", num_shards=2)
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(len(texts)))}).save_to_disk(
+        tmp_path / "ds", num_shards=2
+    )
     assert len(list((tmp_path / "ds").glob("*.arrow"))) == 2
     summary = prepare(tmp_path / "ds", tok_dir, tmp_path / "ds_out", progress=False)
     assert read_back(tmp_path / "ds_out") == expected(tok, texts) and summary["skipped_empty"] == 1
@@ -239,7 +249,11 @@ def test_bad_inputs_refused_before_the_output_exists(tmp_path, tok_dir):
         (dict(input=[good, tmp_path / "c.csv"]), ValueError, "c.csv: not a file type"),
         (dict(input=tmp_path / "empty"), ValueError, "nothing prepare reads"),
         (dict(input=good, eos_token="<nope>"), ValueError, "'<nope>' is not in the vocab.*append_eos=false"),
-        (dict(input=good, tokenizer=tmp_path / "no_eos"), ValueError, "eos_token=<token in the vocab> or append_eos=false"),
+        (
+            dict(input=good, tokenizer=tmp_path / "no_eos"),
+            ValueError,
+            "eos_token=<token in the vocab> or append_eos=false",
+        ),
         (dict(input=good, tokenizer=tmp_path / "nowhere"), FileNotFoundError, "no tokenizer.json"),
         (dict(input=good, workers=0), ValueError, "workers=0"),
     ]
@@ -275,9 +289,19 @@ def test_megatron_core_reads_the_output(tmp_path, tok_dir, tok):
 def test_cli_as_typed(tmp_path, tok_dir):
     write_jsonl(tmp_path / "a.jsonl", DOCS)
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_moe.data.prepare", f"input={tmp_path}/*.jsonl", f"tokenizer={tok_dir}",
-         f"output={tmp_path}/cli/corpus", "workers=2"],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+        [
+            sys.executable,
+            "-m",
+            "lightning_moe.data.prepare",
+            f"input={tmp_path}/*.jsonl",
+            f"tokenizer={tok_dir}",
+            f"output={tmp_path}/cli/corpus",
+            "workers=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
     )
     assert result.returncode == 0, result.stderr
     assert "prepared 4 documents" in result.stdout and "1 empty skipped" in result.stdout
@@ -289,7 +313,10 @@ def test_cli_options(capsys):
     err = capsys.readouterr().err
     assert "'bogus'" in err and "text_key" in err
     assert main(["input=a.jsonl", "output=o"]) == 2 and "tokenizer=..." in capsys.readouterr().err
-    assert main(["input=a.jsonl", "tokenizer=t", "output=o", "workers=many"]) == 2 and "workers: " in capsys.readouterr().err
+    assert (
+        main(["input=a.jsonl", "tokenizer=t", "output=o", "workers=many"]) == 2
+        and "workers: " in capsys.readouterr().err
+    )
     assert main(["--help"]) == 0 and "append_eos" in capsys.readouterr().out
     # Text options keep their text; lists, booleans and null are parsed.
     config = parse_args(["input=*.jsonl", "tokenizer=bytes", "output=007", "lines=true", "eos_token=null"])

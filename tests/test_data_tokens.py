@@ -202,8 +202,11 @@ def test_bad_sources_are_refused_naming_the_file_and_fix(tmp_path, corpora):
     source = Path(str(corpora[0]))
     for name, damage, message in [
         ("magic", lambda idx, bin_: idx.write_bytes(b"NOTANIDX\x00" + idx.read_bytes()[9:]), r"not a Megatron index"),
-        ("version", lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]),
-         r"index version 2"),
+        (
+            "version",
+            lambda idx, bin_: idx.write_bytes(idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]),
+            r"index version 2",
+        ),
         ("bin_size", lambda idx, bin_: bin_.write_bytes(bin_.read_bytes()[:-3]), r"bytes, but .* indexes"),
         ("no_bin", lambda idx, bin_: bin_.unlink(), r"no such file"),
     ]:
@@ -261,9 +264,19 @@ def token_run(corpora: tuple[Path, Path], model: str = "tiny") -> list[str]:
     the EOD loss mask."""
     shrunk = [o for o in TINY_MODEL if not o.startswith("data.")] if model == "tiny" else [f"model={model}"]
     return [
-        "logger=none", "trainer.max_steps=4", "++trainer.gradient_clip_val=0.05", "trainer.val_check_interval=null",
-        "trainer.limit_val_batches=0", "~callbacks.progress_bar", "data=tokens", f"data.blend=[0.6,{corpora[0]},0.4,{corpora[1]}]",
-        "data.seq_len=32", "data.global_batch_size=16", "data.document_mask=true", "data.eod_mask_loss=true", *shrunk,
+        "logger=none",
+        "trainer.max_steps=4",
+        "++trainer.gradient_clip_val=0.05",
+        "trainer.val_check_interval=null",
+        "trainer.limit_val_batches=0",
+        "~callbacks.progress_bar",
+        "data=tokens",
+        f"data.blend=[0.6,{corpora[0]},0.4,{corpora[1]}]",
+        "data.seq_len=32",
+        "data.global_batch_size=16",
+        "data.document_mask=true",
+        "data.eod_mask_loss=true",
+        *shrunk,
     ]
 
 
@@ -277,8 +290,10 @@ def _presets() -> list:
     from tests.presets import long_where, presets_this_torch_builds
     from tests.test_strategy_invariance import _preset_processes, presets_without_cp_up_to_8_processes
 
-    return long_where(presets_this_torch_builds(presets_without_cp_up_to_8_processes()),
-                      lambda name: name.startswith(("tp2_", "dp2_tp2", "pp2_tp2")) and _preset_processes(name) > 2)
+    return long_where(
+        presets_this_torch_builds(presets_without_cp_up_to_8_processes()),
+        lambda name: name.startswith(("tp2_", "dp2_tp2", "pp2_tp2")) and _preset_processes(name) > 2,
+    )
 
 
 def one_process_losses_on_first_use(tmp_path_factory, name: str, run_args) -> Any:
@@ -301,7 +316,9 @@ def one_process_losses_on_first_use(tmp_path_factory, name: str, run_args) -> An
 @pytest.fixture(scope="module")
 def single_token_losses(tmp_path_factory, corpora):
     return one_process_losses_on_first_use(
-        tmp_path_factory, "single_tokens", lambda num_layers: ([f"model.num_layers={num_layers}"], token_run(corpora), 4)
+        tmp_path_factory,
+        "single_tokens",
+        lambda num_layers: ([f"model.num_layers={num_layers}"], token_run(corpora), 4),
     )
 
 
@@ -311,8 +328,12 @@ def test_preset_with_token_data_matches_single_process(tmp_path, corpora, single
     from tests.test_strategy_invariance import PRESET_LAYERS
 
     num_layers = PRESET_LAYERS.get(preset, 2)
-    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=token_run(corpora))
-    torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single_token_losses(num_layers)), rtol=REL, atol=0.0)
+    summary = train_in_pool(
+        tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=token_run(corpora)
+    )
+    torch.testing.assert_close(
+        torch.tensor(summary["losses"]), torch.tensor(single_token_losses(num_layers)), rtol=REL, atol=0.0
+    )
 
 
 # The cp presets at the horizons test_strategy_invariance.py runs them on the default data (6 steps in
@@ -326,7 +347,8 @@ HF_MODEL = "hf_tiny_qwen3_moe"
 def single_cp_token_losses(tmp_path_factory, corpora):
     """One-process losses of cp_overrides(steps) per (model config, steps), run once each on first use."""
     return one_process_losses_on_first_use(
-        tmp_path_factory, "single_cp_tokens",
+        tmp_path_factory,
+        "single_cp_tokens",
         lambda key: (cp_overrides(key[1]), token_run(corpora, key[0]), key[1]),
     )
 
@@ -355,8 +377,13 @@ def test_cp_preset_with_packed_documents_matches_single_process(
     the one-process masked losses at every step."""
     if model == HF_MODEL:
         pytest.importorskip("transformers")
-    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"parallel.cp_comm={cp_comm}", *cp_overrides(steps),
-                            base=token_run(corpora, model))
+    summary = train_in_pool(
+        tmp_path / preset,
+        f"parallel={preset}",
+        f"parallel.cp_comm={cp_comm}",
+        *cp_overrides(steps),
+        base=token_run(corpora, model),
+    )
     single = single_cp_token_losses((model, steps))
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single), rtol=REL, atol=0.0)
     assert single[-1] < single[0]  # it trains
@@ -366,12 +393,22 @@ def test_cp_preset_with_packed_documents_matches_single_process(
 def test_resume_mid_epoch_on_another_layout_continues_the_sample_order(tmp_path, corpora, single_token_losses):
     """2 of 4 steps on ep2, resumed on tp2: steps 3-4 are the uninterrupted one-process steps."""
     first = tmp_path / "ep2"
-    train_in_pool(first, "parallel=ep2", "trainer.max_steps=2", "model.max_steps=4", "callbacks=checkpoint",
-                  "callbacks.checkpoint.every_n_train_steps=2", base=token_run(corpora))
-    resumed = train_in_pool(tmp_path / "tp2", "parallel=tp2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
-                            base=token_run(corpora))
+    train_in_pool(
+        first,
+        "parallel=ep2",
+        "trainer.max_steps=2",
+        "model.max_steps=4",
+        "callbacks=checkpoint",
+        "callbacks.checkpoint.every_n_train_steps=2",
+        base=token_run(corpora),
+    )
+    resumed = train_in_pool(
+        tmp_path / "tp2", "parallel=tp2", f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}", base=token_run(corpora)
+    )
     assert len(resumed["losses"]) == 2, "the resumed run starts at step 3"
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single_token_losses(2)[2:]), rtol=REL, atol=0.0)
+    torch.testing.assert_close(
+        torch.tensor(resumed["losses"]), torch.tensor(single_token_losses(2)[2:]), rtol=REL, atol=0.0
+    )
 
 
 _SINGLE_RUNS: dict[str, dict] = {}
@@ -384,8 +421,11 @@ def test_sequence_balance_loss_per_document_matches_single_process(tmp_path_fact
     ranks holding shards of a row, and on pipeline stages fed each micro-batch's ids."""
     per_document = ["model.moe.load_balancing=seq_aux_loss"]
     if "seq_aux" not in _SINGLE_RUNS:
-        _SINGLE_RUNS["seq_aux"] = train_in_pool(tmp_path_factory.mktemp("single_seq_aux") / "run", "parallel=single",
-                                                *per_document, base=token_run(corpora))
+        _SINGLE_RUNS["seq_aux"] = train_in_pool(
+            tmp_path_factory.mktemp("single_seq_aux") / "run", "parallel=single", *per_document, base=token_run(corpora)
+        )
     single = _SINGLE_RUNS["seq_aux"]
-    summary = train_in_pool(tmp_path_factory.mktemp(preset) / "run", f"parallel={preset}", *per_document, base=token_run(corpora))
+    summary = train_in_pool(
+        tmp_path_factory.mktemp(preset) / "run", f"parallel={preset}", *per_document, base=token_run(corpora)
+    )
     torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(single["losses"]), rtol=REL, atol=0.0)

@@ -102,7 +102,9 @@ def test_the_planner_counts_one_row_per_token_and_expected_destination_rank():
     seq, ep, layout = 64, 4, Layout(ep=4, microbatches=1)
     rows = {}
     for kind in ("alltoall", "alltoall_dedup"):
-        shape = ModelShape.from_config({**config, "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 64, "dispatcher": kind}})
+        shape = ModelShape.from_config(
+            {**config, "moe": {"num_experts": 8, "top_k": 2, "ffn_hidden_size": 64, "dispatcher": kind}}
+        )
         rows[kind] = {r.what: r.bytes for r in comm_records(shape, layout, seq) if r.dim == "ep"}
     row = token_exchange_row_bytes(64, 4, None)
     pairs = seq * (2 - 1 / 7) * (ep - 1) / ep
@@ -137,7 +139,9 @@ def routing_trace_by_position(path: Path, experts: torch.Tensor, num_experts: in
 
     windows = int(TINY["data.max_corpus_bytes"]) // (TINY_SEQ + 1) + 1
     assert experts.shape[0] == TINY_SEQ, (tuple(experts.shape), TINY_SEQ)
-    names = [f"layers.{i}.feed_forward" for i in range(TINY_LAYERS)] + [f"mtp.{k}.block.feed_forward" for k in range(mtp_depth)]
+    names = [f"layers.{i}.feed_forward" for i in range(TINY_LAYERS)] + [
+        f"mtp.{k}.block.feed_forward" for k in range(mtp_depth)
+    ]
     pattern = experts[None, :, None, :].expand(windows, TINY_SEQ, len(names), experts.shape[1]).contiguous()
     trace = RoutingTrace(torch.arange(windows), pattern, names, [num_experts] * len(names))
     trace.save(path)
@@ -180,7 +184,9 @@ def mixed_routing(tmp_path_factory) -> tuple[Path, list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wire,chunks,rel", [(None, 2, 1e-5), ("fp8", 1, 2e-2)], ids=["ep2_chunked", "ep2_fp8"])
-def test_trainer_default_dispatch_gives_one_process_losses_and_the_counted_bytes(tmp_path, mixed_routing, wire, chunks, rel):
+def test_trainer_default_dispatch_gives_one_process_losses_and_the_counted_bytes(
+    tmp_path, mixed_routing, wire, chunks, rel
+):
     """ep2 with the default dispatcher, chunked (the one-process losses at rel 1e-5) and with fp8
     dispatch (within its quantisation error, as tests/test_topology.py bounds it: one process has no
     wire to quantise on); each rank's ep bytes per step equal the count of its (token, other rank)

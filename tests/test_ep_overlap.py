@@ -76,7 +76,9 @@ def _fsdp_steps_with_and_without_overlap() -> dict:
     dims = ParallelDims(ep=2)
     dims.build_mesh("cpu")
     torch.manual_seed(0)
-    model = MoEGPT(hidden_size=32, num_layers=2, num_heads=4, moe={"num_experts": 4, "ffn_hidden_size": 32}, max_seq_len=16)
+    model = MoEGPT(
+        hidden_size=32, num_layers=2, num_heads=4, moe={"num_experts": 4, "ffn_hidden_size": 32}, max_seq_len=16
+    )
     parallelize(model, dims, data_parallel="fsdp")
     gather = GatherOncePerStep(model)
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
@@ -139,7 +141,9 @@ def single_losses(tmp_path_factory) -> list[float]:
 def test_overlap_under_tensor_and_context_parallel_matches_one_process(tmp_path, single_losses, preset):
     """The tp collectives (DTensor) and the ring attention's P2P of both micro-batches, issued from the
     two threads in turn, keep one order on every rank: the one-process curve (rel 1e-5, 10 steps)."""
-    overlap = train_in_pool(tmp_path / preset, f"parallel={preset}", "parallel.gather_once_per_step=true", "parallel.overlap_ep_comm=true")
+    overlap = train_in_pool(
+        tmp_path / preset, f"parallel={preset}", "parallel.gather_once_per_step=true", "parallel.overlap_ep_comm=true"
+    )
     torch.testing.assert_close(torch.tensor(overlap["losses"]), torch.tensor(single_losses), rtol=1e-5, atol=0.0)
 
 
@@ -171,9 +175,20 @@ def test_an_auto_layout_that_chose_overlap_runs_it(monkeypatch):
 
     import lightning_moe.strategy
 
-    chosen = {"tp": 1, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1, "gather_once_per_step": True, "overlap_ep_comm": True}
+    chosen = {
+        "tp": 1,
+        "cp": 1,
+        "ep": 2,
+        "dp": 1,
+        "pp": 1,
+        "etp": 1,
+        "gather_once_per_step": True,
+        "overlap_ep_comm": True,
+    }
     asked = {}
-    monkeypatch.setattr(lightning_moe.strategy, "auto_layout", lambda world_size, options: asked.update(options) or dict(chosen))
+    monkeypatch.setattr(
+        lightning_moe.strategy, "auto_layout", lambda world_size, options: asked.update(options) or dict(chosen)
+    )
     strategy = MoE5DStrategy(layout="auto", layout_options={"seq_len": 64})
     L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_checkpointing=False)
     assert strategy.overlap_ep_comm and strategy.gather_once_per_step and strategy.parallel_dims.ep == 2

@@ -31,7 +31,12 @@ def _inputs(rank: int, positive: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def ep_layer_case(
-    ep: int, dispatcher: str, capacity_factor: float | None, score_func: str, expert_bias: bool, one_rank: bool,
+    ep: int,
+    dispatcher: str,
+    capacity_factor: float | None,
+    score_func: str,
+    expert_bias: bool,
+    one_rank: bool,
     pad_rows: bool,
 ) -> dict:
     from lightning_moe import parallelize
@@ -40,8 +45,16 @@ def ep_layer_case(
     dims = layout(ep=ep)
     torch.manual_seed(0)
     layer = MoELayer(
-        H, F, E, top_k=K, score_func=score_func, expert_bias=expert_bias, capacity_factor=capacity_factor,
-        dispatcher=dispatcher, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
+        H,
+        F,
+        E,
+        top_k=K,
+        score_func=score_func,
+        expert_bias=expert_bias,
+        capacity_factor=capacity_factor,
+        dispatcher=dispatcher,
+        aux_loss_coeff=1e-2,
+        z_loss_coeff=1e-3,
     )
     if one_rank:
         # Experts 0 and 1 (both on ep rank 0) win for every positive token.
@@ -101,10 +114,18 @@ CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ep,dispatcher,capacity_factor,score_func,expert_bias,one_rank,pad_rows", CASES)
-def test_expert_parallel_layer_matches_reference(ep, dispatcher, capacity_factor, score_func, expert_bias, one_rank, pad_rows):
+def test_expert_parallel_layer_matches_reference(
+    ep, dispatcher, capacity_factor, score_func, expert_bias, one_rank, pad_rows
+):
     reports = get_pool(WORLD).run(
-        ep_layer_case, ep=ep, dispatcher=dispatcher, capacity_factor=capacity_factor,
-        score_func=score_func, expert_bias=expert_bias, one_rank=one_rank, pad_rows=pad_rows,
+        ep_layer_case,
+        ep=ep,
+        dispatcher=dispatcher,
+        capacity_factor=capacity_factor,
+        score_func=score_func,
+        expert_bias=expert_bias,
+        one_rank=one_rank,
+        pad_rows=pad_rows,
     )
     for rank, report in enumerate(reports):
         for key in ("out", "grad_x", "w1", "w2", "w3", "router", "bias"):
@@ -136,9 +157,14 @@ def protocol_case() -> list[str]:
 def test_every_dispatcher_meets_the_protocol():
     names = get_pool(WORLD).run(protocol_case)[0]
     assert names == [
-        "AllToAllDispatcher", "ExpertTensorParallelDispatcher", "PerRankAllToAllDispatcher",
-        "ExpertTensorParallelDispatcher", "AllGatherDispatcher",
-        "ExpertTensorParallelDispatcher", "HierarchicalDispatcher", "ExpertTensorParallelDispatcher",
+        "AllToAllDispatcher",
+        "ExpertTensorParallelDispatcher",
+        "PerRankAllToAllDispatcher",
+        "ExpertTensorParallelDispatcher",
+        "AllGatherDispatcher",
+        "ExpertTensorParallelDispatcher",
+        "HierarchicalDispatcher",
+        "ExpertTensorParallelDispatcher",
     ]
 
 

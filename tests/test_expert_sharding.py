@@ -45,7 +45,9 @@ def test_the_planner_applies_the_data_parallel_rule():
     assert expert_shard_dim((2, 32, 32), frozenset(), 6) == 0  # no dim divisible by 6: dim 0 and padding
     for experts, h, f, n, tp_dim in itertools.product((1, 2, 4), (6, 16, 32), (8, 12, 24), (2, 3, 4, 8), (None, 1, 2)):
         shape = (experts, h, f)
-        assert expert_fsdp_dim(shape, tp_dim, n) == expert_shard_dim(shape, frozenset() if tp_dim is None else {tp_dim}, n)
+        assert expert_fsdp_dim(shape, tp_dim, n) == expert_shard_dim(
+            shape, frozenset() if tp_dim is None else {tp_dim}, n
+        )
 
 
 # -- multi-process -----------------------------------------------------------------------------------
@@ -139,7 +141,10 @@ def train_case(sizes: dict | None, steps: list[int], load: str | None = None, sa
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        dcp.save({"state_dict": get_model_state_dict(model), "optimizer_0": optimizer_state_dict(model, optimizer)}, checkpoint_id=save)
+        dcp.save(
+            {"state_dict": get_model_state_dict(model), "optimizer_0": optimizer_state_dict(model, optimizer)},
+            checkpoint_id=save,
+        )
         if dist.get_rank() == 0:  # what the strategy writes beside the shards (read by consolidate)
             from lightning_moe.checkpoint.state import METADATA_FILE
 

@@ -43,7 +43,9 @@ def make_train_output(tmp_path_factory) -> tuple[str, Path]:
 @pytest.fixture(scope="module")
 def readme_example_output(tmp_path_factory) -> str:
     """The README's first example (tp=2, ep=2 on 4 processes), shrunk as tests/test_readme.py shrinks it."""
-    block = next(block for block in PYTHON_BLOCKS if block.source == "README.md" and "trainer.fit(MoEGPT(" in block.text)
+    block = next(
+        block for block in PYTHON_BLOCKS if block.source == "README.md" and "trainer.fit(MoEGPT(" in block.text
+    )
     proc, _ = python_block_run(block, tmp_path_factory)
     return proc.stdout + proc.stderr
 
@@ -86,7 +88,9 @@ def test_make_train_ends_with_the_run_summary_after_wandb(make_train_output):
         f"  upload it with: wandb sync {offline_run}",
     ]
     assert re.fullmatch(r"  final loss: \d+\.\d{4} after 3 optimizer steps, [\d,]+ tokens/s", block[2]), block[2]
-    assert re.fullmatch(r"  communication per optimizer step and rank: ep [\d.]+ MB in \d+ calls, dp .+", block[3]), block[3]
+    assert re.fullmatch(r"  communication per optimizer step and rank: ep [\d.]+ MB in \d+ calls, dp .+", block[3]), (
+        block[3]
+    )
 
 
 @pytest.mark.slow
@@ -114,8 +118,15 @@ def test_step_progress_bar_runs_on_across_epochs(tmp_path):
             seen.append((int(task.completed), task.total))
 
     trainer = L.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_steps=5, accumulate_grad_batches=2,
-        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=5,
+        accumulate_grad_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
         callbacks=[StepProgressBar(), Recorder()],
     )
     model = BoringModel()
@@ -129,8 +140,15 @@ def test_step_progress_bar_runs_on_across_epochs(tmp_path):
 
 def test_step_progress_bar_keeps_lightnings_bar_for_epoch_bounded_runs(tmp_path):
     trainer = L.Trainer(
-        default_root_dir=tmp_path, accelerator="cpu", devices=1, max_epochs=2, accumulate_grad_batches=2,
-        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
         callbacks=[StepProgressBar()],
     )
     model = BoringModel()

@@ -53,7 +53,9 @@ def test_gather_once_per_step_is_refused_where_it_cannot_work():
 
     from lightning_moe import MoE5DStrategy
 
-    with pytest.raises(MisconfigurationException, match=r"gather_once_per_step=True needs data_parallel='fsdp' and pp=1"):
+    with pytest.raises(
+        MisconfigurationException, match=r"gather_once_per_step=True needs data_parallel='fsdp' and pp=1"
+    ):
         MoE5DStrategy(ep=2, pp=2, gather_once_per_step=True)
     with pytest.raises(MisconfigurationException, match=r"data_parallel='ddp'"):
         MoE5DStrategy(data_parallel="ddp", gather_once_per_step=True)
@@ -67,8 +69,13 @@ def test_dp2_gathering_once_per_step_matches_one_process_and_the_planned_bytes(t
     single = train_in_pool(tmp_path / "single", "parallel=single", base=RUN)
     torch.testing.assert_close(torch.tensor(once["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0.0)
 
-    train_in_pool(tmp_path / "bytes", "parallel=dp2", "parallel.gather_once_per_step=true", "++trainer.gradient_clip_val=null",
-                  base=RUN)
+    train_in_pool(
+        tmp_path / "bytes",
+        "parallel=dp2",
+        "parallel.gather_once_per_step=true",
+        "++trainer.gradient_clip_val=null",
+        base=RUN,
+    )
     rows = [r for r in csv.DictReader((tmp_path / "bytes" / "csv" / "metrics.csv").open()) if r.get("comm/dp_bytes")]
     measured = {d: float(rows[-1][f"comm/{d}_bytes"]) for d in PARALLEL_DIMS}  # the last step: no set-up
     planned = accounted_comm_bytes(ModelShape.from_config(TINY), _dp2_layout(True), SEQ, precision="32-true")

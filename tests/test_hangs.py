@@ -44,9 +44,19 @@ def test_a_stopped_rank_ends_every_rank_with_the_collective_and_the_stacks(tmp_p
     # and rank 0 waits for it to join for at most the process-group timeout, too short on loaded cores.
     # torchrun also stops rank 0 (SIGTERM) once rank 1 failed, the case a cluster job meets.
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "lightning_moe.train",
-        *TINY_RUN, "parallel=ep2", f"parallel.timeout={TIMEOUT_S}",
-        "+callbacks.fault._target_=tests.faults.StopRank", "+callbacks.fault.rank=1", f"+callbacks.fault.step={STOP_STEP}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "lightning_moe.train",
+        *TINY_RUN,
+        "parallel=ep2",
+        f"parallel.timeout={TIMEOUT_S}",
+        "+callbacks.fault._target_=tests.faults.StopRank",
+        "+callbacks.fault.rank=1",
+        f"+callbacks.fault.step={STOP_STEP}",
         f"hydra.run.dir={run_dir}",
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -62,7 +72,13 @@ def test_a_stopped_rank_ends_every_rank_with_the_collective_and_the_stacks(tmp_p
     # Rank 0 waits inside the step's first collective (an FSDP all-gather) and says so; rank 1 never got there.
     fired = rf"no collective issued for [\d.]+ s \(95% of the process-group timeout, {TIMEOUT_S} s\)"
     collective = r"(all_gather|all_to_all|all_reduce|reduce_scatter|broadcast)"
-    assert re.search(rf"rank 0: {fired}; waiting in {collective} on process group '\w+' \(ranks \[0, 1\]", output), output[-3000:]
-    assert re.search(rf"rank 1: {fired}; last collective {collective} on process group .* finished", output), output[-3000:]
+    assert re.search(rf"rank 0: {fired}; waiting in {collective} on process group '\w+' \(ranks \[0, 1\]", output), (
+        output[-3000:]
+    )
+    assert re.search(rf"rank 1: {fired}; last collective {collective} on process group .* finished", output), output[
+        -3000:
+    ]
     stacks = {rank: (run_dir / "stacks" / f"rank{rank}.txt").read_text() for rank in (0, 1)}
-    assert "torch/distributed" in stacks[0] and "in on_train_batch_start" in stacks[1] and "tests/faults.py" in stacks[1]
+    assert (
+        "torch/distributed" in stacks[0] and "in on_train_batch_start" in stacks[1] and "tests/faults.py" in stacks[1]
+    )

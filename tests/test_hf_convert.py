@@ -118,8 +118,11 @@ def test_module_forward_equals_transformers(family):
 
 def test_module_loss_matches_moegpt_convention_and_aux_loss_enters():
     module = HFMoEModule(tiny_model("qwen3_moe"))
-    assert all(m.aux_loss_coeff == pytest.approx(module.config.router_aux_loss_coef)
-               for m in module.modules() if isinstance(m, MoELayer))
+    assert all(
+        m.aux_loss_coeff == pytest.approx(module.config.router_aux_loss_coef)
+        for m in module.modules()
+        if isinstance(m, MoELayer)
+    )
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[:, :4] = 0
@@ -160,8 +163,9 @@ def test_presets_and_config_mapping_build():
 
 
 def test_unknown_architecture_is_refused():
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
     with pytest.raises(ValueError, match=r"unknown architecture .*model_type='llama'.*supports"):
         HFMoEModule(config)
     with pytest.raises(ValueError, match=r"LlamaForCausalLM .*model_type='llama'.* not a supported"):
@@ -241,7 +245,8 @@ def test_only_the_hf_package_imports_transformers():
     root = Path(lightning_moe.__file__).parent
     pattern = re.compile(r"^\s*(from|import)\s+(transformers|tokenizers)\b", re.M)
     offenders = [
-        str(p.relative_to(root)) for p in root.rglob("*.py")
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
         if "hf" not in p.relative_to(root).parts[:1] and p.name != "text.py" and pattern.search(p.read_text())
     ]
     assert not offenders, offenders

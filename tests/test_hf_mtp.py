@@ -41,7 +41,9 @@ def write_published_checkpoint(path: Path) -> Path:
 
     from lightning_moe.hf import TINY_CONFIGS, build_config
 
-    config = build_config("deepseek_v3", **dict(TINY_CONFIGS["deepseek_v3"], num_hidden_layers=3, max_position_embeddings=64))
+    config = build_config(
+        "deepseek_v3", **dict(TINY_CONFIGS["deepseek_v3"], num_hidden_layers=3, max_position_embeddings=64)
+    )
     torch.manual_seed(0)
     three_layers = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms and expert biases away from their initial ones and zeros
@@ -115,8 +117,12 @@ def independent_losses(folder: Path, batch: dict[str, torch.Tensor]) -> tuple[to
 
     combined = torch.cat([norm(inner.embed_tokens(ids[:, 1:]), "enorm"), norm(h[:, :length], "hnorm")], dim=-1)
     x = F.linear(combined, parts["model.layers.2.eh_proj.weight"])
-    x = inner.layers[2](x, attention_mask=causal[..., :length, :length], position_ids=positions[:, :length],
-                        position_embeddings=tuple(t[:, :length] for t in rotary))
+    x = inner.layers[2](
+        x,
+        attention_mask=causal[..., :length, :length],
+        position_ids=positions[:, :length],
+        position_embeddings=tuple(t[:, :length] for t in rotary),
+    )
     logits = F.linear(norm(x, "shared_head.norm"), parts["model.layers.2.shared_head.head.weight"])
     return main, F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
 
@@ -213,9 +219,13 @@ def test_a_differing_copy_warns_on_both_loads(published, tmp_path):
 def test_bad_mtp_requests_are_refused_with_the_fix(published):
     from lightning_moe.hf import TINY_CONFIGS, HFMoEModule
 
-    with pytest.raises(ValueError, match=r"mtp_depth=2 but .* holds the weights of 1 MTP layer\(s\) .*use mtp_depth<=1"):
+    with pytest.raises(
+        ValueError, match=r"mtp_depth=2 but .* holds the weights of 1 MTP layer\(s\) .*use mtp_depth<=1"
+    ):
         HFMoEModule(pretrained=published, mtp_depth=2)
-    with pytest.raises(ValueError, match=r"mtp_depth=1: qwen3_moe models have no multi-token prediction layers.*use mtp_depth=0"):
+    with pytest.raises(
+        ValueError, match=r"mtp_depth=1: qwen3_moe models have no multi-token prediction layers.*use mtp_depth=0"
+    ):
         HFMoEModule({"model_type": "qwen3_moe", **TINY_CONFIGS["qwen3_moe"]}, mtp_depth=1)
     with pytest.raises(ValueError, match=r"mtp_depth must be >= 0"):
         HFMoEModule(pretrained=published, mtp_depth=-1)
@@ -261,15 +271,31 @@ def train_on_this_rank(folder: str, out: str, layout: dict) -> dict:
     with launched_rank(env={"WORLD_SIZE": str(dist.get_world_size())}):
         L.seed_everything(0)
         recorder = TermsRecorder()
-        data = ByteTextDataModule(seq_len=SEQ, global_batch_size=4, micro_batch_size=1, max_corpus_bytes=50_000,
-                                  val_fraction=0.0, cache_dir=str(out_dir / "cache"))
+        data = ByteTextDataModule(
+            seq_len=SEQ,
+            global_batch_size=4,
+            micro_batch_size=1,
+            max_corpus_bytes=50_000,
+            val_fraction=0.0,
+            cache_dir=str(out_dir / "cache"),
+        )
         trainer = L.Trainer(
-            accelerator="cpu", devices=dist.get_world_size(), strategy=MoE5DStrategy(**layout), max_steps=STEPS,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.05,
+            accelerator="cpu",
+            devices=dist.get_world_size(),
+            strategy=MoE5DStrategy(**layout),
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            callbacks=[recorder],
+            gradient_clip_val=0.05,
         )
         with trainer.init_module(empty_init=True):
-            module = HFMoEModule(pretrained=folder, learning_rate=1e-2, warmup_steps=1, max_steps=STEPS, mtp_loss_weight=0.5)
+            module = HFMoEModule(
+                pretrained=folder, learning_rate=1e-2, warmup_steps=1, max_steps=STEPS, mtp_loss_weight=0.5
+            )
         trainer.fit(module, datamodule=data)
         module.save_hf(out_dir / "hf")
         trainer.save_checkpoint(out_dir / "last.ckpt")
@@ -287,8 +313,10 @@ def one_process(published: Path, tmp_path_factory) -> dict:
     """The one-process run's report, its folders in ``report["out"]`` (trained once per session)."""
     if "report" not in _ONE_PROCESS:
         out = tmp_path_factory.mktemp("mtp_one")
-        _ONE_PROCESS["report"] = {**sole_pool(1).run(train_on_this_rank, folder=str(published), out=str(out), layout={})[0],
-                                  "out": out}
+        _ONE_PROCESS["report"] = {
+            **sole_pool(1).run(train_on_this_rank, folder=str(published), out=str(out), layout={})[0],
+            "out": out,
+        }
     return _ONE_PROCESS["report"]
 
 
@@ -310,11 +338,16 @@ def test_trained_in_two_processes_equals_one_and_writes_back(published, tmp_path
     assert trained.keys() == original.keys()
     # Every MTP tensor trained: the copies follow the embedding and head, the expert bias the loads.
     assert [key for key in original if torch.equal(trained[key], original[key])] == []
-    for copy, main in (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", "lm_head.weight")):
+    for copy, main in (
+        ("embed_tokens.weight", "model.embed_tokens.weight"),
+        ("shared_head.head.weight", "lm_head.weight"),
+    ):
         assert torch.equal(trained[f"model.layers.2.{copy}"], saved[main])
     one_trained = mtp_tensors(tensors_of(one["out"] / "hf"))
     for key in original:  # atol: Adam turns rounding-level differences of near-zero gradients into ~1e-6 steps
-        torch.testing.assert_close(trained[key], one_trained[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(
+            trained[key], one_trained[key], rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}"
+        )
 
     checkpoint_to_hf(tmp_path / "last.ckpt", tmp_path / "to_hf")
     from_checkpoint = tensors_of(tmp_path / "to_hf")

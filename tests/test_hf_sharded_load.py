@@ -12,9 +12,22 @@ pytest.importorskip("transformers")
 from tests.dist_pool import get_pool  # noqa: E402
 from tests.dist_pool import layout  # noqa: E402
 
-QWEN3 = {"model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "tie_word_embeddings": False, "intermediate_size": 40, "moe_intermediate_size": 24,
-         "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "head_dim": 8, "max_position_embeddings": 64}
+QWEN3 = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "intermediate_size": 40,
+    "moe_intermediate_size": 24,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "head_dim": 8,
+    "max_position_embeddings": 64,
+}
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
@@ -42,14 +55,19 @@ def sharded_load_case(folder: str, ep: int) -> dict:
     materialize_sharded(module, torch.device("cpu"), module.initial_value)
     want = dict(itertools.chain(reference.named_parameters(), reference.named_buffers()))
     mismatches = [
-        name for name, t in itertools.chain(module.named_parameters(), module.named_buffers())
+        name
+        for name, t in itertools.chain(module.named_parameters(), module.named_buffers())
         if not torch.equal(t.full_tensor() if isinstance(t, DTensor) else t, want[name].detach())
     ]
     with torch.no_grad():
         logits = (module(TOKENS) - reference(TOKENS)).abs().max().item()
     expert_bytes = sum(p.numel() * p.element_size() for n, p in reference.named_parameters() if ".experts." in n)
     folder_state = module._pretrained_shards.folder
-    return {"mismatches": mismatches, "logits": logits, "expert_fraction": folder_state.expert_bytes_read / expert_bytes}
+    return {
+        "mismatches": mismatches,
+        "logits": logits,
+        "expert_fraction": folder_state.expert_bytes_read / expert_bytes,
+    }
 
 
 @pytest.mark.slow

@@ -26,8 +26,12 @@ def build_tokenizer(folder: Path, vocab_size: int) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
+        show_progress=False,
+    )
     tok.train_from_iterator(TEXT.splitlines(keepends=True), trainer=trainer)
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
@@ -49,8 +53,16 @@ def _fake_trainer(num_replicas: int, rank: int) -> SimpleNamespace:
 
 def _module(corpus_and_tokenizer, num_replicas: int = 1, rank: int = 0) -> TextDataModule:
     texts, tok, cache = corpus_and_tokenizer
-    dm = TextDataModule(tokenizer=tok, path=texts, seq_len=16, global_batch_size=8, micro_batch_size=1,
-                        val_fraction=0.1, cache_dir=cache, seed=3)
+    dm = TextDataModule(
+        tokenizer=tok,
+        path=texts,
+        seq_len=16,
+        global_batch_size=8,
+        micro_batch_size=1,
+        val_fraction=0.1,
+        cache_dir=cache,
+        seed=3,
+    )
     dm.trainer = _fake_trainer(num_replicas, rank)
     dm.setup("fit")
     return dm
@@ -130,7 +142,15 @@ def test_hf_module_trains_on_tokenized_text(corpus_and_tokenizer):
     L.seed_everything(0)
     config = dict(TINY_CONFIGS["qwen3_moe"], vocab_size=320)
     module = HFMoEModule({"model_type": "qwen3_moe", **config}, learning_rate=3e-3, warmup_steps=1)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
     trainer.fit(module, datamodule=dm)
     assert torch.isfinite(trainer.callback_metrics["train/loss"])

@@ -92,8 +92,13 @@ def test_hf_module_layout_matches_single_process(name, reference, tmp_path):
 
 
 CLI_RUN = [
-    "logger=none", "trainer.max_steps=6", "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
-    "data.seq_len=32", "data.global_batch_size=4", "data.max_corpus_bytes=200000",
+    "logger=none",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=null",
+    "trainer.limit_val_batches=0",
+    "data.seq_len=32",
+    "data.global_batch_size=4",
+    "data.max_corpus_bytes=200000",
 ]
 
 
@@ -113,4 +118,3 @@ def test_cli_trains_the_tiny_qwen3_moe_preset_under_ep2(tmp_path):
     assert summary["layout"]["ep"] == 2 and len(summary["losses"]) == 6
     assert summary["losses"][-1] < summary["losses"][0]
     assert len(summary["expert_load"]) == 2  # both MoE layers report their load
-

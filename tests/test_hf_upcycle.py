@@ -18,16 +18,28 @@ from tests.dist_pool import layout  # noqa: E402
 
 REL = 1e-5
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-COMMON = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=48, max_position_embeddings=64, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 DENSE = {
     "llama": dict(COMMON),
     "mistral": dict(COMMON, sliding_window=None),
     "qwen2": dict(COMMON),
     "qwen3": dict(COMMON, head_dim=8),
 }
-MOE_CLASS = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM", "qwen2": "Qwen2MoeForCausalLM",
-             "qwen3": "Qwen3MoeForCausalLM"}
+MOE_CLASS = {
+    "llama": "MixtralForCausalLM",
+    "mistral": "MixtralForCausalLM",
+    "qwen2": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3MoeForCausalLM",
+}
 # (granularity, num_experts, top_k): plain copies, and granular 2, 3 (odd: the down scale is inexact in binary) and 4.
 GRANULAR = [(1, 4, 2), (2, 8, 2), (3, 6, 1), (4, 8, 2)]
 
@@ -160,7 +172,10 @@ def test_tied_embeddings_and_sliding_window_are_kept():
         (dict(num_experts=8, top_k=3, granularity=4), "top_k=3 at granularity=4 routes top_k*granularity=12"),
         (dict(num_experts=8, top_k=0), "top_k must be a positive integer"),
         (dict(num_experts=8, top_k=1, granularity=2, router_std=0.0), "router_std=0 at granularity=2"),
-        (dict(num_experts=8, top_k=1, shared_expert_intermediate_size=8), "shared_expert_intermediate_size is for Qwen2"),
+        (
+            dict(num_experts=8, top_k=1, shared_expert_intermediate_size=8),
+            "shared_expert_intermediate_size is for Qwen2",
+        ),
     ],
 )
 def test_arguments_that_cannot_keep_the_function_are_refused(kwargs, message):
@@ -234,8 +249,13 @@ def test_upcycled_logits_equal_dense_under_layouts(folders, family, sizes):
 
 
 CLI_RUN = [
-    "logger=none", "trainer.max_steps=4", "trainer.val_check_interval=null", "trainer.limit_val_batches=0",
-    "data.seq_len=32", "data.global_batch_size=4", "data.max_corpus_bytes=100000",
+    "logger=none",
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=null",
+    "trainer.limit_val_batches=0",
+    "data.seq_len=32",
+    "data.global_batch_size=4",
+    "data.max_corpus_bytes=100000",
 ]
 
 
@@ -244,8 +264,14 @@ def test_cli_trains_an_upcycled_model(folders, tmp_path):
     from tests.cli import run_cli
 
     summary = run_cli(
-        tmp_path / "run", "model=hf_upcycle", f"model.pretrained={folders['qwen3']}", "model.num_experts=4",
-        "model.top_k=1", "model.granularity=2", "trainer.devices=1", base=CLI_RUN,
+        tmp_path / "run",
+        "model=hf_upcycle",
+        f"model.pretrained={folders['qwen3']}",
+        "model.num_experts=4",
+        "model.top_k=1",
+        "model.granularity=2",
+        "trainer.devices=1",
+        base=CLI_RUN,
     )
     assert len(summary["losses"]) == 4 and all(l == l for l in summary["losses"])
     assert len(summary["expert_load"]) == 2

@@ -52,10 +52,16 @@ def test_dense_and_expert_parameters_shard_within_replica_groups():
     pool = get_pool(4)
     dense = pool.run(_shards, sizes={"dp": 4, "dp_replicate": 2})[0]
     for name, (mesh, placements, local, full) in dense["params"].items():
-        expected = ("edp_replicate", "edp_shard", "ep", "etp") if ".experts." in name else ("dp_replicate", "dp_shard_ep_cp")
+        expected = (
+            ("edp_replicate", "edp_shard", "ep", "etp") if ".experts." in name else ("dp_replicate", "dp_shard_ep_cp")
+        )
         assert mesh == expected and placements[:2] == ["Replicate", "Shard"], (name, mesh, placements)
         if ".experts." not in name:
-            assert local[0] == -(-full[0] // 2), (name, local, full)  # half of dim 0 (rounded up), whole across replicas
+            assert local[0] == -(-full[0] // 2), (
+                name,
+                local,
+                full,
+            )  # half of dim 0 (rounded up), whole across replicas
     expert = pool.run(_shards, sizes={"ep": 2, "dp": 2, "dp_replicate": 2})[0]
     w1 = next(v for k, v in expert["params"].items() if k.endswith("experts.w1"))
     # Replicated over the 2 replica groups; the 1-rank shard dim shards dim 0 after ep (a strided shard).
@@ -82,8 +88,9 @@ def test_replica_groups_that_do_not_split_dp_fail_at_launch():
     import lightning as L
 
     with pytest.raises(MisconfigurationException, match=r"dp_replicate\*dp_shard = 3\*None != dp = 4"):
-        L.Trainer(accelerator="cpu", devices=4, logger=False,
-                  strategy=MoE5DStrategy(data_parallel="hsdp", dp_replicate=3)).strategy.before_launch()
+        L.Trainer(
+            accelerator="cpu", devices=4, logger=False, strategy=MoE5DStrategy(data_parallel="hsdp", dp_replicate=3)
+        ).strategy.before_launch()
 
 
 def test_an_auto_layout_that_chose_hsdp_runs_hsdp(monkeypatch):

@@ -69,8 +69,12 @@ def test_every_group_has_options():
 def test_every_option_composes_and_builds(tmp_path, override):
     cfg = _compose(tmp_path, override)
     assert {"seed", "parallel", "trainer", "model", "data", "logger", "callbacks"} <= set(cfg)
-    mandatory = {"model=hf": "model.pretrained", "data=text": "data.tokenizer", "model=custom": "model._target_",
-                 "data=tokens": "data.blend"}
+    mandatory = {
+        "model=hf": "model.pretrained",
+        "data=text": "data.tokenizer",
+        "model=custom": "model._target_",
+        "data=tokens": "data.blend",
+    }
     if override in mandatory:
         # A local folder or a class is the user's to give: the option says so instead of guessing one.
         missing = mandatory[override]
@@ -157,7 +161,9 @@ def _run_cli(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
     cmd = [sys.executable, "-m", "lightning_moe.train", *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc.stdout
 
 
@@ -192,8 +198,9 @@ def layouts_sweep(tmp_path_factory) -> tuple[Path, Path, str]:
     sweep_dir, wandb_dir = tmp_path / "sweep", tmp_path / "wandb_home"
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}  # the default must be offline
     env["WANDB_DIR"] = str(wandb_dir)
-    stdout = _run_cli(tmp_path, "--multirun", "parallel=single,ep2", "logger=wandb", *QUICK,
-                      f"hydra.sweep.dir={sweep_dir}", env=env)
+    stdout = _run_cli(
+        tmp_path, "--multirun", "parallel=single,ep2", "logger=wandb", *QUICK, f"hydra.sweep.dir={sweep_dir}", env=env
+    )
     return sweep_dir, wandb_dir, stdout
 
 
@@ -208,7 +215,9 @@ def test_multirun_over_layouts_starts_processes_per_job(layouts_sweep):
     # Same global counts: the router may flip a near-tie token or two after 3 steps of float noise.
     for layer, load in single["expert_load"].items():
         assert sum(ep2["expert_load"][layer]) == sum(load)
-        torch.testing.assert_close(torch.tensor(ep2["expert_load"][layer]), torch.tensor(load), rtol=0, atol=0.02 * sum(load))
+        torch.testing.assert_close(
+            torch.tensor(ep2["expert_load"][layer]), torch.tensor(load), rtol=0, atol=0.02 * sum(load)
+        )
     assert sorted(p.name for p in sweep_dir.iterdir() if p.is_dir()) == ["0", "1"]
 
 

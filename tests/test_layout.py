@@ -43,7 +43,9 @@ def test_dim_orders() -> None:
         (1, 1, ("dp", "cp"), ("tp",), ("pp", "dp", "cp", "ep", "tp")),
     ],
 )
-def test_expert_view(tp: int, etp: int | None, edp: tuple[str, ...], etp_span: tuple[str, ...], order: tuple[str, ...]) -> None:
+def test_expert_view(
+    tp: int, etp: int | None, edp: tuple[str, ...], etp_span: tuple[str, ...], order: tuple[str, ...]
+) -> None:
     spans = layout.expert_group_spans(tp, etp)
     assert (spans["edp"], spans["ep"], spans["etp"]) == (edp, ("ep",), etp_span)
     assert layout.expert_view_order(tp, etp) == order
@@ -160,7 +162,9 @@ def test_runtime_checks_raise_the_rules_words() -> None:
     module = nn.Module()
     module.attn = nn.Module()
     module.attn.num_kv_heads = 1
-    with pytest.raises(ValueError, match=r"^attn\.num_kv_heads=1 is not divisible by tp=2: choose tp dividing num_kv_heads$"):
+    with pytest.raises(
+        ValueError, match=r"^attn\.num_kv_heads=1 is not divisible by tp=2: choose tp dividing num_kv_heads$"
+    ):
         check_head_counts(module, 2)
 
 

@@ -34,8 +34,15 @@ def _tiny_gpt():
     from lightning_moe.models import MoEGPT
 
     torch.manual_seed(0)
-    return MoEGPT(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=16,
-                  moe={"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32})
+    return MoEGPT(
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=16,
+        moe={"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32},
+    )
 
 
 def policy_case(precision: str) -> dict:
@@ -75,7 +82,9 @@ def test_bf16_mixed_gives_fsdp_bf16_all_gathers_at_half_the_bytes(pool4):
         assert half["param_dtypes"] == ["torch.bfloat16"] and half["reduce_dtypes"] == ["torch.float32"]
         assert half["master_dtypes"] == ["torch.float32"]  # fp32 master weights
         assert full["dp_bytes"] > 0 and half["dp_bytes"] * 2 == full["dp_bytes"]
-        torch.testing.assert_close(half["logits"], full["logits"], rtol=0, atol=BF16_REL * full["logits"].abs().max().item())
+        torch.testing.assert_close(
+            half["logits"], full["logits"], rtol=0, atol=BF16_REL * full["logits"].abs().max().item()
+        )
 
 
 def test_sixteen_bit_precisions_are_refused_with_the_fix():
@@ -84,6 +93,7 @@ def test_sixteen_bit_precisions_are_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"precision='16-mixed'.*gradient scaler.*Use precision='bf16-mixed'"):
         check_precision("16-mixed")
     check_precision("bf16-true")
+
 
 # -- activation checkpointing (same process pool as the precision test, before any CLI run closes it) --
 def checkpointing_case(mode: str, tp: int) -> dict:
@@ -104,14 +114,19 @@ def checkpointing_case(mode: str, tp: int) -> dict:
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
     snapshot = comm.snapshot()
     comm.reset()
-    grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone() for n, p in model.named_parameters()}
+    grads = {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
     return {"grads": grads, "ep_calls": snapshot.get("ep", {}).get("calls", 0)}
 
 
 # torch 2.11 (the floor) fails the tp2 case in backward: "setStorage: sizes [4, 32] ... out of bounds
 # for storage of size 0" (a freed FSDP2 storage); docs/strategy.md lists the layouts affected.
 TP_BACKWARD_FAILS_ON_TORCH_2_11 = pytest.mark.xfail(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13), reason="torch 2.11 tp backward: setStorage on a freed storage", strict=True
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch 2.11 tp backward: setStorage on a freed storage",
+    strict=True,
 )
 
 
@@ -136,8 +151,14 @@ def run_script(out_dir: Path, *args: str, timeout: int = 300) -> subprocess.Comp
     close_pools()  # the run's processes get the cores to themselves
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(SCRIPT), str(out_dir), *args], cwd=out_dir.parent, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(out_dir), *args],
+        cwd=out_dir.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _script_on_this_rank(argv: list[str]) -> None:
@@ -232,8 +253,19 @@ TIMEOUT_S = 30
 def test_a_failing_rank_ends_every_rank(tmp_path, phase, rank, message):
     """Measured from the failure (the script writes the time first) to the exit of every process:
     ``capture_output`` waits for every process holding the pipes, all ranks, not only the launcher."""
-    proc = run_script(tmp_path / "run", "--ep", "2", "--timeout", str(TIMEOUT_S), "--fail", phase, "--fail-rank",
-                      str(rank), "--no-eval", timeout=240)
+    proc = run_script(
+        tmp_path / "run",
+        "--ep",
+        "2",
+        "--timeout",
+        str(TIMEOUT_S),
+        "--fail",
+        phase,
+        "--fail-rank",
+        str(rank),
+        "--no-eval",
+        timeout=240,
+    )
     ended = time.time()
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
@@ -248,7 +280,10 @@ def test_bad_activation_checkpointing_is_refused():
 
     from lightning_moe import MoE5DStrategy
 
-    with pytest.raises(MisconfigurationException, match=r"activation_checkpointing='some' must be one of \('none', 'full', 'selective'\)"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"activation_checkpointing='some' must be one of \('none', 'full', 'selective'\)",
+    ):
         MoE5DStrategy(activation_checkpointing="some")
 
 

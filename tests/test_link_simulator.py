@@ -27,13 +27,24 @@ TOLERANCE = 0.10
 # -- units and settings (no process group) ---------------------------------------------------------
 @pytest.mark.parametrize(
     "text, value",
-    [("50GB/s", 50e9), ("400Gb/s", 50e9), ("200MB/s", 200e6), ("1GiB/s", 2**30), ("8b/s", 1.0), (1e6, 1e6), ("inf", None), (None, None)],
+    [
+        ("50GB/s", 50e9),
+        ("400Gb/s", 50e9),
+        ("200MB/s", 200e6),
+        ("1GiB/s", 2**30),
+        ("8b/s", 1.0),
+        (1e6, 1e6),
+        ("inf", None),
+        (None, None),
+    ],
 )
 def test_bandwidth_units(text, value):
     assert parse_bandwidth(text) == pytest.approx(value) if value else parse_bandwidth(text) is None
 
 
-@pytest.mark.parametrize("text, value", [("10us", 1e-5), ("1.5ms", 1.5e-3), ("2s", 2.0), ("500ns", 5e-7), (0.25, 0.25), (None, 0.0)])
+@pytest.mark.parametrize(
+    "text, value", [("10us", 1e-5), ("1.5ms", 1.5e-3), ("2s", 2.0), ("500ns", 5e-7), (0.25, 0.25), (None, 0.0)]
+)
 def test_duration_units(text, value):
     assert parse_duration(text) == pytest.approx(value)
 
@@ -124,12 +135,19 @@ def test_calibration_and_async_semantics():
     for rank, out in enumerate(get_pool(WORLD).run(calibration_case)):
         median = statistics.median(out["sync"])
         if rank == 0:  # the figures docs/link-simulator.md quotes (pytest -s)
-            print(f"\ncalibration (T = {T:.3f} s): sync {[round(t, 4) for t in out['sync']]}, async issue {out['async_issue']:.4f},"
-                  f" async wait done {out['async_done']:.4f}, wait after compute {out['late_wait']:.4f}, sync after compute"
-                  f" {out['sync_after_compute']:.4f}, queued {out['queued_first']:.4f} / {out['queued_second']:.4f}")
+            print(
+                f"\ncalibration (T = {T:.3f} s): sync {[round(t, 4) for t in out['sync']]}, async issue {out['async_issue']:.4f},"
+                f" async wait done {out['async_done']:.4f}, wait after compute {out['late_wait']:.4f}, sync after compute"
+                f" {out['sync_after_compute']:.4f}, queued {out['queued_first']:.4f} / {out['queued_second']:.4f}"
+            )
         assert median == pytest.approx(T, rel=TOLERANCE), (rank, out["sync"])
-        assert out["stats"] == {"calls": 3, "bytes": 3 * SENT, "seconds": pytest.approx(3 * T), "exposed": pytest.approx(3 * T, rel=TOLERANCE),
-                                "blocked": pytest.approx(3 * T, rel=TOLERANCE)}
+        assert out["stats"] == {
+            "calls": 3,
+            "bytes": 3 * SENT,
+            "seconds": pytest.approx(3 * T),
+            "exposed": pytest.approx(3 * T, rel=TOLERANCE),
+            "blocked": pytest.approx(3 * T, rel=TOLERANCE),
+        }
         assert out["is_work"]
         assert out["async_issue"] < 0.1 * T, out
         assert out["async_done"] == pytest.approx(T, rel=TOLERANCE), out
@@ -161,7 +179,9 @@ def functional_and_nodes_case() -> dict:
     # first: its caller check sees through the simulator's wrapper, so the call is counted once.
     comm.reset()
     with count_collectives(group_dims(dims)), LinkSimulator(ep_inter=BANDWIDTH).simulate(dims):
-        elapsed, _ = _timed(lambda: comm.all_to_all_autograd(x, [x.numel() // 2] * 2, [x.numel() // 2] * 2, group, "ep"))
+        elapsed, _ = _timed(
+            lambda: comm.all_to_all_autograd(x, [x.numel() // 2] * 2, [x.numel() // 2] * 2, group, "ep")
+        )
     out["comm_wrapper"] = elapsed
     out["counted"] = comm.snapshot()
     with LinkSimulator(ep_intra=BANDWIDTH).simulate(dims):

@@ -10,8 +10,14 @@ import torch
 from tests.dist_pool import get_pool
 from tests.dist_pool import layout
 
-MODEL = dict(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, moe={"num_experts": 4, "ffn_hidden_size": 32},
-             moe_layer_freq=2)
+MODEL = dict(
+    hidden_size=32,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    moe={"num_experts": 4, "ffn_hidden_size": 32},
+    moe_layer_freq=2,
+)
 
 
 def meta_init_case(sizes: dict[str, int]) -> dict:
@@ -43,10 +49,17 @@ def meta_init_case(sizes: dict[str, int]) -> dict:
     full_expert_bytes = sum(t.numel() * t.element_size() for n, t in reference.named_parameters() if ".experts." in n)
     # Pipeline stages hold half the layers: their expert share is counted against those layers only.
     held_layers = {n.split(".")[1] for n, _ in model.named_parameters() if n.startswith("layers.")}
-    expert_bytes = sum(t.numel() * t.element_size() for n, t in reference.named_parameters()
-                       if ".experts." in n and n.split(".")[1] in held_layers)
-    return {"mismatches": mismatches, "checked": checked, "expert_fraction": local_bytes / expert_bytes,
-            "stage_fraction": expert_bytes / full_expert_bytes}
+    expert_bytes = sum(
+        t.numel() * t.element_size()
+        for n, t in reference.named_parameters()
+        if ".experts." in n and n.split(".")[1] in held_layers
+    )
+    return {
+        "mismatches": mismatches,
+        "checked": checked,
+        "expert_fraction": local_bytes / expert_bytes,
+        "stage_fraction": expert_bytes / full_expert_bytes,
+    }
 
 
 @pytest.mark.slow

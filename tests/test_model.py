@@ -39,8 +39,13 @@ def tokens(batch: int = 2, seq: int = 12, seed: int = 1) -> torch.Tensor:
 
 def quiet_trainer(**kwargs) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
     )
 
 
@@ -216,8 +221,13 @@ def _byte_bin(tmp_path, size: int = 20_000):
 
 
 def test_optimizer_step_updates_expert_bias_once_per_step(tmp_path, monkeypatch):
-    moe = {**SMALL_MOE, "score_func": "sigmoid", "load_balancing": "none", "expert_bias": True,
-           "bias_update_rate": 0.01}
+    moe = {
+        **SMALL_MOE,
+        "score_func": "sigmoid",
+        "load_balancing": "none",
+        "expert_bias": True,
+        "bias_update_rate": 0.01,
+    }
     model = small_model(moe=moe)
     routers = [block.feed_forward.router for block in model.layers.values()]
     updates = []
@@ -289,9 +299,14 @@ def test_tiny_model_learns_the_default_corpus(tmp_path):
     try:
         L.seed_everything(0, verbose=False)
         model = MoEGPT(
-            hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_hidden_size=128,
             moe={"num_experts": 8, "top_k": 2, "ffn_hidden_size": 64, "z_loss_coeff": 1e-3},
-            lr=3e-3, warmup_steps=10,
+            lr=3e-3,
+            warmup_steps=10,
         )
         dm = ByteTextDataModule(seq_len=128, global_batch_size=16, cache_dir=tmp_path)
         trainer = quiet_trainer(max_steps=60, limit_val_batches=16, num_sanity_val_steps=0)

@@ -13,8 +13,16 @@ from lightning_moe.planner import ModelShape
 from lightning_moe.planner.model_shape import MOE_FIELDS
 
 H, FFN, E = 8, 12, 4
-OPTIONS = dict(top_k=2, score_func="sigmoid", load_balancing="none", expert_bias=True, z_loss_coeff=1e-3,
-               shared_expert_hidden_size=6, capacity_factor=1.5, drop_policy="position")
+OPTIONS = dict(
+    top_k=2,
+    score_func="sigmoid",
+    load_balancing="none",
+    expert_bias=True,
+    z_loss_coeff=1e-3,
+    shared_expert_hidden_size=6,
+    capacity_factor=1.5,
+    drop_policy="position",
+)
 
 
 def test_keyword_layer_holds_the_equal_config():
@@ -24,8 +32,18 @@ def test_keyword_layer_holds_the_equal_config():
     # The attributes other code reads come from it.
     assert (layer.hidden_size, layer.num_experts, layer.top_k) == (H, E, 2)
     assert (layer.load_balancing, layer.capacity_factor, layer.drop_policy) == ("none", 1.5, "position")
-    assert (layer.z_loss_coeff, layer.aux_loss_coeff, layer.dispatcher_kind, layer.routing) == (1e-3, 1e-2, "alltoall_dedup", "topk")
-    assert (layer.dispatch_chunks, layer.dispatch_dtype, layer.num_nodes, layer.max_nodes_per_token) == (1, None, None, None)
+    assert (layer.z_loss_coeff, layer.aux_loss_coeff, layer.dispatcher_kind, layer.routing) == (
+        1e-3,
+        1e-2,
+        "alltoall_dedup",
+        "topk",
+    )
+    assert (layer.dispatch_chunks, layer.dispatch_dtype, layer.num_nodes, layer.max_nodes_per_token) == (
+        1,
+        None,
+        None,
+        None,
+    )
 
 
 def test_config_is_frozen_and_replace_checks_again():
@@ -86,8 +104,17 @@ def test_model_shape_moe_fields_come_from_moe_config():
     assert shape.moe_ffn_hidden_size == shape.ffn_hidden_size
     assert shape.moe == MoEConfig(shape.hidden_size, shape.moe_ffn_hidden_size, DEFAULT_NUM_EXPERTS)
     # from_config reads them under MoEConfig's names, and from_moe_config round-trips.
-    moe = dict(num_experts=6, top_k=1, ffn_hidden_size=40, shared_expert_hidden_size=16, dispatcher="allgather",
-               load_balancing="seq_aux_loss", expert_bias=True, capacity_factor=1.25, dispatch_chunks=2)
+    moe = dict(
+        num_experts=6,
+        top_k=1,
+        ffn_hidden_size=40,
+        shared_expert_hidden_size=16,
+        dispatcher="allgather",
+        load_balancing="seq_aux_loss",
+        expert_bias=True,
+        capacity_factor=1.25,
+        dispatch_chunks=2,
+    )
     shape = ModelShape.from_config({"hidden_size": 32, "num_heads": 4, "moe": moe})
     assert shape.moe == MoEConfig(32, **moe)
     again = ModelShape.from_moe_config(shape.moe, ffn_hidden_size=shape.ffn_hidden_size)

@@ -221,8 +221,11 @@ def test_replay_keys_packed_documents_by_sample_document_and_position():
     collided = _record(model, batch, None)
     assert int((collided.experts[..., 0, 0] >= 0).sum()) < 2 * S
     trace = _record(model, batch, ids)
-    keys = [document_sample_key(torch.tensor(s), torch.tensor(d)).item()
-            for s, row in zip(SAMPLES, LENGTHS) for d in range(len(row))]
+    keys = [
+        document_sample_key(torch.tensor(s), torch.tensor(d)).item()
+        for s, row in zip(SAMPLES, LENGTHS)
+        for d in range(len(row))
+    ]
     assert trace.sample_index.tolist() == keys  # one trace sample per document
     assert trace.seq_len == max(max(row) for row in LENGTHS)
     # Every token has its own key: each one's slot is recorded, and exactly the batch's tokens.
@@ -234,7 +237,9 @@ def test_replay_keys_packed_documents_by_sample_document_and_position():
     with torch.no_grad():
         for layer in perturbed.modules():
             if isinstance(layer, MoELayer):
-                layer.router.weight.add_(torch.randn(layer.router.weight.shape, generator=torch.Generator().manual_seed(7)))
+                layer.router.weight.add_(
+                    torch.randn(layer.router.weight.shape, generator=torch.Generator().manual_seed(7))
+                )
     assert not torch.equal(_record(perturbed, batch, ids).experts, trace.experts)
     with routing_documents(ids), replay_routing(perturbed, trace), record_routing(perturbed) as seen:
         perturbed.loss(batch).backward()
@@ -244,7 +249,11 @@ def test_replay_keys_packed_documents_by_sample_document_and_position():
     with replay_routing(perturbed, trace), pytest.raises(ValueError, match="not in the trace"):
         perturbed.loss(batch)
     # Ids of another shape than the MoE input are refused.
-    with routing_documents(ids[:, :-1]), record_routing(model), pytest.raises(ValueError, match=r"\(2, 15\).*\(2, 16\)"):
+    with (
+        routing_documents(ids[:, :-1]),
+        record_routing(model),
+        pytest.raises(ValueError, match=r"\(2, 15\).*\(2, 16\)"),
+    ):
         model.loss(batch)
 
 

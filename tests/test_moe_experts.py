@@ -96,7 +96,9 @@ def test_local_dispatcher_permutes_by_expert_and_combines():
     kept_experts = topk_idx[keep]
     assert torch.equal(ctx.tokens_per_local_expert, torch.bincount(kept_experts, minlength=num_experts))
     # Rows are grouped by expert, tokens in order within an expert.
-    expected_rows = [t for e in range(num_experts) for t in range(tokens) for j in range(k) if keep[t, j] and topk_idx[t, j] == e]
+    expected_rows = [
+        t for e in range(num_experts) for t in range(tokens) for j in range(k) if keep[t, j] and topk_idx[t, j] == e
+    ]
     torch.testing.assert_close(ctx.expert_input, hidden[expected_rows])
 
     # combine(f(rows)) = sum over kept slots of weight * f(row)
@@ -141,8 +143,12 @@ def test_local_dispatcher_pads_cpu_low_precision_rows_only():
     hidden = torch.randn(10, H, generator=gen)
     topk_idx = torch.randint(0, 3, (10, 1), generator=gen)
     real = torch.bincount(topk_idx.reshape(-1), minlength=3)
-    for dtype, pad_rows, padded in [(torch.float32, None, False), (torch.bfloat16, None, True),
-                                    (torch.bfloat16, False, False), (torch.float32, True, True)]:
+    for dtype, pad_rows, padded in [
+        (torch.float32, None, False),
+        (torch.bfloat16, None, True),
+        (torch.bfloat16, False, False),
+        (torch.float32, True, True),
+    ]:
         ctx = LocalDispatcher(3, pad_rows=pad_rows).dispatch(hidden.to(dtype), topk_idx, None)
         rows = ctx.expert_input.shape[0]
         assert (rows > 10) == padded and int(ctx.tokens_per_local_expert.sum()) == rows
@@ -177,10 +183,12 @@ def test_unaligned_ffn_shard_falls_back_instead_of_failing():
     counts = torch.tensor([3, 0, 2, 5])
     x = torch.randn(int(counts.sum()), 16, requires_grad=True)
     y = experts(x, counts)
-    reference = torch.cat([
-        (torch.nn.functional.silu(rows @ experts.w1[e]) * (rows @ experts.w3[e])) @ experts.w2[e]
-        for e, rows in enumerate(x.split(counts.tolist()))
-    ])
+    reference = torch.cat(
+        [
+            (torch.nn.functional.silu(rows @ experts.w1[e]) * (rows @ experts.w3[e])) @ experts.w2[e]
+            for e, rows in enumerate(x.split(counts.tolist()))
+        ]
+    )
     torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
     y.sum().backward()
     assert x.grad is not None

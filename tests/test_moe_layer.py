@@ -19,8 +19,14 @@ ROUTING_CASES = {
     "softmax_bias": dict(expert_bias=True, load_balancing="none"),
     # With max as group score, group_topk >= top_k never restricts: one group for both choices does.
     "softmax_groups": dict(num_groups=4, group_topk=1),
-    "deepseek_like": dict(score_func="sigmoid", expert_bias=True, load_balancing="none", num_groups=4,
-                          group_topk=2, shared_expert_hidden_size=20),
+    "deepseek_like": dict(
+        score_func="sigmoid",
+        expert_bias=True,
+        load_balancing="none",
+        num_groups=4,
+        group_topk=2,
+        shared_expert_hidden_size=20,
+    ),
     "sinkhorn": dict(load_balancing="sinkhorn"),
     "sinkhorn_sigmoid": dict(load_balancing="sinkhorn", score_func="sigmoid", top_k=1),
     "capacity_probs": dict(capacity_factor=1.0, drop_policy="probs"),

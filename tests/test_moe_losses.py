@@ -55,7 +55,9 @@ def test_switch_aux_loss_matches_formula():
     gen = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(10, E, generator=gen), -1)
     topk_idx = torch.randint(0, E, (10, K), generator=gen)
-    assert switch_aux_loss(probs, topk_idx, 0.1).item() == pytest.approx(explicit_switch(probs, topk_idx, 0.1), rel=1e-5)
+    assert switch_aux_loss(probs, topk_idx, 0.1).item() == pytest.approx(
+        explicit_switch(probs, topk_idx, 0.1), rel=1e-5
+    )
 
 
 def test_seq_aux_loss_matches_formula():
@@ -199,7 +201,9 @@ def test_statistics():
     routing = layer.router(x)
     assert set(stats) == {"tokens_per_expert", "aux_loss", "z_loss", "dropped_fraction", "router_entropy"}
     assert all(not v.requires_grad and v.dtype == torch.float32 for v in stats.values())
-    torch.testing.assert_close(stats["tokens_per_expert"], torch.bincount(routing.topk_idx.flatten(), minlength=E).float())
+    torch.testing.assert_close(
+        stats["tokens_per_expert"], torch.bincount(routing.topk_idx.flatten(), minlength=E).float()
+    )
     assert stats["tokens_per_expert"].sum() == 20 * K  # counted before dropping
     capacity = 3  # ceil(20 * 2 / 8 * 0.5)
     dropped = (stats["tokens_per_expert"] - capacity).clamp_min(0).sum() / (20 * K)

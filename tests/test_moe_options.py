@@ -29,20 +29,42 @@ from tests.reference_moe import (
 )
 
 OPTION_CASES = {
-    "deepseek_v3": dict(score_func="sigmoid", expert_bias=True, load_balancing="none", num_groups=4, group_topk=2,
-                        shared_expert_hidden_size=20, routed_scaling_factor=2.5),
+    "deepseek_v3": dict(
+        score_func="sigmoid",
+        expert_bias=True,
+        load_balancing="none",
+        num_groups=4,
+        group_topk=2,
+        shared_expert_hidden_size=20,
+        routed_scaling_factor=2.5,
+    ),
     "scaling_softmax": dict(routed_scaling_factor=1.7, topk_norm=False),
     "qwen2_moe": dict(topk_norm=False, shared_expert_hidden_size=20, shared_expert_gate=True),
     # A small clamp limit, so that both clamps really cut on these inputs (checked below).
     "gpt_oss": dict(router_bias=True, expert_linear_bias=True, activation="gpt_oss", swiglu_limit=0.4),
     "gpt_oss_default_limit": dict(router_bias=True, expert_linear_bias=True, activation="gpt_oss", top_k=3),
-    "gpt_oss_capacity": dict(router_bias=True, expert_linear_bias=True, activation="gpt_oss", swiglu_limit=0.4,
-                             capacity_factor=0.75, drop_policy="probs"),
-    "qwen2_capacity": dict(shared_expert_hidden_size=20, shared_expert_gate=True, capacity_factor=0.6,
-                           drop_policy="position"),
-    "all_options": dict(score_func="sigmoid", routed_scaling_factor=2.5, shared_expert_hidden_size=20,
-                        shared_expert_gate=True, router_bias=True, expert_linear_bias=True, activation="gpt_oss",
-                        swiglu_limit=0.4, capacity_factor=1.0),
+    "gpt_oss_capacity": dict(
+        router_bias=True,
+        expert_linear_bias=True,
+        activation="gpt_oss",
+        swiglu_limit=0.4,
+        capacity_factor=0.75,
+        drop_policy="probs",
+    ),
+    "qwen2_capacity": dict(
+        shared_expert_hidden_size=20, shared_expert_gate=True, capacity_factor=0.6, drop_policy="position"
+    ),
+    "all_options": dict(
+        score_func="sigmoid",
+        routed_scaling_factor=2.5,
+        shared_expert_hidden_size=20,
+        shared_expert_gate=True,
+        router_bias=True,
+        expert_linear_bias=True,
+        activation="gpt_oss",
+        swiglu_limit=0.4,
+        capacity_factor=1.0,
+    ),
 }
 
 
@@ -63,8 +85,12 @@ def test_options_change_the_output_and_clamps_cut():
     """Guards for the reference test: each option changes the layer's output on its inputs."""
     x = torch.randn(24, H, generator=torch.Generator().manual_seed(1))
     base = make_layer()
-    for kwargs in (dict(routed_scaling_factor=2.5), dict(router_bias=True), dict(expert_linear_bias=True),
-                   dict(activation="gpt_oss", swiglu_limit=0.4)):
+    for kwargs in (
+        dict(routed_scaling_factor=2.5),
+        dict(router_bias=True),
+        dict(expert_linear_bias=True),
+        dict(activation="gpt_oss", swiglu_limit=0.4),
+    ):
         assert not torch.allclose(make_layer(**kwargs)(x), base(x), atol=1e-4), kwargs
     shared = make_layer(shared_expert_hidden_size=20)
     gated = make_layer(shared_expert_hidden_size=20, shared_expert_gate=True)
@@ -77,8 +103,9 @@ def test_options_change_the_output_and_clamps_cut():
 
 
 def test_shared_expert_gate_weight_shape_and_bad_options():
-    layer = MoELayer(H, FFN, E, shared_expert_hidden_size=8, shared_expert_gate=True, router_bias=True,
-                     expert_linear_bias=True)
+    layer = MoELayer(
+        H, FFN, E, shared_expert_hidden_size=8, shared_expert_gate=True, router_bias=True, expert_linear_bias=True
+    )
     assert layer.shared_expert_gate.weight.shape == (1, H)
     assert layer.router.bias.shape == (E,)
     assert layer.experts.b1.shape == (E, FFN) and layer.experts.b3.shape == (E, FFN)
@@ -110,8 +137,15 @@ def test_options_under_autocast_bf16():
 DIST_OPTIONS = {
     "gpt_oss": dict(router_bias=True, expert_linear_bias=True, activation="gpt_oss", swiglu_limit=0.4),
     "qwen2_moe": dict(topk_norm=False, shared_expert_hidden_size=8, shared_expert_gate=True),
-    "deepseek_v3": dict(score_func="sigmoid", expert_bias=True, load_balancing="none", num_groups=4, group_topk=2,
-                        shared_expert_hidden_size=8, routed_scaling_factor=2.5),
+    "deepseek_v3": dict(
+        score_func="sigmoid",
+        expert_bias=True,
+        load_balancing="none",
+        num_groups=4,
+        group_topk=2,
+        shared_expert_hidden_size=8,
+        routed_scaling_factor=2.5,
+    ),
 }
 EXPERT_PARAMS = ("w1", "w3", "w2", "b1", "b3")
 
@@ -121,8 +155,9 @@ def _micro_batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(2, 8, H, generator=gen), torch.randn(2, 8, H, generator=gen)
 
 
-def options_layer_case(option: str, tp: int, ep: int, etp: int, dispatcher: str, capacity_factor: float | None,
-                       pad_rows: bool) -> dict:
+def options_layer_case(
+    option: str, tp: int, ep: int, etp: int, dispatcher: str, capacity_factor: float | None, pad_rows: bool
+) -> dict:
     """One rank: the parallel layer's output and gradients minus the reference's (max abs)."""
     from lightning_moe import parallelize
 
@@ -130,8 +165,13 @@ def options_layer_case(option: str, tp: int, ep: int, etp: int, dispatcher: str,
     # The balancing losses of a micro-batch split over tp normalise by the whole micro-batch; the
     # reference of a capacity case runs each tp shard separately, so those cases leave them out.
     coeff = 0.0 if capacity_factor is not None and tp > 1 else 1.0
-    layer = make_layer(dispatcher=dispatcher, capacity_factor=capacity_factor, aux_loss_coeff=1e-2 * coeff,
-                       z_loss_coeff=1e-3 * coeff, **DIST_OPTIONS[option])
+    layer = make_layer(
+        dispatcher=dispatcher,
+        capacity_factor=capacity_factor,
+        aux_loss_coeff=1e-2 * coeff,
+        z_loss_coeff=1e-3 * coeff,
+        **DIST_OPTIONS[option],
+    )
     reference = copy.deepcopy(layer)
     # Tokens replicated over tp (a plain tensor): each tp rank dispatches its 1/tp sequence slice.
     parallelize(layer, dims, data_parallel="none", sequence_parallel=False)
@@ -191,8 +231,14 @@ DIST_CASES = [
 @pytest.mark.parametrize("option,tp,ep,etp,dispatcher,capacity_factor,pad_rows", DIST_CASES)
 def test_options_under_expert_and_tensor_parallel(option, tp, ep, etp, dispatcher, capacity_factor, pad_rows):
     reports = get_pool(4).run(
-        options_layer_case, option=option, tp=tp, ep=ep, etp=etp, dispatcher=dispatcher,
-        capacity_factor=capacity_factor, pad_rows=pad_rows,
+        options_layer_case,
+        option=option,
+        tp=tp,
+        ep=ep,
+        etp=etp,
+        dispatcher=dispatcher,
+        capacity_factor=capacity_factor,
+        pad_rows=pad_rows,
     )
     for rank, report in enumerate(reports):
         for key, value in report.items():

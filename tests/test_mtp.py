@@ -68,7 +68,9 @@ def test_mtp_targets_respect_loss_mask_and_documents():
     loss_mask = torch.ones_like(input_ids).bool()
     loss_mask[0, 5] = False
     documents = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
-    batch = add_mtp_targets({"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "document_ids": documents}, 2)
+    batch = add_mtp_targets(
+        {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "document_ids": documents}, 2
+    )
     assert batch["mtp_input_ids"][0, :, 1].tolist() == [2, 3, 4, 5, 6, 7, 0, 0]
     assert batch["mtp_labels"][0, :, 0].tolist() == [2, 3, 4, 5, 6, 7, 8, 0]
     # depth 1 at t: target t+1 kept unless masked (t+1 = 5), across documents (t = 2) or past the end (t = 7)
@@ -100,10 +102,14 @@ def test_bad_mtp_arguments_are_refused(kwargs, match):
 def test_mtp_depth_beyond_the_data_is_refused_at_setup():
     model = small_model(mtp_depth=2)
     model._trainer = SimpleNamespace(datamodule=SimpleNamespace(seq_len=2), strategy=SimpleNamespace())
-    with pytest.raises(ValueError, match=r"mtp_depth=2 needs sequences longer than 2 tokens, got seq_len=2: .*data.seq_len"):
+    with pytest.raises(
+        ValueError, match=r"mtp_depth=2 needs sequences longer than 2 tokens, got seq_len=2: .*data.seq_len"
+    ):
         model.setup("fit")
     with pytest.raises(ValueError, match="raise data.seq_len"):
-        add_mtp_targets({"input_ids": torch.zeros(1, 2, dtype=torch.long), "labels": torch.zeros(1, 2, dtype=torch.long)}, 2)
+        add_mtp_targets(
+            {"input_ids": torch.zeros(1, 2, dtype=torch.long), "labels": torch.zeros(1, 2, dtype=torch.long)}, 2
+        )
 
 
 # -- layouts: the one-process curve, rel 1e-5 -------------------------------------------------------
@@ -160,9 +166,13 @@ def test_planner_counts_mtp_flops_on_the_last_stage_only():
     config = {"hidden_size": 64, "num_layers": 2, "moe_layer_freq": 2, "vocab_size": 256}
     plain, mtp = ModelShape.from_config(config), ModelShape.from_config({**config, "mtp_depth": 2})
     layout, seq = Layout(tp=2), 128
-    assert flops_per_microbatch(mtp, layout, seq, [0], last=False) == flops_per_microbatch(plain, layout, seq, [0], last=False)
-    added = {k: flops_per_microbatch(mtp, layout, seq, [0, 1], last=True)[k] - v
-             for k, v in flops_per_microbatch(plain, layout, seq, [0, 1], last=True).items()}
+    assert flops_per_microbatch(mtp, layout, seq, [0], last=False) == flops_per_microbatch(
+        plain, layout, seq, [0], last=False
+    )
+    added = {
+        k: flops_per_microbatch(mtp, layout, seq, [0, 1], last=True)[k] - v
+        for k, v in flops_per_microbatch(plain, layout, seq, [0, 1], last=True).items()
+    }
     # Per depth: the last layer's kind (MoE here: layer 1 with moe_layer_freq=2), eh_proj and the head.
     block = flops_per_microbatch(plain, layout, seq, [1], last=False)
     tokens = layout.micro_batch_size * seq

@@ -72,17 +72,30 @@ def test_the_packed_target_carries_each_depth_per_micro_batch():
 def test_a_split_without_room_on_the_last_stage_is_refused_or_warned():
     model = _model(num_layers=4)
     model.pipeline_stage_layers = [["0", "1"], ["2", "3"], []]
-    with pytest.raises(ValueError, match=r"mtp_depth=1 under pipeline parallelism: the last of 3 stages .* none: move at"):
+    with pytest.raises(
+        ValueError, match=r"mtp_depth=1 under pipeline parallelism: the last of 3 stages .* none: move at"
+    ):
         model.check_mtp_pipeline_split(3)
     model.pipeline_stage_layers = [["0", "1"], ["2", "3"]]
     model.check_mtp_pipeline_split(2)  # 2 layers + 1 MTP block vs 2: balanced enough
-    with pytest.warns(UserWarning, match=r"runs 1 layers \+ 1 MTP blocks, the others at most 1 .*pipeline_stage_layers"):
+    with pytest.warns(
+        UserWarning, match=r"runs 1 layers \+ 1 MTP blocks, the others at most 1 .*pipeline_stage_layers"
+    ):
         _model(num_layers=4).check_mtp_pipeline_split(4)
 
 
 # -- gradients and optimizer steps (4 gloo ranks) -------------------------------------------------------
-def mtp_pipeline_case(pp: int, dp: int = 1, ep: int = 1, depth: int = 1, num_layers: int = 2, schedule: str = "1F1B",
-                      stages_per_rank: int = 1, microbatches: int = 2, steps: int = 3) -> dict:
+def mtp_pipeline_case(
+    pp: int,
+    dp: int = 1,
+    ep: int = 1,
+    depth: int = 1,
+    num_layers: int = 2,
+    schedule: str = "1F1B",
+    stages_per_rank: int = 1,
+    microbatches: int = 2,
+    steps: int = 3,
+) -> dict:
     """`steps` AdamW steps with gradient clipping through the pipeline against one process: the
     largest relative loss difference, the largest gradient difference of the first step (after
     clipping; Adam's later updates amplify rounding), and whether the ranks' embedding copies are bit-equal."""
@@ -101,18 +114,28 @@ def mtp_pipeline_case(pp: int, dp: int = 1, ep: int = 1, depth: int = 1, num_lay
     model = _model(num_layers, depth)
     reference = copy.deepcopy(model)
     parallelize(model, dims, pp_stages_per_rank=stages_per_rank, pp_schedule=schedule)
+
     def objective(output, target):
         return model.loss_terms_from_output(output, unpack_target(target))[0]
 
-    runner = PipelineRunner(pipeline_stage_modules(model), pp * stages_per_rank, dims.pp_group, torch.device("cpu"),
-                            schedule, microbatches, objective)
+    runner = PipelineRunner(
+        pipeline_stage_modules(model),
+        pp * stages_per_rank,
+        dims.pp_group,
+        torch.device("cpu"),
+        schedule,
+        microbatches,
+        objective,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.01)
     replicas, replica = dims.dp_ep_mesh.size(), dims.dp_ep_mesh.get_local_rank()
     loss_worst = grad_worst = 0.0
     for step in range(steps):
-        parts = [[add_mtp_targets(_batch(100 * step + r * microbatches + j), depth) for j in range(microbatches)]
-                 for r in range(replicas)]
+        parts = [
+            [add_mtp_targets(_batch(100 * step + r * microbatches + j), depth) for j in range(microbatches)]
+            for r in range(replicas)
+        ]
         set_aux_loss_scale(1.0 / microbatches)
         inputs, kwargs, target = pipeline_batch(concat_batches(parts[replica]), microbatches)
         loss = runner.broadcast_mean(runner.step(inputs, kwargs, target, grad_scale=1.0 / microbatches))
@@ -123,18 +146,25 @@ def mtp_pipeline_case(pp: int, dp: int = 1, ep: int = 1, depth: int = 1, num_lay
         assert torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05) > 0.5, "the case must clip"
         if step == 0:
             ref_params = dict(reference.named_parameters())
-            grad_worst = max((full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters())
+            grad_worst = max(
+                (full(p.grad) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters()
+            )
         for opt in (optimizer, ref_optimizer):
             opt.step()
             opt.zero_grad()
-        expected = torch.stack(ref_losses[replica * microbatches:(replica + 1) * microbatches]).mean()
+        expected = torch.stack(ref_losses[replica * microbatches : (replica + 1) * microbatches]).mean()
         loss_worst = max(loss_worst, ((loss - expected).abs() / expected).item())
     set_aux_loss_scale(1.0)
     local = full(model.tok_embeddings.weight).detach() if model.tok_embeddings is not None else None
     copies = [None] * dist.get_world_size(dims.pp_group)
     dist.all_gather_object(copies, local, group=dims.pp_group)
     held = [c for c in copies if c is not None]
-    return {"loss": loss_worst, "grad": grad_worst, "copies": len(held), "equal": all(torch.equal(c, held[0]) for c in held)}
+    return {
+        "loss": loss_worst,
+        "grad": grad_worst,
+        "copies": len(held),
+        "equal": all(torch.equal(c, held[0]) for c in held),
+    }
 
 
 @pytest.mark.slow
@@ -144,8 +174,11 @@ def mtp_pipeline_case(pp: int, dp: int = 1, ep: int = 1, depth: int = 1, num_lay
         ({"pp": 2, "dp": 2}, 2),  # FSDP shards both copies over dp: shard-wise sums
         ({"pp": 2, "ep": 2, "depth": 2}, 2),
         ({"pp": 4, "num_layers": 4, "microbatches": 4}, 2),  # the end ranks' own group; middle stages hold none
-        pytest.param({"pp": 2, "dp": 2, "num_layers": 4, "schedule": "DualPipeV", "stages_per_rank": 2, "microbatches": 4},
-                     1, marks=NEEDS_V_SCHEDULE_TORCH),  # first and last stage on rank 0: one tensor
+        pytest.param(
+            {"pp": 2, "dp": 2, "num_layers": 4, "schedule": "DualPipeV", "stages_per_rank": 2, "microbatches": 4},
+            1,
+            marks=NEEDS_V_SCHEDULE_TORCH,
+        ),  # first and last stage on rank 0: one tensor
     ],
 )
 def test_pipelined_mtp_steps_equal_one_process_and_keep_the_copies_equal(case, copies):
@@ -167,8 +200,11 @@ def _curves(run_dir: Path, *overrides: str) -> dict[str, list[float]]:
     """The objective per step (summary.json) and the logged terms."""
     summary = train_in_pool(run_dir, *STEPS, *overrides)
     rows = [row for row in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if row.get("train/mtp_loss")]
-    return {"objective": summary["losses"], "loss": [float(r["train/loss"]) for r in rows],
-            "mtp_loss": [float(r["train/mtp_loss"]) for r in rows]}
+    return {
+        "objective": summary["losses"],
+        "loss": [float(r["train/loss"]) for r in rows],
+        "mtp_loss": [float(r["train/mtp_loss"]) for r in rows],
+    }
 
 
 def _reference(tmp_path_factory, *overrides: str) -> dict[str, list[float]]:

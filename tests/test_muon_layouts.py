@@ -38,7 +38,9 @@ def _same_curve(losses: list[float], reference: list[float]) -> None:
 
 @pytest.fixture(scope="module")
 def single_losses(tmp_path_factory) -> list[float]:
-    summary = train_in_pool(tmp_path_factory.mktemp("muon_single") / "run", "parallel=single", "trainer.max_steps=6", base=MUON_RUN)
+    summary = train_in_pool(
+        tmp_path_factory.mktemp("muon_single") / "run", "parallel=single", "trainer.max_steps=6", base=MUON_RUN
+    )
     assert len(summary["losses"]) == 6
     return summary["losses"]
 
@@ -55,10 +57,21 @@ def test_muon_preset_matches_single_process(tmp_path, single_losses, preset):
 def test_muon_state_resumes_on_another_layout(tmp_path, single_losses, source, target):
     """3 steps on ``source``, a DCP checkpoint, 3 more on ``target``: steps 4-6 of the single run."""
     first = tmp_path / "first"
-    train_in_pool(first, f"parallel={source}", "trainer.max_steps=3", "callbacks=checkpoint",
-                  "callbacks.checkpoint.every_n_train_steps=3", base=MUON_RUN)
-    resumed = train_in_pool(tmp_path / "resumed", f"parallel={target}", "trainer.max_steps=6",
-                            f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}", base=MUON_RUN)
+    train_in_pool(
+        first,
+        f"parallel={source}",
+        "trainer.max_steps=3",
+        "callbacks=checkpoint",
+        "callbacks.checkpoint.every_n_train_steps=3",
+        base=MUON_RUN,
+    )
+    resumed = train_in_pool(
+        tmp_path / "resumed",
+        f"parallel={target}",
+        "trainer.max_steps=6",
+        f"ckpt_path={first / 'checkpoints' / 'last.ckpt'}",
+        base=MUON_RUN,
+    )
     assert len(resumed["losses"]) == 3, "the resumed run starts at step 4"
     _same_curve(resumed["losses"], single_losses[3:])
 
@@ -75,8 +88,12 @@ USER_RUN = [
     "model=custom",
     f"model._target_={__name__}.UserMoELMWithMuon",
 ]
-HF_RUN = [*(o for o in MUON_RUN if not o.startswith("model.")), "model=hf_tiny_qwen3_moe", "model.optimizer=muon",
-          "model.max_steps=6"]
+HF_RUN = [
+    *(o for o in MUON_RUN if not o.startswith("model.")),
+    "model=hf_tiny_qwen3_moe",
+    "model.optimizer=muon",
+    "model.max_steps=6",
+]
 
 
 @pytest.mark.slow
@@ -120,7 +137,8 @@ def muon_step_bytes(sizes: dict, fold_ep: str | None = None) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sizes,fold_ep", [({"ep": 2}, None), ({"dp": 2}, None), ({"tp": 2}, None), ({"tp": 2, "ep": 2}, "tp")],
+    "sizes,fold_ep",
+    [({"ep": 2}, None), ({"dp": 2}, None), ({"tp": 2}, None), ({"tp": 2, "ep": 2}, "tp")],
     ids=["ep2", "dp2", "tp2", "tp2_ep2_folded"],
 )
 def test_muon_bytes_per_dim_equal_the_planners_model(sizes, fold_ep):

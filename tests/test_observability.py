@@ -55,7 +55,11 @@ def metric_case(split: str) -> dict:
             counts[row, : info.num_experts], scalars[row] = c, s
         metric.update(index, counts, scalars)
     counts, scalars = metric.compute()
-    return {"names": [info.name for info in layers], "counts": [c.tolist() for c in counts], "scalars": scalars.tolist()}
+    return {
+        "names": [info.name for info in layers],
+        "counts": [c.tolist() for c in counts],
+        "scalars": scalars.tolist(),
+    }
 
 
 def _expected_metric(sample_ranks_by_layer: dict[str, list[int]]) -> dict:
@@ -224,7 +228,10 @@ def pipeline_p2p_case() -> dict:
             ops = [dist.P2POp(dist.irecv, torch.empty(n), peer, group=world) for n in (8, 4)]
         schedules._wait_batch_p2p(schedules._batch_p2p(ops, desc="sends"))
         # a mixed batch: 16 floats each way
-        ops = [dist.P2POp(dist.isend, torch.ones(16), peer, group=world), dist.P2POp(dist.irecv, torch.empty(16), peer, group=world)]
+        ops = [
+            dist.P2POp(dist.isend, torch.ones(16), peer, group=world),
+            dist.P2POp(dist.irecv, torch.empty(16), peer, group=world),
+        ]
         schedules._wait_batch_p2p(schedules._batch_p2p(ops, desc="mixed"))
     return comm.snapshot()
 
@@ -300,7 +307,12 @@ def test_wandb_offline_run_holds_the_metrics_and_heatmaps(tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_router_metrics_under_ep2_dp2_and_pp2_equal_the_single_process_ones(tmp_path):
-    overrides = ["trainer.max_steps=4", "trainer.log_every_n_steps=1", "~callbacks.progress_bar", "~callbacks.expert_load_plots"]
+    overrides = [
+        "trainer.max_steps=4",
+        "trainer.log_every_n_steps=1",
+        "~callbacks.progress_bar",
+        "~callbacks.expert_load_plots",
+    ]
     single = train_in_pool(tmp_path / "single", *overrides)
     # pp2: each stage holds one of the two MoE layers; every rank still logs both.
     for layout, busy_dim in (("parallel=ep2", "ep"), ("parallel=dp2", "dp"), ("parallel=pp2", "pp")):

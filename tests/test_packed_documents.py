@@ -44,8 +44,13 @@ class PackedGPT(MoEGPT):
 
 def tiny_model() -> PackedGPT:
     torch.manual_seed(0)
-    return PackedGPT(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, moe={"num_experts": 4, "top_k": 2,
-                     "ffn_hidden_size": 32}).eval()
+    return PackedGPT(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        moe={"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32},
+    ).eval()
 
 
 def tiny_hf_model() -> torch.nn.Module:
@@ -89,7 +94,10 @@ def test_a_hugging_face_family_packed_equals_separate():
 
 def test_nothing_leaks_between_documents_on_one_process():
     model = tiny_model()
-    base, changed = one_process_logits(model, packed_batch()), one_process_logits(model, packed_batch(perturb_document=1))
+    base, changed = (
+        one_process_logits(model, packed_batch()),
+        one_process_logits(model, packed_batch(perturb_document=1)),
+    )
     others = packed_batch()["document_ids"] != 1
     torch.testing.assert_close(changed[others], base[others], rtol=0, atol=1e-6)  # expert GEMMs of other sizes
     assert not torch.allclose(changed[~others], base[~others])
@@ -142,8 +150,10 @@ def flex_attention_on_cpu() -> Iterator[list[tuple]]:
         calls.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
         return flex(q, k, v, *args)
 
-    with mock.patch.object(documents, "_masks_by_blocks", lambda q: True), \
-            mock.patch.object(documents, "_flex_attention", counted):
+    with (
+        mock.patch.object(documents, "_masks_by_blocks", lambda q: True),
+        mock.patch.object(documents, "_flex_attention", counted),
+    ):
         yield calls
 
 
@@ -156,12 +166,26 @@ def _long_documents(batch: int, seq: int) -> torch.Tensor:
     return starts.cumsum(1)
 
 
-@pytest.mark.parametrize("heads,kv_heads,scale,compiled", [
-    (4, 4, None, False), (8, 2, 0.3, False), (6, 1, None, False),
-    pytest.param(8, 2, 0.3, True, marks=pytest.mark.skipif(
-        TORCH_RELEASE < (2, 13), reason="torch 2.11's CPU inductor flex kernel corrupts the heap with a scale and"
-        " these documents (glibc malloc assertion, the process aborts); production compiles on CUDA only")),
-], ids=["mha", "gqa-scale", "mqa", "gqa-scale-compiled"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,scale,compiled",
+    [
+        (4, 4, None, False),
+        (8, 2, 0.3, False),
+        (6, 1, None, False),
+        pytest.param(
+            8,
+            2,
+            0.3,
+            True,
+            marks=pytest.mark.skipif(
+                TORCH_RELEASE < (2, 13),
+                reason="torch 2.11's CPU inductor flex kernel corrupts the heap with a scale and"
+                " these documents (glibc malloc assertion, the process aborts); production compiles on CUDA only",
+            ),
+        ),
+    ],
+    ids=["mha", "gqa-scale", "mqa", "gqa-scale-compiled"],
+)
 def test_the_flex_block_mask_equals_the_dense_mask_forward(heads, kv_heads, scale, compiled):
     """`compiled`: the kernel CUDA runs (compiled flex attention, which skips masked blocks), compiled for CPU."""
     from lightning_moe.cp import documents
@@ -181,7 +205,9 @@ def test_the_flex_block_mask_equals_the_dense_mask_forward(heads, kv_heads, scal
     assert flex_calls == [(tuple(q.shape), tuple(k.shape), tuple(v.shape))]
     from lightning_moe.cp import document_causal_mask
 
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(ids, ids), scale=scale, enable_gqa=gqa)
+    dense = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=document_causal_mask(ids, ids), scale=scale, enable_gqa=gqa
+    )
     torch.testing.assert_close(out, dense, **TOLERANCE)
     causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     assert not torch.allclose(out, causal, **TOLERANCE)  # the documents do mask
@@ -227,9 +253,16 @@ def _predict_packed(strategy: dict, hf: bool = False) -> list[torch.Tensor] | No
 
     with launched_rank(env={"HF_HUB_OFFLINE": "1"}):
         model = tiny_hf_model() if hf else tiny_model()
-        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=MoE5DStrategy(**strategy),
-                            logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            enable_checkpointing=False, use_distributed_sampler=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=dist.get_world_size(),
+            strategy=MoE5DStrategy(**strategy),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+        )
         loader = DataLoader([packed_batch(), packed_batch(perturb_document=1)], batch_size=None)
         predictions = trainer.predict(model, dataloaders=loader)
     # Under pp a Lightning batch holds pp_microbatches loader batches: here both, one after the other.
@@ -249,8 +282,11 @@ STRATEGIES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,world,hf", STRATEGIES, ids=["cp2_ring", "cp2_a2a", "qwen3_moe_cp2_ring", "qwen3_moe_cp2_a2a",
-                                                               "tp2_cp2_ring", "tp2_cp2_a2a", "pp2_cp2"])
+@pytest.mark.parametrize(
+    "strategy,world,hf",
+    STRATEGIES,
+    ids=["cp2_ring", "cp2_a2a", "qwen3_moe_cp2_ring", "qwen3_moe_cp2_a2a", "tp2_cp2_ring", "tp2_cp2_a2a", "pp2_cp2"],
+)
 def test_packed_logits_under_the_strategy_equal_one_process_and_do_not_leak(strategy, world, hf):
     if hf:
         pytest.importorskip("transformers")

@@ -42,15 +42,32 @@ def test_the_strategy_arguments_are_the_config_fields_with_the_same_defaults():
         ({"cp_comm": "ulysses"}, r"cp_comm='ulysses' must be one of \('ring', 'a2a'\)"),
         ({"dp": 0}, r"dp=0 must be a positive integer or 'auto'"),
         ({"pp": 2, "save_distributed_checkpoint": False}, r"pp=2 > 1 needs save_distributed_checkpoint=True"),
-        ({"async_checkpoint": True, "save_distributed_checkpoint": False},
-         r"async_checkpoint=True needs save_distributed_checkpoint=True.*set async_checkpoint=False"),
-        ({"activation_checkpointing": "some"}, r"activation_checkpointing='some' must be one of \('none', 'full', 'selective'\)"),
+        (
+            {"async_checkpoint": True, "save_distributed_checkpoint": False},
+            r"async_checkpoint=True needs save_distributed_checkpoint=True.*set async_checkpoint=False",
+        ),
+        (
+            {"activation_checkpointing": "some"},
+            r"activation_checkpointing='some' must be one of \('none', 'full', 'selective'\)",
+        ),
         ({"compile": "yes"}, r"compile='yes' must be True or False"),
-        ({"dp_replicate": 2}, r"split dp for HSDP, but data_parallel='fsdp': set data_parallel='hsdp' or leave both unset"),
+        (
+            {"dp_replicate": 2},
+            r"split dp for HSDP, but data_parallel='fsdp': set data_parallel='hsdp' or leave both unset",
+        ),
         ({"data_parallel": "hsdp"}, r"data_parallel='hsdp' needs dp_replicate or dp_shard"),
-        ({"gather_once_per_step": True, "data_parallel": "ddp"}, r"gather_once_per_step=True needs data_parallel='fsdp' and pp=1"),
-        ({"overlap_ep_comm": True}, r"overlap_ep_comm=True hides expert-parallel all-to-alls, but ep=1 has none: set ep > 1"),
-        ({"overlap_ep_comm": True, "ep": 2}, r"overlap_ep_comm=True with data_parallel='fsdp' needs gather_once_per_step=True"),
+        (
+            {"gather_once_per_step": True, "data_parallel": "ddp"},
+            r"gather_once_per_step=True needs data_parallel='fsdp' and pp=1",
+        ),
+        (
+            {"overlap_ep_comm": True},
+            r"overlap_ep_comm=True hides expert-parallel all-to-alls, but ep=1 has none: set ep > 1",
+        ),
+        (
+            {"overlap_ep_comm": True, "ep": 2},
+            r"overlap_ep_comm=True with data_parallel='fsdp' needs gather_once_per_step=True",
+        ),
         ({"etp": 3, "tp": 2}, r"etp=3 must be 1 or equal to tp"),
         ({"fold_ep": "dp", "ep": 2}, r"fold_ep='dp': ep folds over the attention dims"),
         ({"pp": 2, "pp_microbatches": 1}, r"pp_microbatches=1 < pp=2"),
@@ -94,7 +111,9 @@ def test_kwargs_and_config_build_equal_strategies():
 
 
 def test_config_and_layout_arguments_together_are_refused():
-    with pytest.raises(MisconfigurationException, match=r"got config=ParallelConfig\(...\) and the layout arguments \['ep'\]"):
+    with pytest.raises(
+        MisconfigurationException, match=r"got config=ParallelConfig\(...\) and the layout arguments \['ep'\]"
+    ):
         MoE5DStrategy(ep=2, config=ParallelConfig(tp=2))
     with pytest.raises(MisconfigurationException, match=r"must be a lightning_moe.ParallelConfig"):
         MoE5DStrategy(config={"tp": 2})  # type: ignore[arg-type]
@@ -106,7 +125,9 @@ def test_config_and_layout_arguments_together_are_refused():
 
 def test_the_planners_choice_replaces_the_planned_fields():
     config = ParallelConfig(layout="auto", pp_schedule="GPipe", cp_comm="a2a", ranks_per_node=2, compile=True)
-    planned = config.with_planned({"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1, "data_parallel": "hsdp", "dp_replicate": 2})
+    planned = config.with_planned(
+        {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1, "data_parallel": "hsdp", "dp_replicate": 2}
+    )
     assert (planned.ep, planned.dp, planned.data_parallel, planned.dp_replicate) == (2, 2, "hsdp", 2)
     assert (planned.pp_schedule, planned.cp_comm) == ("1F1B", "ring")  # left out by the planner: defaults
     assert (planned.ranks_per_node, planned.compile, planned.layout) == (2, True, "auto")  # not planned: kept
@@ -121,15 +142,22 @@ def test_every_preset_builds_a_parallel_config(tmp_path, preset):
     assert set(own) <= allowed, sorted(set(own) - allowed)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[f"trainer.default_root_dir={tmp_path}", f"parallel={preset}"])
-    layout = {k: v for k, v in OmegaConf.to_container(cfg.parallel, resolve=True).items() if k in ParallelConfig.field_names()}
+    layout = {
+        k: v for k, v in OmegaConf.to_container(cfg.parallel, resolve=True).items() if k in ParallelConfig.field_names()
+    }
     config = ParallelConfig(**layout)
     assert instantiate(cfg.parallel).config == config
 
 
 def test_a_hydra_config_key_takes_a_parallel_config(tmp_path):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[f"trainer.default_root_dir={tmp_path}",
-                                          "parallel.config={_target_: lightning_moe.ParallelConfig, tp: 2, ep: 2}"])
+        cfg = compose(
+            "train",
+            overrides=[
+                f"trainer.default_root_dir={tmp_path}",
+                "parallel.config={_target_: lightning_moe.ParallelConfig, tp: 2, ep: 2}",
+            ],
+        )
     assert instantiate(cfg.parallel).config == ParallelConfig(tp=2, ep=2)
 
 

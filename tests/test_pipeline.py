@@ -87,7 +87,7 @@ def test_custom_split_hook_and_layer_lists():
             return stage_module
 
     net = Net()
-    (index, stage), = split_module(net, pp_rank=1, pp=2)
+    ((index, stage),) = split_module(net, pp_rank=1, pp=2)
     assert index == 1 and net.a is None and stage[0] is net.b
 
     model = _tiny_model(num_layers=4)
@@ -288,8 +288,15 @@ def pipeline_eval_case(pp: int, schedule: str, stages_per_rank: int = 1, num_lay
     model = _tiny_model(num_layers)
     reference = copy.deepcopy(model)
     parallelize(model, dims, pp_stages_per_rank=stages_per_rank)
-    runner = PipelineRunner(pipeline_stage_modules(model), pp * stages_per_rank, dims.pp_group, torch.device("cpu"),
-                            schedule, 4, lambda output, labels: model.loss_from_logits(output, labels))
+    runner = PipelineRunner(
+        pipeline_stage_modules(model),
+        pp * stages_per_rank,
+        dims.pp_group,
+        torch.device("cpu"),
+        schedule,
+        4,
+        lambda output, labels: model.loss_from_logits(output, labels),
+    )
     worst = 0.0
     replica = dims.dp_ep_mesh.get_local_rank()
     for step in range(2):
@@ -304,11 +311,13 @@ def pipeline_eval_case(pp: int, schedule: str, stages_per_rank: int = 1, num_lay
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp,schedule,stages_per_rank,num_layers",
-                         [(2, "1F1B", 1, 2), (4, "GPipe", 1, 4), (2, "Interleaved1F1B", 2, 4)])
+@pytest.mark.parametrize(
+    "pp,schedule,stages_per_rank,num_layers", [(2, "1F1B", 1, 2), (4, "GPipe", 1, 4), (2, "Interleaved1F1B", 2, 4)]
+)
 def test_forward_only_pipeline_losses(pp, schedule, stages_per_rank, num_layers):
-    worst = get_pool(4).run(pipeline_eval_case, pp=pp, schedule=schedule, stages_per_rank=stages_per_rank,
-                            num_layers=num_layers)
+    worst = get_pool(4).run(
+        pipeline_eval_case, pp=pp, schedule=schedule, stages_per_rank=stages_per_rank, num_layers=num_layers
+    )
     assert max(worst) < ATOL, worst
 
 
@@ -377,18 +386,25 @@ def test_validation_loss_and_moe_metrics_match_single_process(tmp_path):
     """
     from tests.cli import train_in_pool
 
-    single = train_in_pool(tmp_path / "single", "parallel=single", "logger=csv", "trainer.val_check_interval=20",
-                           "trainer.limit_val_batches=8")
-    piped = train_in_pool(tmp_path / "pp2", "parallel=pp2", "logger=csv", "trainer.val_check_interval=10",
-                          "trainer.limit_val_batches=4")
+    single = train_in_pool(
+        tmp_path / "single",
+        "parallel=single",
+        "logger=csv",
+        "trainer.val_check_interval=20",
+        "trainer.limit_val_batches=8",
+    )
+    piped = train_in_pool(
+        tmp_path / "pp2", "parallel=pp2", "logger=csv", "trainer.val_check_interval=10", "trainer.limit_val_batches=4"
+    )
     torch.testing.assert_close(torch.tensor(piped["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
     val_single, val_piped = _val_losses(tmp_path / "single"), _val_losses(tmp_path / "pp2")
     assert len(val_single) == len(val_piped) == 2
     torch.testing.assert_close(torch.tensor(val_piped), torch.tensor(val_single), rtol=1e-5, atol=0)
     assert piped["expert_load"] == single["expert_load"], "token counts of the last step, every layer"
     for name in ("aux_loss", "z_loss", "router_entropy"):
-        torch.testing.assert_close(torch.tensor(piped["moe_history"][name]), torch.tensor(single["moe_history"][name]),
-                                   rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(
+            torch.tensor(piped["moe_history"][name]), torch.tensor(single["moe_history"][name]), rtol=1e-5, atol=1e-7
+        )
 
 
 @pytest.mark.slow

@@ -81,7 +81,9 @@ def sizes_layout(sizes: dict, world_size: int | None = None) -> Layout:
 @pytest.mark.parametrize("length,parts", [(10, 4), (7, 8), (16, 4), (1, 3)])
 def test_chunk_size_follows_torch_chunk(length, parts):
     chunks = torch.arange(length).chunk(parts)
-    assert [chunk_size(length, parts, i) for i in range(parts)] == [len(chunks[i]) if i < len(chunks) else 0 for i in range(parts)]
+    assert [chunk_size(length, parts, i) for i in range(parts)] == [
+        len(chunks[i]) if i < len(chunks) else 0 for i in range(parts)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -114,7 +116,9 @@ def test_bubble_follows_the_schedule():
     cl = cluster("h100_sxm")
     one = estimate(shape, Layout(pp=4, microbatches=8), cl, 64, 8)
     assert one.bubble_fraction == pytest.approx(3 / (8 + 3))
-    inter = estimate(shape, Layout(pp=4, microbatches=8, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2), cl, 64, 8)
+    inter = estimate(
+        shape, Layout(pp=4, microbatches=8, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2), cl, 64, 8
+    )
     assert inter.bubble_fraction == pytest.approx(1.5 / (8 + 1.5))
 
 
@@ -153,7 +157,12 @@ def test_folding_keeps_the_expert_all_to_all_inside_the_node():
 
 
 @pytest.mark.parametrize(
-    "sizes", [dict(tp=2, ep=4, dp=2, fold_ep="tp"), dict(cp=2, tp=2, ep=4, fold_ep="cp"), dict(cp=2, tp=2, ep=8, fold_ep="cp,tp")]
+    "sizes",
+    [
+        dict(tp=2, ep=4, dp=2, fold_ep="tp"),
+        dict(cp=2, tp=2, ep=4, fold_ep="cp"),
+        dict(cp=2, tp=2, ep=8, fold_ep="cp,tp"),
+    ],
 )
 def test_folded_parallel_dims_groups_hold_the_planned_ranks(sizes):
     """ParallelDims' expert view (ep, edp) and dense groups on 8 fake ranks: the planner's group of
@@ -164,7 +173,14 @@ def test_folded_parallel_dims_groups_hold_the_planned_ranks(sizes):
     from lightning_moe.parallel.dims import ParallelDims
 
     lay = sizes_layout(sizes, world_size=8)
-    meshes = {"ep": "ep_mesh", "edp": "edp_mesh", "tp": "tp_mesh", "cp": "cp_mesh", "dense": "dense_grad_mesh", "token": "token_mesh"}
+    meshes = {
+        "ep": "ep_mesh",
+        "edp": "edp_mesh",
+        "tp": "tp_mesh",
+        "cp": "cp_mesh",
+        "dense": "dense_grad_mesh",
+        "token": "token_mesh",
+    }
     for rank in (0, 7):
         dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=8)
         try:
@@ -200,18 +216,34 @@ def test_hsdp_shards_within_replica_groups_and_all_reduces_across_them():
     shape = ModelShape.from_config(TINY)
     hsdp, fsdp = Layout(dp=8, dp_replicate=2), Layout(dp=8)
     assert (hsdp.label(), hsdp.dp_shard) == ("hsdp2x4 mb1", 4)
-    assert hsdp.strategy_kwargs() == {"tp": 1, "cp": 1, "ep": 1, "dp": 8, "pp": 1, "etp": 1, "data_parallel": "hsdp", "dp_replicate": 2}
-    assert group_ranks(hsdp, "dense:shard", rank=6) == [4, 5, 6, 7] and group_ranks(hsdp, "dp:replicate", rank=6) == [2, 6]
+    assert hsdp.strategy_kwargs() == {
+        "tp": 1,
+        "cp": 1,
+        "ep": 1,
+        "dp": 8,
+        "pp": 1,
+        "etp": 1,
+        "data_parallel": "hsdp",
+        "dp_replicate": 2,
+    }
+    assert group_ranks(hsdp, "dense:shard", rank=6) == [4, 5, 6, 7] and group_ranks(hsdp, "dp:replicate", rank=6) == [
+        2,
+        6,
+    ]
     wq = "layers.0.attention.wq.weight"
     assert rank_parameters(shape, hsdp, rank=6)[wq] == (8, 32) and rank_parameters(shape, fsdp, rank=6)[wq] == (4, 32)
-    nodes = Cluster.from_config({**OmegaConf.to_container(compose_plan("cluster=h100_sxm").cluster), "gpus_per_node": 4})
+    nodes = Cluster.from_config(
+        {**OmegaConf.to_container(compose_plan("cluster=h100_sxm").cluster), "gpus_per_node": 4}
+    )
     est = estimate(shape, hsdp, nodes, TINY_SEQ, 8, precision="32-true")
     replica = [r for r in est.records if r.group == "dp:replicate"]
     shards = sum(u.padded_shard_numel * u.count for u in fsdp_units(shape, hsdp))
     assert sum(r.bytes for r in replica) == pytest.approx(shards * 4)  # 2 (2-1)/2 of fp32 shards, one reduction
     # inside a replica group: what FSDP over 4 ranks sends
     four = estimate(shape, Layout(dp=4), nodes, TINY_SEQ, 8, precision="32-true")
-    assert sum(r.bytes for r in est.records if r.group == "dense:shard") == sum(r.bytes for r in four.records if r.group == "dense")
+    assert sum(r.bytes for r in est.records if r.group == "dense:shard") == sum(
+        r.bytes for r in four.records if r.group == "dense"
+    )
     assert est.comm["dp"]["inter"] == pytest.approx(sum(r.bytes for r in replica)) and est.comm["dp"]["intra"] > 0
     flat = estimate(shape, fsdp, nodes, TINY_SEQ, 8, precision="32-true")
     assert est.comm["dp"]["inter"] < flat.comm["dp"]["inter"] / 4
@@ -232,7 +264,9 @@ def test_the_search_offers_hsdp_where_dp_spans_nodes():
         Layout(dp=4, dp_replicate=3)
 
 
-@pytest.mark.parametrize("sizes", [dict(dp=4, dp_replicate=2), dict(ep=2, dp=4, dp_replicate=2), dict(tp=2, etp=1, dp=4, dp_replicate=2)])
+@pytest.mark.parametrize(
+    "sizes", [dict(dp=4, dp_replicate=2), dict(ep=2, dp=4, dp_replicate=2), dict(tp=2, etp=1, dp=4, dp_replicate=2)]
+)
 def test_hsdp_parallel_dims_groups_hold_the_planned_ranks(sizes):
     """ParallelDims' 2-D FSDP meshes on 8 fake ranks: the planner's shard and replicate parts hold
     the same ranks in the same order as the meshes' shard and replicate dims."""
@@ -277,10 +311,19 @@ def test_fsdp_buffers_hold_four_of_the_largest_unit_and_the_root():
 # Top-2 of 4 experts. Per slot: (ep - 1) / ep of the slots leave a rank. One copy per rank: at ep 2 a
 # token's two experts share a rank for 2 of the 6 expert pairs, so it reaches 5/3 ranks, 1/2 of them
 # other ranks; at ep 4 (one expert a rank) it reaches 2 ranks, 3/4 of them other ranks.
-@pytest.mark.parametrize("dispatcher,ratio", [("alltoall", (3 / 4) / (1 / 2)), ("alltoall_dedup", (2 * 3 / 4) / (5 / 3 * 1 / 2))])
+@pytest.mark.parametrize(
+    "dispatcher,ratio", [("alltoall", (3 / 4) / (1 / 2)), ("alltoall_dedup", (2 * 3 / 4) / (5 / 3 * 1 / 2))]
+)
 def test_expert_bytes_scale_with_the_share_of_rows_leaving_the_rank(dispatcher, ratio):
     shape = ModelShape.from_config({**TINY, "moe": {**TINY["moe"], "dispatcher": dispatcher}})
-    ep_bytes = {ep: sum(r.bytes for r in comm_records(shape, Layout(ep=ep, microbatches=1), 32) if r.dim == "ep" and r.routing_dependent) for ep in (2, 4)}
+    ep_bytes = {
+        ep: sum(
+            r.bytes
+            for r in comm_records(shape, Layout(ep=ep, microbatches=1), 32)
+            if r.dim == "ep" and r.routing_dependent
+        )
+        for ep in (2, 4)
+    }
     assert ep_bytes[4] / ep_bytes[2] == pytest.approx(ratio)
 
 
@@ -291,9 +334,18 @@ def test_mixtral_on_256_h100_plans_in_seconds_and_writes_its_outputs(tmp_path, c
     out = run_plan(cfg, tmp_path, {"model": "mixtral_8x7b", "cluster": "h100_sxm"})
     assert time.process_time() - start < 60
     printed = capsys.readouterr().out
-    assert "| # | layout | step s | MFU | MFU range |" in printed and "ep inter-node" in printed and "do not fit" in printed
+    assert (
+        "| # | layout | step s | MFU | MFU range |" in printed
+        and "ep inter-node" in printed
+        and "do not fit" in printed
+    )
     # the first layout's estimate as a range, and the MFU convention, printed; every layout's range written
-    assert "as a range" in printed and "no overlap" in printed and "perfect overlap" in printed and "full score matrix" in printed
+    assert (
+        "as a range" in printed
+        and "no overlap" in printed
+        and "perfect overlap" in printed
+        and "full score matrix" in printed
+    )
     saved = json.loads((tmp_path / "plan.json").read_text())
     assert saved["mfu_convention"] and saved["expert_load_imbalance"] is None and saved["architecture"] is None
     bounds = saved["layouts"][0]["step_time_bounds_s"]
@@ -330,7 +382,8 @@ def test_a_requested_layout_and_the_ranking_never_share_a_label_with_different_e
     capsys.readouterr()
 
     same = run_plan(
-        compose_plan(*common, *sizes, "parallel.pp_microbatches=32", "++data.micro_batch_size=1"), None,
+        compose_plan(*common, *sizes, "parallel.pp_microbatches=32", "++data.micro_batch_size=1"),
+        None,
         {"model": "mixtral_8x22b", "cluster": "h100_sxm"},
     )
     ranked = {e["label"]: e for e in same["layouts"]}
@@ -355,7 +408,14 @@ def test_a_world_size_no_layout_fits_is_refused():
 
 def test_a_memory_budget_below_the_parameters_is_refused():
     with pytest.raises(ValueError, match=r"memory_budget .* smaller than the parameters.*raise memory_budget"):
-        plan(8, preset_shape("mixtral_8x7b"), cluster("h100_sxm"), seq_len=4096, global_batch_size=64, memory_budget=10 * 2**30)
+        plan(
+            8,
+            preset_shape("mixtral_8x7b"),
+            cluster("h100_sxm"),
+            seq_len=4096,
+            global_batch_size=64,
+            memory_budget=10 * 2**30,
+        )
 
 
 def test_bad_arguments_name_themselves():
@@ -401,7 +461,14 @@ def test_a_folded_parallel_preset_is_planned_and_dry_run_as_it_trains(capsys):
 def test_an_hsdp_parallel_preset_is_planned_and_dry_run_as_it_trains(capsys):
     """``parallel=dp2_ep2_hsdp``: the requested layout's label, strategy arguments and dry-run shards
     (every rank of 4) carry the replica groups."""
-    cfg = compose_plan("model=tiny", "cluster=cpu_local", "world_size=4", "parallel=dp2_ep2_hsdp", "dry_run=true", "dry_run_ranks=[0,1,2,3]")
+    cfg = compose_plan(
+        "model=tiny",
+        "cluster=cpu_local",
+        "world_size=4",
+        "parallel=dp2_ep2_hsdp",
+        "dry_run=true",
+        "dry_run_ranks=[0,1,2,3]",
+    )
     out = run_plan(cfg, None, {"model": "tiny", "cluster": "cpu_local"})
     requested = out["requested"]
     assert requested["label"].startswith("ep2·hsdp2x1 ") and requested["dp_replicate"] == 2
@@ -413,15 +480,27 @@ def test_an_hsdp_parallel_preset_is_planned_and_dry_run_as_it_trains(capsys):
 # -- dry run: parameter bytes per rank ------------------------------------------------------------------
 @pytest.mark.parametrize(
     "sizes",
-    [dict(tp=2, ep=2, dp=2), dict(tp=2, etp=1, cp=2, ep=2), dict(pp=2, ep=4), dict(dp=3, ep=2), dict(tp=4, pp=2, cp=2),
-     # fewer experts per ep rank than edp: experts shard on a non-expert dim (etp 2: the hidden dim)
-     dict(tp=2, ep=4, dp=4), dict(ep=8, dp=2), dict(tp=2, etp=1, ep=4, pp=2),
-     # parallel folding: ep over tp (one expert per rank, sharded over edp = dp 4), over cp with
-     # expert TP kept, over both, and under a pipeline
-     dict(tp=2, ep=8, dp=4, fold_ep="tp"), dict(cp=2, tp=2, ep=4, dp=2, fold_ep="cp"),
-     dict(cp=2, tp=2, ep=8, fold_ep="cp,tp"), dict(tp=2, ep=2, pp=2, dp=2, fold_ep="tp"),
-     # HSDP: shards within replica groups (experts over edp_shard: 2 of 4, then 1 of 2 with ep 4)
-     dict(tp=2, dp=4, dp_replicate=2), dict(ep=2, dp=4, dp_replicate=2), dict(ep=4, dp=2, dp_replicate=2, pp=2)],
+    [
+        dict(tp=2, ep=2, dp=2),
+        dict(tp=2, etp=1, cp=2, ep=2),
+        dict(pp=2, ep=4),
+        dict(dp=3, ep=2),
+        dict(tp=4, pp=2, cp=2),
+        # fewer experts per ep rank than edp: experts shard on a non-expert dim (etp 2: the hidden dim)
+        dict(tp=2, ep=4, dp=4),
+        dict(ep=8, dp=2),
+        dict(tp=2, etp=1, ep=4, pp=2),
+        # parallel folding: ep over tp (one expert per rank, sharded over edp = dp 4), over cp with
+        # expert TP kept, over both, and under a pipeline
+        dict(tp=2, ep=8, dp=4, fold_ep="tp"),
+        dict(cp=2, tp=2, ep=4, dp=2, fold_ep="cp"),
+        dict(cp=2, tp=2, ep=8, fold_ep="cp,tp"),
+        dict(tp=2, ep=2, pp=2, dp=2, fold_ep="tp"),
+        # HSDP: shards within replica groups (experts over edp_shard: 2 of 4, then 1 of 2 with ep 4)
+        dict(tp=2, dp=4, dp_replicate=2),
+        dict(ep=2, dp=4, dp_replicate=2),
+        dict(ep=4, dp=2, dp_replicate=2, pp=2),
+    ],
 )
 def test_dry_run_shards_equal_the_cost_model(sizes):
     cfg = {**TINY, "num_layers": 4, "num_kv_heads": 4, "moe_layer_freq": 2, "max_steps": 10, "max_seq_len": 64,
@@ -450,7 +529,9 @@ def test_the_planners_first_choice_at_1024_ranks_dry_runs(model):
     the model cut to 8 layers (the planner still ranks the full one). DeepSeek-V3's first choice,
     tp2·cp2·ep256, holds one expert per rank with its FFN dim split over tp: a block FSDP2 once
     refused as non-contiguous."""
-    cfg = compose_plan(f"model={model}", "cluster=h100_sxm", "world_size=1024", "dry_run=true", "dry_run_layers=8", "top=1")
+    cfg = compose_plan(
+        f"model={model}", "cluster=h100_sxm", "world_size=1024", "dry_run=true", "dry_run_layers=8", "top=1"
+    )
     out = run_plan(cfg, None, {"model": model, "cluster": "h100_sxm"})
     assert out["dry_run"]["layout"] == out["layouts"][0]["label"]
     assert [r["rank"] for r in out["dry_run"]["ranks"]] == [0, 512, 1023]
@@ -539,8 +620,17 @@ def test_real_gloo_ranks_hold_the_planned_bytes(sizes):
 def _measured_comm(run_dir: Path, parallel: str, *extra: str) -> dict[str, float]:
     """comm/<dim>_bytes of the last optimizer step of a 2-step training run in the test pool (first-step
     set-up left out)."""
-    train_in_pool(run_dir, "trainer.max_steps=2", "++trainer.gradient_clip_val=null", "logger=csv", "trainer.log_every_n_steps=1",
-                  "~callbacks.progress_bar", "~callbacks.expert_load_plots", f"parallel={parallel}", *extra)
+    train_in_pool(
+        run_dir,
+        "trainer.max_steps=2",
+        "++trainer.gradient_clip_val=null",
+        "logger=csv",
+        "trainer.log_every_n_steps=1",
+        "~callbacks.progress_bar",
+        "~callbacks.expert_load_plots",
+        f"parallel={parallel}",
+        *extra,
+    )
     rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("comm/dp_bytes")]
     last = rows[-1]
     # comm/other_bytes is logged only when some collective ran on a group of no dim
@@ -618,10 +708,21 @@ def _check_planned_bytes(tmp_path: Path, parallel: str, mtp_depth: int, dispatch
     sizes = {d: cfg.get(d) if isinstance(cfg.get(d), int) else 1 for d in PARALLEL_DIMS}  # dp "auto": 1
     sizes["ep"] = unfolded_ep(sizes["ep"], normalize_fold_ep(cfg.get("fold_ep")), sizes["tp"], sizes["cp"])
     lay = layout_from_parallel(cfg, math.prod(sizes.values()), TINY_GLOBAL_BATCH, TINY_MICRO_BATCH)
-    replay = [f"+routing.replay={_balanced_routing_trace(tmp_path / 'routing.safetensors', mtp_depth)}"] if lay.ep > 1 else []
-    measured = _measured_comm(tmp_path / parallel, parallel, f"model.mtp_depth={mtp_depth}",
-                              f"model.moe.dispatch_chunks={dispatch_chunks}", *replay)
-    shape = ModelShape.from_config({**TINY, "mtp_depth": mtp_depth, "moe": {**TINY["moe"], "dispatch_chunks": dispatch_chunks}})
+    replay = (
+        [f"+routing.replay={_balanced_routing_trace(tmp_path / 'routing.safetensors', mtp_depth)}"]
+        if lay.ep > 1
+        else []
+    )
+    measured = _measured_comm(
+        tmp_path / parallel,
+        parallel,
+        f"model.mtp_depth={mtp_depth}",
+        f"model.moe.dispatch_chunks={dispatch_chunks}",
+        *replay,
+    )
+    shape = ModelShape.from_config(
+        {**TINY, "mtp_depth": mtp_depth, "moe": {**TINY["moe"], "dispatch_chunks": dispatch_chunks}}
+    )
     assert shape.dispatcher == "alltoall_dedup"
     ranks = _ranks_per_token(lay.ep) if lay.ep > 1 else None
     planned = accounted_comm_bytes(shape, lay, TINY_SEQ, precision="32-true", ep_ranks_per_token=ranks)
@@ -663,17 +764,35 @@ def test_auto_layout_hands_a_folded_choice_to_the_strategy():
     from lightning_moe import MoE5DStrategy
     from lightning_moe.planner import resolve_auto_layout
 
-    slow_nodes = {**OmegaConf.to_container(compose_plan("cluster=cpu_local").cluster), "gpus_per_node": 2, "inter_node_bandwidth": 1e6}
+    slow_nodes = {
+        **OmegaConf.to_container(compose_plan("cluster=cpu_local").cluster),
+        "gpus_per_node": 2,
+        "inter_node_bandwidth": 1e6,
+    }
     moe = {**TINY["moe"], "num_experts": 8, "ffn_hidden_size": 2048, "dispatcher": "alltoall"}
     model = {**TINY, "hidden_size": 512, "num_heads": 8, "num_kv_heads": 8, "moe": moe}
-    options = {"model": model, "cluster": slow_nodes, "seq_len": 64, "global_batch_size": 8, "micro_batch_size": 2, "load_imbalance": 1.0}
+    options = {
+        "model": model,
+        "cluster": slow_nodes,
+        "seq_len": 64,
+        "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "load_imbalance": 1.0,
+    }
     best, _ = resolve_auto_layout(4, **options)
     assert best.layout.fold_ep in (("tp",), ("cp",)) and best.ep_internode_bytes == 0, best.layout.label()
     strategy = MoE5DStrategy(layout="auto", layout_options=options)
     pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False, enable_checkpointing=False)
     dims = strategy.parallel_dims
     lay = best.layout
-    assert (dims.tp, dims.cp, dims.ep, dims.fold_ep, dims.mesh_ep, dims.etp) == (lay.tp, lay.cp, lay.ep, lay.fold_ep, 1, 1)
+    assert (dims.tp, dims.cp, dims.ep, dims.fold_ep, dims.mesh_ep, dims.etp) == (
+        lay.tp,
+        lay.cp,
+        lay.ep,
+        lay.fold_ep,
+        1,
+        1,
+    )
 
 
 def test_auto_layout_without_a_micro_batch_ranks_the_data_modules_default():
@@ -715,7 +834,13 @@ def test_spearman_of_the_plan_check_bench_shares_ranks_of_ties():
 
 def test_plan_json_reads_back_as_the_plan_a_layout_a_line():
     """plan.json is written line by line with the C encoder (an indent would run the pure-Python one)."""
-    out = {"model": "m", "layouts": [{"tp": 1, "fold_ep": []}, {"tp": 2, "fold_ep": ["tp"]}], "rejected": [], "requested": None, "mfu": 0.5}
+    out = {
+        "model": "m",
+        "layouts": [{"tp": 1, "fold_ep": []}, {"tp": 2, "fold_ep": ["tp"]}],
+        "rejected": [],
+        "requested": None,
+        "mfu": 0.5,
+    }
     text = plan_json(out)
     assert json.loads(text) == out
     assert text.splitlines()[3] == '{"tp": 1, "fold_ep": []},'

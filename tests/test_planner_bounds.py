@@ -98,7 +98,9 @@ def test_overlap_slows_the_compute_by_the_clusters_fraction_of_each_hidden_secon
     layout = Layout(cp=2, dp=2, microbatches=2)
     plain = estimate(toy_model(), layout, toy_cluster(3e5), SEQ, 4, precision="32-true")
     slowed = estimate(toy_model(), layout, toy_cluster(3e5, overlap_slowdown=0.2), SEQ, 4, precision="32-true")
-    assert plain.overlapped_comm_time > 0 and slowed.overlap_slowdown_time == pytest.approx(0.2 * plain.overlapped_comm_time)
+    assert plain.overlapped_comm_time > 0 and slowed.overlap_slowdown_time == pytest.approx(
+        0.2 * plain.overlapped_comm_time
+    )
     assert slowed.step_time - plain.step_time == pytest.approx(0.2 * plain.overlapped_comm_time)
     with pytest.raises(ValueError, match=r"cluster.overlap_slowdown=1.5 must be in \[0, 1\)"):
         Cluster.from_config({**toy_cluster().__dict__, "overlap_slowdown": 1.5})
@@ -113,7 +115,9 @@ def test_bounds_order_for_every_layout_and_a_synchronous_backend_has_no_range_ab
     for lay in layouts:
         b = estimate(model, lay, cluster, SEQ, 8, precision="32-true").bounds
         assert b.perfect_overlap <= b.modelled * (1 + 1e-12) and b.modelled <= b.no_overlap * (1 + 1e-12), lay.label()
-    synchronous = estimate(model, Layout(cp=2, dp=2, microbatches=4), replace(cluster, fsdp_overlap=False), SEQ, 8, precision="32-true")
+    synchronous = estimate(
+        model, Layout(cp=2, dp=2, microbatches=4), replace(cluster, fsdp_overlap=False), SEQ, 8, precision="32-true"
+    )
     assert synchronous.bounds.modelled == pytest.approx(synchronous.bounds.no_overlap)
     assert synchronous.bounds.perfect_overlap < synchronous.bounds.modelled
 
@@ -131,7 +135,9 @@ def test_mfu_counts_full_attention_and_the_causal_figure_half_of_it():
     model = toy_model()
     attention = 6 * model.num_layers * model.num_heads * 2 * model.head_dim * 4096
     assert model.model_flops_per_token(4096) == pytest.approx(6 * model.active_parameters() + attention)
-    assert model.model_flops_per_token(4096, causal=True) == pytest.approx(6 * model.active_parameters() + attention / 2)
+    assert model.model_flops_per_token(4096, causal=True) == pytest.approx(
+        6 * model.active_parameters() + attention / 2
+    )
 
 
 # -- what the GEMM peak leaves out ----------------------------------------------------------------------------
@@ -153,15 +159,22 @@ def test_the_busiest_ep_rank_sets_the_expert_time_and_its_all_to_all():
     model = toy_model()
     # fast links: FSDP's traffic hides in full under either compute, the token exchange stays exposed
     balanced = estimate(model, Layout(ep=2, microbatches=2), toy_cluster(), SEQ, 4, precision="32-true", **BALANCED)
-    skewed = estimate(model, Layout(ep=2, microbatches=2), toy_cluster(), SEQ, 4, precision="32-true", load_imbalance=1.5)
+    skewed = estimate(
+        model, Layout(ep=2, microbatches=2), toy_cluster(), SEQ, 4, precision="32-true", load_imbalance=1.5
+    )
     default = estimate(model, Layout(ep=2, microbatches=2), toy_cluster(), SEQ, 4, precision="32-true")
     f = forward_seconds_by_kind(model, Layout(ep=2), toy_cluster(), SEQ, imbalance=1.5)
-    assert f["expert"] == pytest.approx(1.5 * forward_seconds_by_kind(model, Layout(ep=2), toy_cluster(), SEQ)["expert"])
+    assert f["expert"] == pytest.approx(
+        1.5 * forward_seconds_by_kind(model, Layout(ep=2), toy_cluster(), SEQ)["expert"]
+    )
     tokens = seconds_of(balanced, toy_cluster(), lambda r: r.dim == "ep" and r.routing_dependent)
     assert skewed.exposed_comm_time - balanced.exposed_comm_time == pytest.approx(0.5 * tokens)
     assert balanced.step_time < default.step_time < skewed.step_time and DEFAULT_EXPERT_LOAD_IMBALANCE == 1.23
     # one rank holds every expert: its work does not depend on the routing
-    alone = (estimate(model, Layout(dp=2, microbatches=2), toy_cluster(), SEQ, 4, load_imbalance=x).step_time for x in (1.0, 2.0))
+    alone = (
+        estimate(model, Layout(dp=2, microbatches=2), toy_cluster(), SEQ, 4, load_imbalance=x).step_time
+        for x in (1.0, 2.0)
+    )
     assert len(set(alone)) == 1
     with pytest.raises(ValueError, match=r"expert_load_imbalance=0.9 must be >= 1"):
         plan(2, model, toy_cluster(), seq_len=SEQ, global_batch_size=4, load_imbalance=0.9)
@@ -227,7 +240,9 @@ def test_node_limited_routing_sends_each_token_to_few_nodes_under_the_hierarchic
     assert inter["hierarchical"] < 0.6 * inter["flat"]  # 1.44 rows a token cross nodes against 3 of its 4 slots
     rows = sum(r.bytes for r in comm_records(model["hierarchical"], layout, SEQ, "bf16-mixed", gpus_per_node=4)
                if r.what == "hierarchical rows across nodes")  # fmt: skip
-    assert rows == pytest.approx(SEQ * nodes * 3 / 4 * 4 * 64 * 2 * 2)  # tokens x remote nodes x 4 exchanges x h x bf16 x 2 layers
+    assert rows == pytest.approx(
+        SEQ * nodes * 3 / 4 * 4 * 64 * 2 * 2
+    )  # tokens x remote nodes x 4 exchanges x h x bf16 x 2 layers
     # an ep group inside one node has no second stage: the search leaves it out, as the runtime refuses it
     one_node = plan(4, model["hierarchical"], four_per_node, seq_len=SEQ, global_batch_size=8)
     assert all(e.layout.ep == 1 for e in one_node.ranked)

@@ -124,7 +124,9 @@ def h100_bench() -> dict:
         (lambda b: b, "dgx_z", "'dgx_z' is not a preset"),
     ],
 )  # fmt: skip
-def test_calibration_refuses_a_json_that_cannot_calibrate_the_preset_before_writing(conf_dir, tmp_path, edit, cluster, problem):
+def test_calibration_refuses_a_json_that_cannot_calibrate_the_preset_before_writing(
+    conf_dir, tmp_path, edit, cluster, problem
+):
     bench = write_bench(tmp_path / "bench_gpu.json", edit(copy.deepcopy(BENCH)))
     with pytest.raises(ValueError) as err:
         calibrate(bench, cluster, conf_dir=conf_dir)
@@ -142,7 +144,10 @@ def test_the_scripts_own_smoke_json_is_refused_from_the_command_line(conf_dir, t
     monkeypatch.setattr("lightning_moe.planner.calibrate.CLUSTER_DIR", conf_dir)
     assert main([str(smoke), "--cluster", "h200_sxm"]) == 2
     err = capsys.readouterr().err
-    assert "is a --smoke run (tiny shapes on cpu), not the machine's figures: run `make bench-gpu` on a machine with H200" in err
+    assert (
+        "is a --smoke run (tiny shapes on cpu), not the machine's figures: run `make bench-gpu` on a machine with H200"
+        in err
+    )
     assert not list(conf_dir.glob("*_calibrated.yaml"))
     assert main([str(write_bench(tmp_path / "bench_gpu.json", BENCH)), "--cluster", "h200_sxm"]) == 0
     assert "wrote " + str(conf_dir / "h200_sxm_calibrated.yaml") in capsys.readouterr().out

@@ -138,7 +138,9 @@ def test_a2a_is_never_offered_when_the_heads_per_tp_rank_do_not_divide_by_cp():
 def pick(model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int = SEQ) -> tuple[str, float, float]:
     """The search's choice for ``layout`` and both estimates' step times (ring, a2a)."""
     gbs = layout.microbatches * layout.micro_batch_size * layout.dp
-    ring, a2a = (estimate(model, replace(layout, cp_comm=k), cluster, seq_len, gbs, precision="32-true") for k in ("ring", "a2a"))
+    ring, a2a = (
+        estimate(model, replace(layout, cp_comm=k), cluster, seq_len, gbs, precision="32-true") for k in ("ring", "a2a")
+    )
     chosen = estimate_cp_comm(model, layout, cluster, seq_len, gbs, precision="32-true")
     assert chosen.step_time == min(ring.step_time, a2a.step_time)
     return chosen.layout.cp_comm, ring.step_time, a2a.step_time
@@ -189,7 +191,9 @@ def test_the_all_to_all_is_exposed_and_spread_over_the_cp_group():
     layout = Layout(cp=4, cp_comm="a2a")
     est = estimate(model, layout, cluster, SEQ, 1, precision="32-true")
     (rec,) = [r for r in est.records if r.what == A2A]
-    assert est.comm["cp"]["intra"] == pytest.approx(rec.bytes / 3) and est.comm["cp"]["inter"] == pytest.approx(rec.bytes * 2 / 3)
+    assert est.comm["cp"]["intra"] == pytest.approx(rec.bytes / 3) and est.comm["cp"]["inter"] == pytest.approx(
+        rec.bytes * 2 / 3
+    )
     seconds = max(rec.bytes / 3 / 1e10, rec.bytes * 2 / 3 / 1e9)
     assert record_seconds(rec, layout, cluster) == pytest.approx(seconds)
     overlapped = sum(record_seconds(r, layout, cluster) for r in est.records if r.overlapped)

@@ -149,7 +149,6 @@ def test_a_v_schedule_places_the_depths_on_rank_0_with_the_first_stage():
     assert mtp.parameters - base.parameters == FP32 * (MTP_DEPTH_PARAMETERS + EMBEDDING)
 
 
-
 @pytest.mark.parametrize("layout", [Layout(tp=2), Layout(ep=2)], ids=["tp2", "ep2"])
 def test_the_depths_planned_shards_are_the_ones_parallelize_builds(layout):
     """Dry run on the fake process group (pp = 1): every rank's MTP parameters (``mtp.0.*``,

@@ -13,7 +13,15 @@ from dataclasses import replace
 
 import pytest
 
-from lightning_moe.planner import Cluster, Layout, ModelShape, enumerate_layouts, estimate, layout_problems, resolve_auto_layout
+from lightning_moe.planner import (
+    Cluster,
+    Layout,
+    ModelShape,
+    enumerate_layouts,
+    estimate,
+    layout_problems,
+    resolve_auto_layout,
+)
 from lightning_moe.planner.step_time import forward_seconds_by_kind, record_seconds
 
 SEQ = 32
@@ -45,11 +53,17 @@ def ep2(microbatches: int = 4, **options) -> Layout:
 
 
 def token_seconds(est) -> float:
-    return sum(record_seconds(r, est.layout, toy_cluster(BANDWIDTH)) for r in est.records if r.dim == "ep" and r.routing_dependent)
+    return sum(
+        record_seconds(r, est.layout, toy_cluster(BANDWIDTH))
+        for r in est.records
+        if r.dim == "ep" and r.routing_dependent
+    )
 
 
 def run(model: ModelShape, layout: Layout, bandwidth: float):
-    return estimate(model, layout, toy_cluster(bandwidth), SEQ, 2 * layout.microbatches, precision="32-true", load_imbalance=1.0)
+    return estimate(
+        model, layout, toy_cluster(bandwidth), SEQ, 2 * layout.microbatches, precision="32-true", load_imbalance=1.0
+    )
 
 
 TOY_3_LAYERS = {"vocab_size": 256, "hidden_size": HIDDEN, "num_layers": 3, "num_heads": 4, "ffn_hidden_size": 128,
@@ -72,7 +86,8 @@ def test_the_toy_token_exchange_takes_its_bytes_over_the_bandwidth():
     assert token_seconds(est) == pytest.approx(4 * TOKEN_BYTES_PER_MICROBATCH / BANDWIDTH)
     # expert forward: 32 tokens x top-2 x 3 GEMMs of 64 x 64 x 2 FLOP x 2 layers at 1 GFLOP/s
     assert forward_seconds_by_kind(toy_model(), ep2(), toy_cluster(BANDWIDTH), SEQ)["expert"] == pytest.approx(
-        SEQ * TOP_K * 3 * HIDDEN * EXPERT_FFN * 2 * LAYERS / 1e9)
+        SEQ * TOP_K * 3 * HIDDEN * EXPERT_FFN * 2 * LAYERS / 1e9
+    )
     assert est.hidden_ep_comm_time == {"dispatch_chunks": 0.0, "shared_expert": 0.0, "overlap_ep_comm": 0.0}
 
 
@@ -125,9 +140,13 @@ def test_dispatch_chunks_hide_at_most_the_chunks_after_the_first_dispatch_and_be
     ep_calls = sum(r.calls for r in plain.records if r.dim == "ep")
     hidden = chunked.hidden_ep_comm_time["dispatch_chunks"]
     # and each chunk's own count exchange, its bytes at the link's pace
-    counts = sum(r.bytes for r in chunked.records if r.dim == "ep") - sum(r.bytes for r in plain.records if r.dim == "ep")
+    counts = sum(r.bytes for r in chunked.records if r.dim == "ep") - sum(
+        r.bytes for r in plain.records if r.dim == "ep"
+    )
     assert counts > 0
-    assert chunked.exposed_comm_time + hidden - plain.exposed_comm_time == pytest.approx(ep_calls * 1e-3 + counts / FAST)
+    assert chunked.exposed_comm_time + hidden - plain.exposed_comm_time == pytest.approx(
+        ep_calls * 1e-3 + counts / FAST
+    )
 
 
 def test_a_shared_expert_hides_the_dispatch_not_the_combine():
@@ -168,7 +187,9 @@ def test_the_search_offers_overlap_ep_comm_only_where_the_strategy_takes_it():
     overlapped = [lay for lay in layouts if lay.overlap_ep_comm]
     assert overlapped
     for lay in overlapped:
-        assert lay.ep > 1 and lay.pp == 1 and lay.gather_once_per_step and not lay.hsdp and lay.microbatches > 1, lay.label()
+        assert lay.ep > 1 and lay.pp == 1 and lay.gather_once_per_step and not lay.hsdp and lay.microbatches > 1, (
+            lay.label()
+        )
     # every valid twin without it is offered too, and the labels stay unique
     labels = {lay.label() for lay in layouts}
     assert len(labels) == len(layouts)
@@ -211,7 +232,9 @@ def test_layout_auto_carries_the_overlap_it_ranked_with():
     compute FSDP's reductions in the last backward would otherwise hide behind."""
     best, runner_up = resolve_auto_layout(2, model=TOY_3_LAYERS, cluster=toy_cluster(4 * BANDWIDTH), seq_len=SEQ, global_batch_size=8,
                                           micro_batch_size=1, precision="32-true")  # fmt: skip
-    assert best.layout == Layout(ep=2, microbatches=4, gather_once_per_step=True, overlap_ep_comm=True), best.layout.label()
+    assert best.layout == Layout(ep=2, microbatches=4, gather_once_per_step=True, overlap_ep_comm=True), (
+        best.layout.label()
+    )
     assert best.layout.strategy_kwargs()["overlap_ep_comm"] is True
     assert runner_up is not None and runner_up.step_time >= best.step_time
     twin = estimate(ModelShape.from_config(TOY_3_LAYERS), replace(best.layout, overlap_ep_comm=False), toy_cluster(4 * BANDWIDTH),
@@ -224,7 +247,9 @@ def test_overlap_ep_comm_gains_nothing_where_fsdp_traffic_already_fills_the_comp
     no second left for the pairing to hide the all-to-all behind; the old model hid both behind the
     same compute. The step equals its twin's, and no layout's estimate hides more than its compute."""
     model, cluster = ModelShape.from_config(TOY_3_LAYERS), toy_cluster(BANDWIDTH)
-    plain, paired = (estimate(model, ep2(4, overlap_ep_comm=on), cluster, SEQ, 8, precision="32-true") for on in (False, True))
+    plain, paired = (
+        estimate(model, ep2(4, overlap_ep_comm=on), cluster, SEQ, 8, precision="32-true") for on in (False, True)
+    )
     assert paired.step_time == pytest.approx(plain.step_time)
     assert paired.overlapped_comm_time == pytest.approx(paired.compute_time)
     fsdp = sum(record_seconds(r, paired.layout, cluster) for r in paired.records if r.dim == "dp")

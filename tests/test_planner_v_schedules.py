@@ -51,7 +51,10 @@ def test_zbv_on_two_ranks_and_four_microbatches_plays_out_by_hand():
     4 micro-batches x (F + I + W) = 24 units; the step takes 25, rank 1 having waited for stage 0's
     first forward."""
     assert [a for (a,) in rank_actions("ZBVZeroBubble", 2, 4, 0)][:4] == [
-        Action("F", 0, 0), Action("F", 0, 1), Action("F", 0, 2), Action("F", 3, 0),
+        Action("F", 0, 0),
+        Action("F", 0, 1),
+        Action("F", 0, 2),
+        Action("F", 3, 0),
     ]
     timeline = v_schedule_timeline("ZBVZeroBubble", 2, 4)
     assert (timeline.makespan, timeline.busy) == (25.0, 24.0)

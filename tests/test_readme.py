@@ -72,7 +72,9 @@ def fenced_blocks(path: Path) -> list[Block]:
         match = re.match(r"^```(\w*)\s*$", lines[i])
         if match:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            blocks.append(Block(str(path.relative_to(ROOT)), i + 2, match.group(1), "\n".join(lines[i + 1 : end]) + "\n"))
+            blocks.append(
+                Block(str(path.relative_to(ROOT)), i + 2, match.group(1), "\n".join(lines[i + 1 : end]) + "\n")
+            )
             i = end
         i += 1
     return blocks
@@ -89,7 +91,9 @@ def shell_commands(block: Block) -> list[tuple[str, str]]:
 
 
 README_BLOCKS = fenced_blocks(README)
-DOC_BLOCKS = [b for page in DOC_PAGES for b in fenced_blocks(ROOT / page) if b.text not in {r.text for r in README_BLOCKS}]
+DOC_BLOCKS = [
+    b for page in DOC_PAGES for b in fenced_blocks(ROOT / page) if b.text not in {r.text for r in README_BLOCKS}
+]
 COMMANDS = [(b, c, note) for b in README_BLOCKS if b.lang in ("bash", "sh", "shell") for c, note in shell_commands(b)]
 PYTHON_BLOCKS = [b for b in README_BLOCKS + DOC_BLOCKS if b.lang == "python"]
 
@@ -99,7 +103,9 @@ def _run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT, env: dict | None = N
     full_env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", **(env or {}))
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{shlex.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 
@@ -149,14 +155,23 @@ def make_train_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]
         close_pools()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env.pop("WANDB_MODE", None)  # the default must be offline
-        proc = subprocess.run(["make", "train", f"ARGS={' '.join(args)}"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+        proc = subprocess.run(
+            ["make", "train", f"ARGS={' '.join(args)}"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=TIMEOUT,
+        )
         assert proc.returncode == 0, f"make train failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
         _RUNS["make train"] = (proc.stdout, run_dir)
     return _RUNS["make train"]
 
 
-def python_block_run(block: Block, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+def python_block_run(
+    block: Block, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess, Path]:
     """The block, shrunk by its ``PYTHON_CHECKS`` substitutions, run as a script: (the process, its directory)."""
     key = f"{block.source}:{block.line}"
     if key not in _RUNS:
@@ -181,7 +196,9 @@ def run_make_train(command: str, comment: str, tmp_path: Path, state: dict) -> N
     # The final loss and tokens/s (the run summary's wording is the first-impressions test's business).
     assert re.search(r"final loss\D+\d+\.\d+.*\btokens/s", out), out[-2000:]
     # The bytes each rank sent per optimizer step: ep for the all-to-all, dp for FSDP.
-    assert re.search(r"^\s*communication per optimizer step and rank: .*\bep [\d.]+ MB.*\bdp [\d.]+ MB", out, re.M), out[-2000:]
+    assert re.search(r"^\s*communication per optimizer step and rank: .*\bep [\d.]+ MB.*\bdp [\d.]+ MB", out, re.M), (
+        out[-2000:]
+    )
     assert str(run_dir / "summary.json") in out
 
 
@@ -220,7 +237,9 @@ def run_train(command: str, comment: str, tmp_path: Path, state: dict) -> None:
         # With the default micro-batch: nothing but the layout differs from the reference run.
         single_dir = tmp_path / "single"
         same_data = [o for o in overrides if not o.startswith("parallel")]
-        _run([sys.executable, "-m", "lightning_moe.train", *same_data, *shrink, f"hydra.run.dir={single_dir}"], tmp_path)
+        _run(
+            [sys.executable, "-m", "lightning_moe.train", *same_data, *shrink, f"hydra.run.dir={single_dir}"], tmp_path
+        )
         single = json.loads((single_dir / "summary.json").read_text())
         assert _rel(summary["losses"], single["losses"]) < 1e-5, (summary["losses"], single["losses"])
 
@@ -237,7 +256,9 @@ def run_prepare(command: str, comment: str, tmp_path: Path, state: dict) -> None
     corpus = IndexedTokens(tmp_path / output)
     assert corpus.num_documents == len(list((ROOT / "docs").glob("*.md")))
     np_tokens = corpus.read(0, corpus.num_tokens)
-    assert bytes(np_tokens[: corpus.document_offsets[1]].tolist()) == sorted((ROOT / "docs").glob("*.md"))[0].read_bytes()
+    assert (
+        bytes(np_tokens[: corpus.document_offsets[1]].tolist()) == sorted((ROOT / "docs").glob("*.md"))[0].read_bytes()
+    )
     state["prepared"] = tmp_path
 
 
@@ -292,13 +313,19 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("block", "command", "comment"), COMMANDS, ids=[f"{b.source}:{b.line}:{c[:60]}" for b, c, _ in COMMANDS])
-def test_readme_command(block: Block, command: str, comment: str, tmp_path_factory: pytest.TempPathFactory, state: dict) -> None:
+@pytest.mark.parametrize(
+    ("block", "command", "comment"), COMMANDS, ids=[f"{b.source}:{b.line}:{c[:60]}" for b, c, _ in COMMANDS]
+)
+def test_readme_command(
+    block: Block, command: str, comment: str, tmp_path_factory: pytest.TempPathFactory, state: dict
+) -> None:
     for prefix, reason in NOT_RUN.items():
         if command.startswith(prefix):
             pytest.skip(f"not run: {reason}")
     handler = next((h for pattern, h in HANDLERS if re.match(pattern, command)), None)
-    assert handler is not None, f"{block.source}:{block.line}: `{command}` has no handler in tests/test_readme.py: add one or a NOT_RUN entry"
+    assert handler is not None, (
+        f"{block.source}:{block.line}: `{command}` has no handler in tests/test_readme.py: add one or a NOT_RUN entry"
+    )
     handler(command, comment, tmp_path_factory.mktemp("cmd"), state)
 
 
@@ -352,7 +379,10 @@ PYTHON_CHECKS = [
         (
             ("max_steps=100", f"max_steps={STEPS}"),
             ("MoEGPT(moe=", "MoEGPT(hidden_size=32, num_layers=2, num_heads=4, moe="),
-            ("ByteTextDataModule(global_batch_size=16)", "ByteTextDataModule(global_batch_size=16, seq_len=32, max_corpus_bytes=200000)"),
+            (
+                "ByteTextDataModule(global_batch_size=16)",
+                "ByteTextDataModule(global_batch_size=16, seq_len=32, max_corpus_bytes=200000)",
+            ),
         ),
         _check_strategy_example,
     ),
@@ -367,13 +397,15 @@ PYTHON_CHECKS = [
         _check_hf_example,
     ),
     PythonCheck("layer = MoELayer(hidden_size=256", (), _check_moe_layer),
-    PythonCheck("with replay_routing(model, \"routing.safetensors\"):", (), _check_replay_and_upcycle),
+    PythonCheck('with replay_routing(model, "routing.safetensors"):', (), _check_replay_and_upcycle),
 ]
 
 
 def _python_check(block: Block) -> PythonCheck:
     found = [c for c in PYTHON_CHECKS if c.marker in block.text]
-    assert len(found) == 1, f"{block.source}:{block.line}: no (or several) PYTHON_CHECKS entries match this block: add one"
+    assert len(found) == 1, (
+        f"{block.source}:{block.line}: no (or several) PYTHON_CHECKS entries match this block: add one"
+    )
     return found[0]
 
 
@@ -399,7 +431,9 @@ def test_every_block_has_a_runner() -> None:
     assert COMMANDS and PYTHON_BLOCKS
     for block, command, _ in COMMANDS:
         if not any(command.startswith(p) for p in NOT_RUN):
-            assert any(re.match(p, command) for p, _ in HANDLERS), f"{block.source}:{block.line}: `{command}` has no handler"
+            assert any(re.match(p, command) for p, _ in HANDLERS), (
+                f"{block.source}:{block.line}: `{command}` has no handler"
+            )
     for block in PYTHON_BLOCKS:
         check = _python_check(block)
         for typed, _ in check.substitutions:

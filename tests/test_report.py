@@ -62,7 +62,13 @@ def sweep(tmp_path: Path) -> Path:
 def test_every_job_gets_a_row_and_failures_say_why(sweep):
     report = write_report(sweep)
     # No multirun.yaml: job 3 is only known as a gap in the numbering.
-    assert [(job.num, job.status) for job in report.jobs] == [(0, "ok"), (1, "ok"), (2, "failed"), (3, "not run"), (4, "failed")]
+    assert [(job.num, job.status) for job in report.jobs] == [
+        (0, "ok"),
+        (1, "ok"),
+        (2, "failed"),
+        (3, "not run"),
+        (4, "failed"),
+    ]
     header = report.table.splitlines()[0]
     assert header.startswith("| job | status | load_balancing | aux_loss_coeff | expert_bias | layout | final loss |")
     rows = {row[0]: row for row in _rows(report.table)}
@@ -83,7 +89,10 @@ def test_jobs_the_sweep_planned_but_never_started_are_rows_too(tmp_path):
     sweep = tmp_path / "sweep"
     multirun = {
         "hydra": {
-            "sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper", "params": {"seed": "1,2"}},
+            "sweeper": {
+                "_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                "params": {"seed": "1,2"},
+            },
             "overrides": {"task": ["model.moe.top_k=1,2", "logger=csv"]},
             "sweep": {"dir": "${now:%H}"},  # unresolvable here: must not be resolved
         }
@@ -154,7 +163,10 @@ def test_router_sweep_covers_every_balancing_method_with_a_coefficient_grid():
 
 
 def test_dispatcher_sweep_and_layout_sweep_grids():
-    assert _sweep_params("dispatcher_sweep") == {"parallel.ep": [2, 4], "model.moe.dispatcher": ["alltoall_dedup", "alltoall", "allgather"]}
+    assert _sweep_params("dispatcher_sweep") == {
+        "parallel.ep": [2, 4],
+        "model.moe.dispatcher": ["alltoall_dedup", "alltoall", "allgather"],
+    }
     (layouts,) = _sweep_params("layout_sweep").values()
     assert layouts == valid_layouts(4, num_experts=8) == [{"dp": 4, "ep": 1}, {"dp": 2, "ep": 2}, {"dp": 1, "ep": 4}]
     assert sweep_override(valid_layouts(8, num_experts=4)) == "parallel={dp:8,ep:1},{dp:4,ep:2},{dp:2,ep:4}"

@@ -163,8 +163,11 @@ def bf16_case(autocast: bool) -> dict:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = ring_attention(*local, group)
     out.backward(zigzag_shard(full[3], rank, 2, dim=2).to(out.dtype))
-    return {"dtype": str(out.dtype), "grad_dtype": str(local[1].grad.dtype),
-            "err": (out.float() - zigzag_shard(ref, rank, 2, dim=2)).abs().max().item()}
+    return {
+        "dtype": str(out.dtype),
+        "grad_dtype": str(local[1].grad.dtype),
+        "err": (out.float() - zigzag_shard(ref, rank, 2, dim=2)).abs().max().item(),
+    }
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
@@ -212,8 +215,10 @@ def mode_case(cp: int) -> dict:
     with context_parallel_attention(group):
         out = model(x_local)
     (out * zigzag_shard(probe, rank, cp)).sum().backward()
-    errors = {"out": (out - zigzag_shard(ref_out, rank, cp)).abs().max().item(),
-              "dx": (x_local.grad - zigzag_shard(x_ref.grad, rank, cp)).abs().max().item()}
+    errors = {
+        "out": (out - zigzag_shard(ref_out, rank, cp)).abs().max().item(),
+        "dx": (x_local.grad - zigzag_shard(x_ref.grad, rank, cp)).abs().max().item(),
+    }
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad, group=group)  # each cp rank holds the gradient of its own tokens
         errors[name] = (param.grad - ref_grads[name]).abs().max().item()

@@ -107,8 +107,15 @@ def documents_case(
                 name = f"{kernel}/tile{tile}/chunks{head_chunks}"
                 local = [shard(t).requires_grad_(True) for t in (full_q, full_k, full_v)]
                 with trace_ring_attention() as trace:
-                    out = ring_attention(*local, group, layout=layout, kernel=kernel, head_chunks=head_chunks,
-                                         document_ids=local_ids, document_tile=tile)
+                    out = ring_attention(
+                        *local,
+                        group,
+                        layout=layout,
+                        kernel=kernel,
+                        head_chunks=head_chunks,
+                        document_ids=local_ids,
+                        document_tile=tile,
+                    )
                     out.backward(shard(full_grad))
                 errors[f"{name}/out"] = (out - shard(ref_out)).abs().max().item()
                 for grad_name, mine, ref in zip("qkv", local, refs):
@@ -171,8 +178,11 @@ def bf16_case(autocast: bool) -> dict:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = ring_attention(*local, group, document_ids=zigzag_shard(ids, rank, 2), document_tile=4)
     out.backward(zigzag_shard(full[3], rank, 2, dim=2).to(out.dtype))
-    return {"dtype": str(out.dtype), "grad_dtype": str(local[1].grad.dtype),
-            "err": (out.float() - zigzag_shard(ref, rank, 2, dim=2)).abs().max().item()}
+    return {
+        "dtype": str(out.dtype),
+        "grad_dtype": str(local[1].grad.dtype),
+        "err": (out.float() - zigzag_shard(ref, rank, 2, dim=2)).abs().max().item(),
+    }
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
@@ -258,15 +268,20 @@ def pairs_case(rows: list[list[int]], tile: int) -> dict:
     ids = _document_ids(rows)
     batch, seq = ids.shape
     gen = torch.Generator().manual_seed(0)
-    local = [zigzag_shard(torch.randn(batch, 1, seq, HEAD_DIM, generator=gen), rank, cp, dim=2).requires_grad_(True)
-             for _ in range(3)]
+    local = [
+        zigzag_shard(torch.randn(batch, 1, seq, HEAD_DIM, generator=gen), rank, cp, dim=2).requires_grad_(True)
+        for _ in range(3)
+    ]
     with trace_ring_attention() as trace:
         out = ring_attention(*local, group, document_ids=zigzag_shard(ids, rank, cp, dim=1), document_tile=tile)
         out.sum().backward()
     return {
-        "computed": trace.pairs("forward"), "visible": trace.visible_pairs("forward"),
-        "backward": trace.pairs("backward"), "calls": sum(b.phase == "forward" for b in trace.blocks),
-        "ideal": int(document_causal_mask(ids, ids).sum()), "causal": batch * seq * (seq + 1) // 2,
+        "computed": trace.pairs("forward"),
+        "visible": trace.visible_pairs("forward"),
+        "backward": trace.pairs("backward"),
+        "calls": sum(b.phase == "forward" for b in trace.blocks),
+        "ideal": int(document_causal_mask(ids, ids).sum()),
+        "causal": batch * seq * (seq + 1) // 2,
     }
 
 
@@ -323,9 +338,14 @@ def _documents_on_threads(q, k, v, dout, ids, cp: int, kernel, tile: int):  # no
             items = ra._plan_documents(ids, rank, cp, "zigzag", tile, q.device)
             plan = ra.DocumentPlan((q.shape[0], local[0].shape[2]), "zigzag", rank, cp, tile, items)
             cfg = ra._Config(
-                ring=_ThreadRing(rank, cp, boxes), causal=True, scale=1.0 / q.shape[-1] ** 0.5, layout="zigzag",
+                ring=_ThreadRing(rank, cp, boxes),
+                causal=True,
+                scale=1.0 / q.shape[-1] ** 0.5,
+                layout="zigzag",
                 kernel=ra._select_kernel(kernel, local[0]) if isinstance(kernel, str) else kernel,
-                groups=q.shape[1] // k.shape[1], head_chunks=1, documents=plan,
+                groups=q.shape[1] // k.shape[1],
+                head_chunks=1,
+                documents=plan,
             )
             ctx = _Ctx()
             with torch.no_grad():  # forward and backward called directly (see tests/test_cuda.py)

@@ -19,7 +19,12 @@ H, E, K, S = 32, 4, 2, 16
 
 def _model(seed: int = 0, num_layers: int = 2, **moe) -> MoEGPT:
     torch.manual_seed(seed)
-    return MoEGPT(hidden_size=H, num_layers=num_layers, num_heads=2, moe={"num_experts": E, "top_k": K, "ffn_hidden_size": 32, **moe})
+    return MoEGPT(
+        hidden_size=H,
+        num_layers=num_layers,
+        num_heads=2,
+        moe={"num_experts": E, "top_k": K, "ffn_hidden_size": 32, **moe},
+    )
 
 
 def _batch(samples=(3, 8, 11, 20), seq: int = S, seed: int = 1) -> dict[str, torch.Tensor]:
@@ -290,8 +295,11 @@ def _step_context(dims, batch: dict, cp_comm: str) -> contextlib.AbstractContext
 
     documents = batch.get("document_ids")
     if dims.cp > 1:
-        attention = (all_to_all_attention(dims.cp_group, document_ids=documents) if cp_comm == "a2a"
-                     else context_parallel_attention(dims.cp_group, document_ids=documents))
+        attention = (
+            all_to_all_attention(dims.cp_group, document_ids=documents)
+            if cp_comm == "a2a"
+            else context_parallel_attention(dims.cp_group, document_ids=documents)
+        )
     elif documents is not None:
         attention = document_attention(documents)
     else:
@@ -339,8 +347,14 @@ def replay_layout_case(tp: int, cp: int, ep: int, trace_path: str, packed: bool 
             dist.all_reduce(c, group=dims.dp_ep_mesh.get_group())
             counts.append(c)
     grads = [layer.router.weight.grad.abs().sum().item() for layer in model.modules() if isinstance(layer, MoELayer)]
-    return {"loss": total.item() / dist.get_world_size(), "experts": chosen.experts, "samples": chosen.sample_index,
-            "counts": torch.stack(counts), "router_grad": grads, "recorded": recorded}
+    return {
+        "loss": total.item() / dist.get_world_size(),
+        "experts": chosen.experts,
+        "samples": chosen.sample_index,
+        "counts": torch.stack(counts),
+        "router_grad": grads,
+        "recorded": recorded,
+    }
 
 
 def _one_process_replay(path: str, packed: bool) -> dict:
@@ -353,7 +367,9 @@ def _one_process_replay(path: str, packed: bool) -> dict:
     with _one_process_context(batch):
         free = model.loss(batch).item()
     replayed = _replay_on_one_process(model, batch, path)
-    assert abs(free - replayed["loss"]) > 1e-4 * abs(replayed["loss"])  # the perturbed router alone would route otherwise
+    assert abs(free - replayed["loss"]) > 1e-4 * abs(
+        replayed["loss"]
+    )  # the perturbed router alone would route otherwise
     return {"path": path, "trace": trace, **replayed}
 
 
@@ -379,7 +395,9 @@ def _check_layout_replay(reports: list[dict], reference: dict, packed: bool) -> 
     the one-process replay (experts, counts, loss); the layout's record replayed on one process too."""
     for rank, report in enumerate(reports):
         assert torch.equal(report["recorded"].sample_index, reference["trace"].sample_index), f"rank {rank}"
-        assert torch.equal(report["recorded"].experts, reference["trace"].experts), f"rank {rank}: recorded other experts"
+        assert torch.equal(report["recorded"].experts, reference["trace"].experts), (
+            f"rank {rank}: recorded other experts"
+        )
         assert torch.equal(report["samples"], reference["samples"]), f"rank {rank}"
         assert torch.equal(report["experts"], reference["experts"]), f"rank {rank}: other experts"
         assert torch.equal(report["counts"], reference["counts"]), f"rank {rank}: {report['counts']}"
@@ -405,8 +423,11 @@ def test_trace_recorded_on_one_process_replays_on_other_layouts(one_process_repl
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,cp,ep,cp_comm", [(1, 2, 2, "ring"), (1, 2, 2, "a2a"), (2, 2, 1, "ring")],
-                         ids=["cp2-ep2-ring", "cp2-ep2-a2a", "tp2-cp2-sp"])
+@pytest.mark.parametrize(
+    "tp,cp,ep,cp_comm",
+    [(1, 2, 2, "ring"), (1, 2, 2, "a2a"), (2, 2, 1, "ring")],
+    ids=["cp2-ep2-ring", "cp2-ep2-a2a", "tp2-cp2-sp"],
+)
 def test_packed_documents_record_and_replay_across_layouts(one_process_packed_replay, tp, cp, ep, cp_comm):
     """Packed rows (each document keyed as a sample of its own) recorded on one process replay under the
     layout, and recorded under the layout replay on one process: the same experts, counts and loss."""
@@ -414,13 +435,19 @@ def test_packed_documents_record_and_replay_across_layouts(one_process_packed_re
     from tests.dist_pool import get_pool
 
     reference = one_process_packed_replay
-    keys = [int(key) for sample, lengths in zip(SAMPLES, PACKED)
-            for key in document_sample_key(torch.tensor(sample), torch.arange(len(lengths)))]
+    keys = [
+        int(key)
+        for sample, lengths in zip(SAMPLES, PACKED)
+        for key in document_sample_key(torch.tensor(sample), torch.arange(len(lengths)))
+    ]
     assert reference["samples"].tolist() == keys and reference["trace"].seq_len == max(max(row) for row in PACKED)
-    reports = get_pool(WORLD).run(replay_layout_case, tp=tp, cp=cp, ep=ep, trace_path=reference["path"], packed=True,
-                                  cp_comm=cp_comm)
+    reports = get_pool(WORLD).run(
+        replay_layout_case, tp=tp, cp=cp, ep=ep, trace_path=reference["path"], packed=True, cp_comm=cp_comm
+    )
     _check_layout_replay(reports, reference, packed=True)
-    print(f"{tp=} {cp=} {ep=} {cp_comm}: loss rel diff {abs(reports[0]['loss'] - reference['loss']) / reference['loss']:.2e}")
+    print(
+        f"{tp=} {cp=} {ep=} {cp_comm}: loss rel diff {abs(reports[0]['loss'] - reference['loss']) / reference['loss']:.2e}"
+    )
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -433,8 +460,11 @@ def test_cli_records_in_validation_and_replays_in_training(tmp_path):
     train_in_pool(tmp_path / "record", *steps, f"+routing.record={recorded}")
     trace = RoutingTrace.load(recorded)
     # Validation windows are the corpus tail; 2 validation batches of 2 samples.
-    assert trace.num_samples == 4 and trace.seq_len == 32 and trace.layer_names == [
-        "layers.0.feed_forward", "layers.1.feed_forward"]
+    assert (
+        trace.num_samples == 4
+        and trace.seq_len == 32
+        and trace.layer_names == ["layers.0.feed_forward", "layers.1.feed_forward"]
+    )
     assert int(trace.experts.min()) >= 0
     # Training samples are other windows: replaying the validation trace in training is refused by name.
     error = run_cli_error(tmp_path / "wrong", "~link", "trainer.max_steps=1", f"+routing.replay={recorded}")
@@ -462,8 +492,15 @@ def replay_pipeline_case(trace_path: str) -> dict:
     model = _model()
     _perturb_routers(model)
     parallelize(model, dims, data_parallel="none")
-    runner = PipelineRunner(pipeline_stage_modules(model), 2, dims.pp_group, torch.device("cpu"), "1F1B", 2,
-                            lambda output, labels: model.loss_from_logits(output, labels))
+    runner = PipelineRunner(
+        pipeline_stage_modules(model),
+        2,
+        dims.pp_group,
+        torch.device("cpu"),
+        "1F1B",
+        2,
+        lambda output, labels: model.loss_from_logits(output, labels),
+    )
     share = len(SAMPLES) // dims.dp_ep_mesh.size()
     rank = dims.dp_ep_mesh.get_local_rank()
     batch = {k: v[rank * share : (rank + 1) * share] for k, v in _batch(SAMPLES).items()}
@@ -473,8 +510,12 @@ def replay_pipeline_case(trace_path: str) -> dict:
     total = loss.clone()
     dist.all_reduce(total, group=dims.dp_ep_mesh.get_group())
     mine = seen.trace()
-    return {"loss": total.item() / dims.dp_ep_mesh.size(), "experts": mine.experts, "samples": mine.sample_index,
-            "layers": list(mine.layer_names)}
+    return {
+        "loss": total.item() / dims.dp_ep_mesh.size(),
+        "experts": mine.experts,
+        "samples": mine.sample_index,
+        "layers": list(mine.layer_names),
+    }
 
 
 @pytest.mark.slow

@@ -28,7 +28,11 @@ def _assert_same_curve(losses: list[float], reference: list[float]) -> None:
 # Variants of the presets (each preset itself is covered by the default-data runs below), by process
 # count: the runs of one count share a test pool, which starts once.
 LAYOUTS = [
-    ("ep2_ddp_allgather", ["parallel=ep2", "parallel.data_parallel=ddp", "model.moe.dispatcher=allgather"], {"dp": 1, "ep": 2}),
+    (
+        "ep2_ddp_allgather",
+        ["parallel=ep2", "parallel.data_parallel=ddp", "model.moe.dispatcher=allgather"],
+        {"dp": 1, "ep": 2},
+    ),
     ("tp2_no_sp", ["parallel=tp2", "parallel.sequence_parallel=false"], {"tp": 2, "etp": 2}),
     # Pipeline: each Lightning batch runs pp_microbatches (default pp) loader micro-batches.
     ("pp2_gpipe", ["parallel=pp2", "parallel.pp_schedule=GPipe"], {"pp": 2}),
@@ -37,8 +41,11 @@ LAYOUTS = [
     ("tp2_etp1_ep2_no_sp", ["parallel=tp2_etp1_ep2", "parallel.sequence_parallel=false"], {"tp": 2, "ep": 2, "etp": 1}),
     ("cp4_head_chunks2", ["parallel=cp4", "parallel.cp_head_chunks=2"], {"cp": 4}),
     # HSDP with tp: the 2-D meshes share tp's root (dp2x2_hsdp and dp2_ep2_hsdp are presets, run below).
-    ("tp2_dp2_hsdp", ["parallel=tp2", "parallel.dp=2", "parallel.data_parallel=hsdp", "parallel.dp_shard=1"],
-     {"tp": 2, "dp": 2, "etp": 2}),
+    (
+        "tp2_dp2_hsdp",
+        ["parallel=tp2", "parallel.dp=2", "parallel.data_parallel=hsdp", "parallel.dp_shard=1"],
+        {"tp": 2, "dp": 2, "etp": 2},
+    ),
     ("pp2_dp2", ["parallel=pp2", "parallel.dp=2"], {"pp": 2, "dp": 2}),
     ("pp2_cp2", ["parallel=pp2", "parallel.cp=2"], {"pp": 2, "cp": 2}),
 ]
@@ -87,8 +94,11 @@ def cp_presets_up_to_8_processes() -> list[str]:
 
     from lightning_moe.conf import CONF_DIR
 
-    return [name for name in _presets_up_to_8_processes()
-            if (yaml.safe_load((CONF_DIR / "parallel" / f"{name}.yaml").read_text()) or {}).get("cp", 1) > 1]
+    return [
+        name
+        for name in _presets_up_to_8_processes()
+        if (yaml.safe_load((CONF_DIR / "parallel" / f"{name}.yaml").read_text()) or {}).get("cp", 1) > 1
+    ]
 
 
 def presets_without_cp_up_to_8_processes() -> list[str]:
@@ -123,7 +133,9 @@ def test_preset_with_default_data_matches_single_process(tmp_path, single_defaul
     """Nothing but ``parallel=<preset>``: the single-process per-step losses over 6 steps (rel 1e-5); the
     cp presets in test_cp_preset_matches_single_process."""
     num_layers = PRESET_LAYERS.get(preset, 2)
-    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
+    summary = train_in_pool(
+        tmp_path / preset, f"parallel={preset}", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN
+    )
     assert devices_per_node(OmegaConf.create(summary["layout"])) == _preset_processes(preset)
     _assert_same_curve(summary["losses"], single_default_losses(num_layers))
 
@@ -137,8 +149,16 @@ CP_HORIZONS = [6, pytest.param(20, marks=pytest.mark.long)]
 
 
 def cp_overrides(steps: int) -> list[str]:
-    return [f"trainer.max_steps={steps}", "data.global_batch_size=8", "data.micro_batch_size=4", "~callbacks.moe_metrics",
-            "~callbacks.comm_accounting", "~callbacks.throughput", "~callbacks.expert_load_plots", "~callbacks.model_summary"]
+    return [
+        f"trainer.max_steps={steps}",
+        "data.global_batch_size=8",
+        "data.micro_batch_size=4",
+        "~callbacks.moe_metrics",
+        "~callbacks.comm_accounting",
+        "~callbacks.throughput",
+        "~callbacks.expert_load_plots",
+        "~callbacks.model_summary",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -159,18 +179,30 @@ def single_cp_run_losses(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("steps", CP_HORIZONS, ids=lambda steps: f"{steps}_steps")
-@pytest.mark.parametrize("preset,cp_comm",
-                         [(preset, comm) for preset in cp_presets_up_to_8_processes() for comm in ("ring", "a2a")])
+@pytest.mark.parametrize(
+    "preset,cp_comm", [(preset, comm) for preset in cp_presets_up_to_8_processes() for comm in ("ring", "a2a")]
+)
 def test_cp_preset_matches_single_process(tmp_path, single_cp_run_losses, preset, cp_comm, steps):
-    summary = train_in_pool(tmp_path / preset, f"parallel={preset}", f"parallel.cp_comm={cp_comm}",
-                            base=[*DEFAULT_DATA_RUN, *cp_overrides(steps)])
-    assert devices_per_node(OmegaConf.create(summary["layout"])) == _preset_processes(preset) and summary["layout"]["cp"] > 1
+    summary = train_in_pool(
+        tmp_path / preset,
+        f"parallel={preset}",
+        f"parallel.cp_comm={cp_comm}",
+        base=[*DEFAULT_DATA_RUN, *cp_overrides(steps)],
+    )
+    assert (
+        devices_per_node(OmegaConf.create(summary["layout"])) == _preset_processes(preset)
+        and summary["layout"]["cp"] > 1
+    )
     _assert_same_curve(summary["losses"], single_cp_run_losses(steps))
 
 
 # DeepSeek-V3 routing: sigmoid scores, aux-loss-free expert bias (loads reduced over every rank).
-BIAS_ROUTING = ["model.moe.score_func=sigmoid", "model.moe.load_balancing=none", "model.moe.expert_bias=true",
-                "model.moe.bias_update_rate=0.05"]
+BIAS_ROUTING = [
+    "model.moe.score_func=sigmoid",
+    "model.moe.load_balancing=none",
+    "model.moe.expert_bias=true",
+    "model.moe.bias_update_rate=0.05",
+]
 
 
 @pytest.fixture(scope="module")
@@ -232,11 +264,15 @@ CONFIG_ERRORS = [
     (["parallel=cp2", "parallel.cp_head_chunks=0"], r"cp_head_chunks=0 must be a positive integer"),
     (["parallel=pp2", "model.num_layers=3"], r"3 layers cannot be split evenly into pp\*pp_stages_per_rank = 2"),
     (["parallel=pp2", "parallel.pp_microbatches=1"], r"pp_microbatches=1 < pp=2"),
-    (["parallel=pp2", "data.global_batch_size=6"],
-     r"global_batch_size 6 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 2\*1\*2 = 4"),
+    (
+        ["parallel=pp2", "data.global_batch_size=6"],
+        r"global_batch_size 6 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 2\*1\*2 = 4",
+    ),
     (["parallel=pp2_interleaved", "model.num_layers=2"], r"2 layers cannot be split evenly .* = 4"),
-    (["parallel=cp4", "parallel.cp_comm=a2a", "model.num_heads=2", "model.num_kv_heads=2"],
-     r"num_heads=2: cp_comm='a2a' gives each cp rank whole heads.*or cp_comm='ring'"),
+    (
+        ["parallel=cp4", "parallel.cp_comm=a2a", "model.num_heads=2", "model.num_kv_heads=2"],
+        r"num_heads=2: cp_comm='a2a' gives each cp rank whole heads.*or cp_comm='ring'",
+    ),
     (["parallel=cp2", "parallel.cp_comm=ulysses"], r"cp_comm='ulysses' must be one of \('ring', 'a2a'\)"),
 ]
 
@@ -251,9 +287,22 @@ def test_bad_configuration_fails_before_training(tmp_path, overrides, message):
     assert "Epoch 0" not in output
 
 
-@pytest.mark.parametrize("overrides,message", CONFIG_ERRORS,
-                         ids=["experts", "global_batch", "etp", "head_chunks", "pp_layers", "pp_microbatches",
-                              "pp_global_batch", "pp_virtual_stages", "a2a_heads", "cp_comm"])
+@pytest.mark.parametrize(
+    "overrides,message",
+    CONFIG_ERRORS,
+    ids=[
+        "experts",
+        "global_batch",
+        "etp",
+        "head_chunks",
+        "pp_layers",
+        "pp_microbatches",
+        "pp_global_batch",
+        "pp_virtual_stages",
+        "a2a_heads",
+        "cp_comm",
+    ],
+)
 def test_bad_configuration_is_refused_by_the_clis_first_check(tmp_path, overrides, message):
     from lightning_moe.train import check_config
 
@@ -277,8 +326,14 @@ def test_any_sdpa_module_gets_context_parallel(tmp_path):
     for cp in (1, 2):
         out = tmp_path / f"cp{cp}.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        proc = subprocess.run([sys.executable, str(ROOT / "tests/scripts/user_sdpa_module.py"), str(cp), str(out)],
-                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "tests/scripts/user_sdpa_module.py"), str(cp), str(out)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         losses[cp] = json.loads(out.read_text())
     assert len(losses[1]) == 6

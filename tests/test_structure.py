@@ -50,8 +50,11 @@ def test_no_module_but_layout_infers_dp_or_the_unfolded_ep():
 def test_the_strategy_has_no_branch_on_pp():
     """The step engine is chosen once (``choose_step_engine``); the strategy's hooks never ask for pp."""
     text, tree = SOURCES["strategy.py"]
-    reads = [f"strategy.py:{n.lineno}: {ast.get_source_segment(text, n)}" for n in ast.walk(tree)
-             if isinstance(n, ast.Attribute) and n.attr in ("pp", "pp_group")]
+    reads = [
+        f"strategy.py:{n.lineno}: {ast.get_source_segment(text, n)}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr in ("pp", "pp_group")
+    ]
     assert not reads, "\n".join(reads)
 
 
@@ -62,9 +65,17 @@ def test_data_modules_write_no_trainer_attribute():
         if not name.startswith("data/"):
             continue
         for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
             for target in targets:
-                if isinstance(target, ast.Attribute) and "trainer" in (ast.get_source_segment(text, target.value) or ""):
+                if isinstance(target, ast.Attribute) and "trainer" in (
+                    ast.get_source_segment(text, target.value) or ""
+                ):
                     found.append(f"{name}:{node.lineno}: {ast.get_source_segment(text, target)}")
     assert not found, "\n".join(found)
 
@@ -99,7 +110,7 @@ def test_no_import_cycle_between_packages():
     def visit(unit: str, path: list[str]) -> None:
         for dep in sorted(graph.get(unit, ())):
             if dep in path:
-                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+                cycles.append(" -> ".join(path[path.index(dep) :] + [dep]))
             elif dep != "__init__":
                 visit(dep, path + [dep])
 
@@ -218,9 +229,51 @@ def test_lower_layers_import_nothing_above_them():
     above = {
         "layout": set(graph) - {"layout"},
         "_compat": set(graph) - {"_compat"},
-        "moe": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "dry_run", "verify", "report", "checkpoint", "cp"},
-        "cp": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "dry_run", "verify", "report", "checkpoint", "moe"},
-        "comm": {"parallel", "strategy", "callbacks", "models", "hf", "data", "train", "plan", "dry_run", "verify", "report", "moe", "cp"},
+        "moe": {
+            "parallel",
+            "strategy",
+            "callbacks",
+            "models",
+            "hf",
+            "data",
+            "train",
+            "plan",
+            "dry_run",
+            "verify",
+            "report",
+            "checkpoint",
+            "cp",
+        },
+        "cp": {
+            "parallel",
+            "strategy",
+            "callbacks",
+            "models",
+            "hf",
+            "data",
+            "train",
+            "plan",
+            "dry_run",
+            "verify",
+            "report",
+            "checkpoint",
+            "moe",
+        },
+        "comm": {
+            "parallel",
+            "strategy",
+            "callbacks",
+            "models",
+            "hf",
+            "data",
+            "train",
+            "plan",
+            "dry_run",
+            "verify",
+            "report",
+            "moe",
+            "cp",
+        },
         "parallel": {"strategy", "callbacks", "models", "hf", "data", "train", "plan", "dry_run", "verify", "report"},
     }
     upward = {unit: sorted(graph[unit] & banned) for unit, banned in above.items() if graph[unit] & banned}
@@ -248,7 +301,11 @@ def test_parallel_imports_no_planner():
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                hits = [m for m in _imported_modules(name, node) if m == "lightning_moe.planner" or m.startswith("lightning_moe.planner.")]
+                hits = [
+                    m
+                    for m in _imported_modules(name, node)
+                    if m == "lightning_moe.planner" or m.startswith("lightning_moe.planner.")
+                ]
                 found.extend(f"{name}:{node.lineno}: imports {m}" for m in hits[:1])
     assert not found, "\n".join(found)
 
@@ -281,6 +338,7 @@ def test_the_kinds_of_parallel_import_one_way():
             found.extend(f"{name}:{node.lineno}: {kind} imports {m}" for m in wrong[:1])
     assert not found, "\n".join(found)
 
+
 # Documents outside the repository that nothing may cite: the strings are assembled here so that this
 # file does not name them itself.
 ROOT = PACKAGE.parent
@@ -291,7 +349,17 @@ _OUTSIDE = re.compile("|".join((
     r"\bshared" + "/",
     "PLATFORM" + "_NOTES",
 )))  # fmt: skip
-CITING_ROOTS = ("README.md", "docs", "lightning_moe", "tests", "experiments", "conf", "Makefile", "pyproject.toml", ".ci")
+CITING_ROOTS = (
+    "README.md",
+    "docs",
+    "lightning_moe",
+    "tests",
+    "experiments",
+    "conf",
+    "Makefile",
+    "pyproject.toml",
+    ".ci",
+)
 
 
 def _project_files() -> list[Path]:
@@ -345,7 +413,9 @@ def test_dispatcher_and_cp_comm_kinds_are_spelled_in_their_home_only():
     assert set(values.values()) == set(VARIANT_HOMES)
     found = []
     for name, (text, tree) in SOURCES.items():
-        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        docstrings = {
+            id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+        }
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docstrings:
                 continue

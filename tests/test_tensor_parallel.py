@@ -34,8 +34,17 @@ def tp_layer_case(
 
     dims = layout(tp=tp, ep=ep, etp=etp)
     torch.manual_seed(0)
-    layer = MoELayer(H, F, E, top_k=K, dispatcher=dispatcher, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
-                     load_balancing="seq_aux_loss", shared_expert_hidden_size=8)
+    layer = MoELayer(
+        H,
+        F,
+        E,
+        top_k=K,
+        dispatcher=dispatcher,
+        aux_loss_coeff=1e-2,
+        z_loss_coeff=1e-3,
+        load_balancing="seq_aux_loss",
+        shared_expert_hidden_size=8,
+    )
     reference = copy.deepcopy(layer)
     parallelize(layer, dims, data_parallel="none", sequence_parallel=sequence_parallel)
     layer.dispatcher.pad_rows = pad_rows  # padded expert groups (the CPU bf16 default) in fp32
@@ -127,9 +136,13 @@ def test_dispatchers_under_expert_tp(dispatcher, pad_rows):
 @pytest.mark.slow
 def test_no_token_crosses_the_ep_network_twice():
     """tp=2 without SP dispatches the same token bytes as tp=1 for the same micro-batches."""
-    deduplicated = sum(r["ep_bytes"] for r in get_pool(4).run(tp_layer_case, tp=2, ep=2, etp=1, sequence_parallel=False))
+    deduplicated = sum(
+        r["ep_bytes"] for r in get_pool(4).run(tp_layer_case, tp=2, ep=2, etp=1, sequence_parallel=False)
+    )
     # ep=2 x dp=2: ranks 0 and 1 (dp replica 0) process micro-batches 0 and 1, like the tp=2 layout.
-    baseline = sum(r["ep_bytes"] for r in get_pool(4).run(tp_layer_case, tp=1, ep=2, etp=1, sequence_parallel=False)[:2])
+    baseline = sum(
+        r["ep_bytes"] for r in get_pool(4).run(tp_layer_case, tp=1, ep=2, etp=1, sequence_parallel=False)[:2]
+    )
     # The only extra traffic: two more ranks exchange their per-expert counts (E int64, half remote).
     count_exchange = 2 * E * 8 // 2
     assert baseline > 0
@@ -145,8 +158,12 @@ def tp_error_case(kind: str) -> str:
 
     dims = layout(tp=4 if kind == "ffn" else 2)
     module = {
-        "heads": lambda: MoEGPT(hidden_size=48, num_layers=1, num_heads=3, moe={"num_experts": 4, "ffn_hidden_size": 32}),
-        "kv_heads": lambda: MoEGPT(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=1, moe={"num_experts": 4, "ffn_hidden_size": 32}),
+        "heads": lambda: MoEGPT(
+            hidden_size=48, num_layers=1, num_heads=3, moe={"num_experts": 4, "ffn_hidden_size": 32}
+        ),
+        "kv_heads": lambda: MoEGPT(
+            hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=1, moe={"num_experts": 4, "ffn_hidden_size": 32}
+        ),
         "ffn": lambda: MoELayer(16, 6, 4),
         "no_plan": lambda: nn.Sequential(nn.Linear(16, 16), MoELayer(16, 32, 4)),
     }[kind]()

@@ -47,7 +47,9 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-def reference_case(ep: int, ranks_per_node: int, options: dict, reference_options: dict, expert_choice: bool = False) -> dict:
+def reference_case(
+    ep: int, ranks_per_node: int, options: dict, reference_options: dict, expert_choice: bool = False
+) -> dict:
     """Parallel layer with ``options`` vs the single-process layer with ``reference_options``."""
     from lightning_moe import comm, parallelize
 
@@ -138,8 +140,12 @@ def test_expert_choice_matches_one_device_on_the_ep_group_batch(ep, ranks_per_no
     # No z-loss: it is a mean over each forward's tokens, and the reference runs one forward for two.
     options = {"routing": "expert_choice", "capacity_factor": 1.0, "shared_expert_hidden_size": 8, "z_loss_coeff": 0.0}
     reports = get_pool(WORLD).run(
-        reference_case, ep=ep, ranks_per_node=ranks_per_node, options={**options, "dispatcher": dispatcher},
-        reference_options=options, expert_choice=True,
+        reference_case,
+        ep=ep,
+        ranks_per_node=ranks_per_node,
+        options={**options, "dispatcher": dispatcher},
+        reference_options=options,
+        expert_choice=True,
     )
     _assert_close(reports)
 
@@ -175,8 +181,15 @@ def test_internode_bytes_equal_what_the_routing_implies(ep, ranks_per_node):
     pool = get_pool(WORLD)
     row = H * 4
     totals = {}
-    for dispatcher, max_nodes in (("alltoall", None), ("alltoall_dedup", None), ("hierarchical", None), ("hierarchical", 1)):
-        reports = pool.run(internode_case, ep=ep, ranks_per_node=ranks_per_node, dispatcher=dispatcher, max_nodes=max_nodes)
+    for dispatcher, max_nodes in (
+        ("alltoall", None),
+        ("alltoall_dedup", None),
+        ("hierarchical", None),
+        ("hierarchical", 1),
+    ):
+        reports = pool.run(
+            internode_case, ep=ep, ranks_per_node=ranks_per_node, dispatcher=dispatcher, max_nodes=max_nodes
+        )
         measured = sum(r["measured"] for r in reports)
         if dispatcher == "alltoall":
             # Each remote slot: dispatch, combine and both gradients; counts: E/ep int64 per remote peer.
@@ -248,7 +261,10 @@ def low_precision_case(ep: int, ranks_per_node: int, dispatcher: str, wire: str,
             x.grad = None
         results[dtype] = {**first, "losses": losses}
     base, low = results[None], results[wire]
-    report = {key: _max_diff(low[key], base[key]) / base[key].abs().max().item() for key in ("out", "grad_x", "router", "w1", "w2")}
+    report = {
+        key: _max_diff(low[key], base[key]) / base[key].abs().max().item()
+        for key in ("out", "grad_x", "router", "w1", "w2")
+    }
     report["losses"] = max(abs(a - b) / b for a, b in zip(low["losses"], base["losses"]))
     report["ep_bytes"] = {"fp32": base["ep_bytes"], wire: low["ep_bytes"]}
     return {**report, **routed_rows}
@@ -296,7 +312,9 @@ def test_low_precision_dispatch_within_tolerance(ep, ranks_per_node, dispatcher,
     from lightning_moe.moe.exchange import check_wire
 
     check_wire(wire)
-    reports = get_pool(WORLD).run(low_precision_case, ep=ep, ranks_per_node=ranks_per_node, dispatcher=dispatcher, wire=wire, steps=20)
+    reports = get_pool(WORLD).run(
+        low_precision_case, ep=ep, ranks_per_node=ranks_per_node, dispatcher=dispatcher, wire=wire, steps=20
+    )
     tol = LOW_PRECISION_TOL[wire]
     for rank, report in enumerate(reports):
         assert 0 < report["out"] <= tol["out"], (rank, report)  # 0 would mean the wire format was not used
@@ -369,9 +387,7 @@ def test_ranks_per_node_gives_the_ep_node_layout_and_rejects_bad_sizes():
 def _expert_outputs(layer, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
     """``[T, E, H]``: every expert applied to every token, one expert at a time (no dispatcher)."""
     w1, w3, w2 = layer.experts.w1, layer.experts.w3, layer.experts.w2
-    return torch.stack(
-        [(torch.nn.functional.silu(x @ w1[e]) * (x @ w3[e])) @ w2[e] for e in range(w1.shape[0])], dim=1
-    )
+    return torch.stack([(torch.nn.functional.silu(x @ w1[e]) * (x @ w3[e])) @ w2[e] for e in range(w1.shape[0])], dim=1)
 
 
 def test_node_limited_routing_follows_deepseek_v3_rule_per_token():
@@ -388,8 +404,10 @@ def test_node_limited_routing_follows_deepseek_v3_rule_per_token():
         assert sorted(routing.topk_idx[t].tolist()) == sorted(want)
     assert {len(set((row // 2).tolist())) for row in routing.topk_idx} <= {1, 2}
     y = layer(x)
-    reference = (routing.topk_weights.unsqueeze(-1) * _expert_outputs(layer, x).gather(
-        1, routing.topk_idx.unsqueeze(-1).expand(-1, -1, H))).sum(1)
+    reference = (
+        routing.topk_weights.unsqueeze(-1)
+        * _expert_outputs(layer, x).gather(1, routing.topk_idx.unsqueeze(-1).expand(-1, -1, H))
+    ).sum(1)
     torch.testing.assert_close(y, reference, atol=1e-5, rtol=1e-5)
 
 

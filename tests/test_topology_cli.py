@@ -18,14 +18,20 @@ TWO_NODES = ["parallel=ep4", "++parallel.ranks_per_node=2"]
 
 @pytest.fixture(scope="module")
 def single_node_limited(tmp_path_factory) -> dict:
-    return train_in_pool(tmp_path_factory.mktemp("single_nodes") / "run", "parallel=single", *NODE_LIMITED, "model.moe.num_nodes=2")
+    return train_in_pool(
+        tmp_path_factory.mktemp("single_nodes") / "run", "parallel=single", *NODE_LIMITED, "model.moe.num_nodes=2"
+    )
 
 
 @pytest.mark.slow
 def test_node_limited_hierarchical_overlapped_ep4_two_nodes_matches_single(tmp_path, single_node_limited):
     flat = train_in_pool(tmp_path / "flat", *TWO_NODES, *NODE_LIMITED)
     hierarchical = train_in_pool(
-        tmp_path / "hierarchical", *TWO_NODES, *NODE_LIMITED, "model.moe.dispatcher=hierarchical", "model.moe.dispatch_chunks=2"
+        tmp_path / "hierarchical",
+        *TWO_NODES,
+        *NODE_LIMITED,
+        "model.moe.dispatcher=hierarchical",
+        "model.moe.dispatch_chunks=2",
     )
     reference = torch.tensor(single_node_limited["losses"])
     for summary in (flat, hierarchical):

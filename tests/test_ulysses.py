@@ -57,13 +57,22 @@ def _reference(full: list[torch.Tensor], causal: bool, documents: torch.Tensor |
     if documents is None:
         out = F.scaled_dot_product_attention(*refs, is_causal=causal, enable_gqa=True)
     else:
-        out = F.scaled_dot_product_attention(*refs, attn_mask=document_causal_mask(documents, documents), enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            *refs, attn_mask=document_causal_mask(documents, documents), enable_gqa=True
+        )
     out.backward(full[3])
     return out.detach(), [t.grad for t in refs]
 
 
-def attention_case(cp: int, causal: bool, heads: int, kv_heads: int, layout: str = "zigzag",
-                   documents: bool = False, v_dim: int = HEAD_DIM) -> dict:
+def attention_case(
+    cp: int,
+    causal: bool,
+    heads: int,
+    kv_heads: int,
+    layout: str = "zigzag",
+    documents: bool = False,
+    v_dim: int = HEAD_DIM,
+) -> dict:
     from lightning_moe.cp import shard_sequence
     from lightning_moe.cp.ulysses import ulysses_attention
 
@@ -78,8 +87,9 @@ def attention_case(cp: int, causal: bool, heads: int, kv_heads: int, layout: str
 
     local = [shard(t).requires_grad_(True) for t in full[:3]]
     local_docs = None if doc_ids is None else shard(doc_ids, dim=1)
-    out = ulysses_attention(*local, group, causal=causal, layout=layout, enable_gqa=heads != kv_heads,
-                            document_ids=local_docs)
+    out = ulysses_attention(
+        *local, group, causal=causal, layout=layout, enable_gqa=heads != kv_heads, document_ids=local_docs
+    )
     out.backward(shard(full[3]))
     errors = {"out": (out - shard(ref_out)).abs().max().item()}
     for name, mine, ref in zip("qkv", local, ref_grads):
@@ -138,10 +148,17 @@ def flex_forward_case(cp: int, heads: int, kv_heads: int) -> dict:
     q, k, v, _ = _full_inputs(heads, kv_heads)
     doc_ids = _documents()
     with torch.no_grad(), flex_attention_on_cpu() as flex_calls:
-        out = ulysses_attention(*(zigzag_shard(t, rank, cp, dim=2) for t in (q, k, v)), group, enable_gqa=heads != kv_heads,
-                                document_ids=zigzag_shard(doc_ids, rank, cp))
+        out = ulysses_attention(
+            *(zigzag_shard(t, rank, cp, dim=2) for t in (q, k, v)),
+            group,
+            enable_gqa=heads != kv_heads,
+            document_ids=zigzag_shard(doc_ids, rank, cp),
+        )
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc_ids, doc_ids), enable_gqa=True)
-    return {"errors": {"out": (out - zigzag_shard(dense, rank, cp, dim=2)).abs().max().item()}, "flex_calls": flex_calls}
+    return {
+        "errors": {"out": (out - zigzag_shard(dense, rank, cp, dim=2)).abs().max().item()},
+        "flex_calls": flex_calls,
+    }
 
 
 @pytest.mark.parametrize("cp,heads,kv_heads", [(2, 4, 4), (4, 8, 2), (2, 4, 1)], ids=["cp2-mha", "cp4-gqa", "cp2-mqa"])
@@ -153,8 +170,9 @@ def test_documents_by_the_flex_block_mask_forward(cp: int, heads: int, kv_heads:
 
     kv_local = ulysses_kv_heads(heads, kv_heads, cp) // cp
     for result in results:
-        assert result["flex_calls"] == [((BATCH, heads // cp, SEQ, HEAD_DIM), (BATCH, kv_local, SEQ, HEAD_DIM),
-                                         (BATCH, kv_local, SEQ, HEAD_DIM))]
+        assert result["flex_calls"] == [
+            ((BATCH, heads // cp, SEQ, HEAD_DIM), (BATCH, kv_local, SEQ, HEAD_DIM), (BATCH, kv_local, SEQ, HEAD_DIM))
+        ]
 
 
 def leak_case(cp: int) -> dict:
@@ -280,8 +298,10 @@ def mode_case(cp: int, heads: int, kv_heads: int, documents: bool) -> dict:
             mode.set_document_ids(zigzag_shard(doc_ids, rank, cp))
         out = model(x_local)
     (out * zigzag_shard(probe, rank, cp)).sum().backward()
-    errors = {"out": (out - zigzag_shard(ref_out, rank, cp)).abs().max().item(),
-              "dx": (x_local.grad - zigzag_shard(x_ref.grad, rank, cp)).abs().max().item()}
+    errors = {
+        "out": (out - zigzag_shard(ref_out, rank, cp)).abs().max().item(),
+        "dx": (x_local.grad - zigzag_shard(x_ref.grad, rank, cp)).abs().max().item(),
+    }
     for name, param in model.named_parameters():
         dist.all_reduce(param.grad, group=group)  # each cp rank holds the gradient of its own tokens
         errors[name] = (param.grad - ref_grads[name]).abs().max().item()
@@ -379,5 +399,8 @@ def test_the_planners_all_to_all_bytes_are_the_runtimes():
     for heads, kv_heads, cp in [(8, 8, 2), (8, 2, 4), (4, 1, 2), (6, 3, 2), (12, 6, 4), (16, 2, 8)]:
         for batch, seq_len, head_dim, dtype_bytes in [(1, 64, 16, 4), (2, 4096, 128, 2)]:
             runtime = ulysses_bytes_per_rank(batch, heads, kv_heads, seq_len, head_dim, cp, dtype_bytes)
-            assert ulysses_attention_bytes(batch, heads, kv_heads, seq_len, head_dim, cp, dtype_bytes, backward=False) == runtime
+            assert (
+                ulysses_attention_bytes(batch, heads, kv_heads, seq_len, head_dim, cp, dtype_bytes, backward=False)
+                == runtime
+            )
             assert ulysses_attention_bytes(batch, heads, kv_heads, seq_len, head_dim, cp, dtype_bytes) == 2 * runtime

@@ -118,8 +118,13 @@ def test_data_parallel_none_with_replicas_is_refused_before_launch():
     import lightning as L
 
     for sizes, devices in (({"dp": 2}, 2), ({"ep": 2}, 2), ({"tp": 2}, 2)):
-        with pytest.raises(MisconfigurationException, match=r"data_parallel='none' reduces no gradient.*use data_parallel='fsdp' or 'ddp'"):
-            L.Trainer(accelerator="cpu", devices=devices, strategy=MoE5DStrategy(data_parallel="none", **sizes), logger=False)
+        with pytest.raises(
+            MisconfigurationException,
+            match=r"data_parallel='none' reduces no gradient.*use data_parallel='fsdp' or 'ddp'",
+        ):
+            L.Trainer(
+                accelerator="cpu", devices=devices, strategy=MoE5DStrategy(data_parallel="none", **sizes), logger=False
+            )
     # Pipeline stages hold different parameters: nothing to reduce between them.
     L.Trainer(accelerator="cpu", devices=2, strategy=MoE5DStrategy(pp=2, data_parallel="none"), logger=False)
 
@@ -143,9 +148,14 @@ def test_every_preset_passes_the_offline_check_with_default_configs(preset):
     "overrides,message",
     [
         (["parallel=pp2", "model.num_layers=3"], r"3 layers cannot be split evenly into pp\*pp_stages_per_rank = 2"),
-        (["parallel=pp2", "data.global_batch_size=7"], r"global_batch_size 7 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 1\*1\*2 = 2 \(the default, 1 on every layout\)"),
-        (["parallel=pp2", "data.micro_batch_size=4", "data.global_batch_size=12"],
-         r"not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 4\*1\*2 = 8"),
+        (
+            ["parallel=pp2", "data.global_batch_size=7"],
+            r"global_batch_size 7 not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 1\*1\*2 = 2 \(the default, 1 on every layout\)",
+        ),
+        (
+            ["parallel=pp2", "data.micro_batch_size=4", "data.global_batch_size=12"],
+            r"not divisible by micro_batch_size\*dp_ep\*pp_microbatches = 4\*1\*2 = 8",
+        ),
         (["parallel=ep4", "model.moe.num_experts=6"], r"num_experts 6 is not divisible by ep 4"),
         (["parallel=tp2", "model.num_kv_heads=1"], r"num_kv_heads=1 is not divisible by tp=2"),
         (["parallel=cp2", "data.seq_len=30"], r"seq_len 30 not divisible by 2\*cp = 4"),
@@ -153,7 +163,10 @@ def test_every_preset_passes_the_offline_check_with_default_configs(preset):
         (["parallel=dp2", "parallel.data_parallel=none"], r"data_parallel='none' reduces no gradient"),
         (["parallel=cp2_tp2_ep4_folded", "parallel.ep=2"], r"ep=2 is not divisible by the folded cp\*tp = 2\*2 = 4"),
         (["parallel=tp2_ep2_folded", "parallel.fold_ep=dp"], r"fold_ep='dp': ep folds over the attention dims"),
-        (["parallel=tp2_ep2_folded", "trainer.devices=4", "parallel.dp=1"], r"world_size 4 != tp\*cp\*\(ep/tp\)\*dp\*pp = 2\*1\*1\*1\*1 = 2"),
+        (
+            ["parallel=tp2_ep2_folded", "trainer.devices=4", "parallel.dp=1"],
+            r"world_size 4 != tp\*cp\*\(ep/tp\)\*dp\*pp = 2\*1\*1\*1\*1 = 2",
+        ),
     ],
 )
 def test_offline_check_names_the_fix(overrides, message):

@@ -35,7 +35,9 @@ def test_the_v_places_the_first_and_last_stage_on_rank_0(pp):
 @pytest.mark.parametrize("schedule", ["DualPipeV", "ZBVZeroBubble"])
 def test_the_v_schedules_name_what_they_need(schedule):
     check_pipeline_config(2, schedule, microbatches=4, stages_per_rank=2)
-    with pytest.raises(ValueError, match=rf"pp_schedule={schedule} runs two stages per rank .* set pp_stages_per_rank=2"):
+    with pytest.raises(
+        ValueError, match=rf"pp_schedule={schedule} runs two stages per rank .* set pp_stages_per_rank=2"
+    ):
         check_pipeline_config(2, schedule, microbatches=4, stages_per_rank=1)
     with pytest.raises(ValueError, match=r"pp_microbatches >= the number of stages 2\*pp = 4, got 2"):
         check_pipeline_config(2, schedule, microbatches=2, stages_per_rank=2)
@@ -47,7 +49,9 @@ def test_an_older_torch_is_refused_before_any_work(monkeypatch):
     import lightning_moe._compat.pipelining
 
     monkeypatch.setattr(lightning_moe._compat.pipelining, "_torch_version", lambda: (2, 11))
-    with pytest.raises(MisconfigurationException, match=r"pp_schedule='DualPipeV' needs torch >= 2.13, found .*use pp_schedule='1F1B'"):
+    with pytest.raises(
+        MisconfigurationException, match=r"pp_schedule='DualPipeV' needs torch >= 2.13, found .*use pp_schedule='1F1B'"
+    ):
         MoE5DStrategy(pp=2, pp_schedule="DualPipeV", pp_stages_per_rank=2, pp_microbatches=4)
 
 
@@ -55,7 +59,10 @@ def test_an_older_torch_is_refused_before_any_work(monkeypatch):
 def test_only_dualpipev_interleaves_a_pipeline_for_overlap_ep_comm():
     kwargs = {"pp": 2, "ep": 2, "pp_stages_per_rank": 2, "pp_microbatches": 4, "overlap_ep_comm": True}
     assert MoE5DStrategy(pp_schedule="DualPipeV", **kwargs).overlap_ep_comm
-    with pytest.raises(MisconfigurationException, match=r"needs pp_schedule='DualPipeV' .*pp_schedule='ZBVZeroBubble' runs one micro-batch"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"needs pp_schedule='DualPipeV' .*pp_schedule='ZBVZeroBubble' runs one micro-batch",
+    ):
         MoE5DStrategy(pp_schedule="ZBVZeroBubble", **kwargs)
 
 

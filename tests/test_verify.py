@@ -32,8 +32,13 @@ from tests.dist_pool import close_pools
 # The default data config (global_batch_size 16, micro_batch_size unset), shorter and smaller. Clipping
 # is active at this size: a mis-scaled gradient changes the steps after the first.
 DATA = ["logger=none", "++trainer.gradient_clip_val=0.05", "data.seq_len=32", "data.max_corpus_bytes=200000"]
-MOEGPT = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=4", "model.moe.num_experts=4",
-          "model.moe.ffn_hidden_size=32"]
+MOEGPT = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.moe.num_experts=4",
+    "model.moe.ffn_hidden_size=32",
+]
 # The user module of docs/own-module.md: its own attention through SDPA, LayerNorms, learned positions, a TP plan
 # without SequenceParallel styles, MoE layers with DeepSeek-V3-style expert bias and a shared expert,
 # lr 1e-2 (Adam turns the rounding noise of near-zero gradients into visible differences in weights).
@@ -46,8 +51,9 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("verify_cache")
 
 
-def run_verify(run_dir: Path, cache: Path, *overrides: str, timeout: int = 600, data: list[str] = DATA,
-               cli: bool = False) -> tuple[int, str, dict | None]:
+def run_verify(
+    run_dir: Path, cache: Path, *overrides: str, timeout: int = 600, data: list[str] = DATA, cli: bool = False
+) -> tuple[int, str, dict | None]:
     """What ``python -m lightning_moe.verify`` does after ``data`` (default DATA); returns (exit code, stdout +
     stderr, verify.json or None).
 
@@ -91,8 +97,11 @@ def _verify_in_process(run_dir: Path, overrides: tuple[str, ...]) -> tuple[int, 
     os.environ.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     os.chdir(ROOT)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                warnings.catch_warnings(record=True) as caught:
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            warnings.catch_warnings(record=True) as caught,
+        ):
             warnings.simplefilter("default")
             try:
                 code = 0 if verify_config(cfg, run_dir).passed else 1
@@ -158,7 +167,8 @@ def test_user_module_passes_with_default_data(tmp_path, cache, preset):
 
     rows = {p["name"]: p for p in report["parameters"]}
     assert set(rows) == {name for name, _ in UserMoELM().named_parameters()} | {
-        f"blocks.{i}.moe.router.expert_bias" for i in (0, 1)}
+        f"blocks.{i}.moe.router.expert_bias" for i in (0, 1)
+    }
     assert all(rows[f"blocks.{i}.moe.router.weight"]["grad_rel"] <= 1e-5 for i in (0, 1))
     assert all(p["grad_rel"] <= 1e-5 for p in rows.values())
     # A final weight outside rtol passes only where step-1 gradient rounding explains it, and says so.
@@ -171,21 +181,34 @@ def test_user_module_passes_with_default_data(tmp_path, cache, preset):
 
 @pytest.mark.slow
 def test_micro_batching_that_cannot_be_matched_explains_the_fail_and_names_the_fix(tmp_path, cache):
-    code, out, report = run_verify(tmp_path / "unsized", cache, *MOEGPT, "parallel=ep2", "verify.localize=always",
-                                   "~data", "+data._target_=tests.scripts.verify_models.UnsizedLayoutBatchDataModule",
-                                   "+data.seq_len=32", "+data.max_corpus_bytes=200000",
-                                   data=[o for o in DATA if not o.startswith("data.")])
+    code, out, report = run_verify(
+        tmp_path / "unsized",
+        cache,
+        *MOEGPT,
+        "parallel=ep2",
+        "verify.localize=always",
+        "~data",
+        "+data._target_=tests.scripts.verify_models.UnsizedLayoutBatchDataModule",
+        "+data.seq_len=32",
+        "+data.max_corpus_bytes=200000",
+        data=[o for o in DATA if not o.startswith("data.")],
+    )
     assert code == 1, out[-4000:]
-    assert report["micro_batching"] == {**report["micro_batching"], "single_micro_batch_size": 16,
-                                        "layout_micro_batch_size": 8}
+    assert report["micro_batching"] == {
+        **report["micro_batching"],
+        "single_micro_batch_size": 16,
+        "layout_micro_batch_size": 8,
+    }
     # The forward is the same; the load-balancing loss of other micro-batches reaches the routers.
     assert all(m["output"] <= 1e-5 for m in report["modules"] if m.get("output") is not None)
     rows = {p["name"]: p for p in report["parameters"]}
     assert rows["layers.0.feed_forward.router.weight"]["grad_rel"] > 1e-5
     assert report["localisation"]["explained_by"] == "micro_batching"
     first = report["first_difference"]
-    assert ("explained by micro-batching: the one-process run cut step 1 into 1 micro-batch of 16 samples, the"
-            " layout into 2 data-parallel ranks x 1 micro-batch of 8 samples") in first
+    assert (
+        "explained by micro-batching: the one-process run cut step 1 into 1 micro-batch of 16 samples, the"
+        " layout into 2 data-parallel ranks x 1 micro-batch of 8 samples"
+    ) in first
     assert "(load_balancing='aux_loss', routing='topk' in layers.0.feed_forward, layers.1.feed_forward)" in first
     assert "Fix: give the data module a micro_batch_size argument" in first and "'seq_aux_loss'" in first
     assert "explained by micro-batching" in out
@@ -196,8 +219,9 @@ def test_micro_batching_that_cannot_be_matched_explains_the_fail_and_names_the_f
 def test_expert_gradient_times_two_names_the_experts_and_the_ratio(tmp_path, cache):
     # The default localisation (on_failure): step 1 is re-run with forward hooks.
     # Through the CLI process itself: a FAIL is exit code 1 (the README's command checks that a PASS is 0).
-    code, out, report = run_verify(tmp_path / "x2", cache, *MOEGPT, "parallel=ep2", BUG + "ExpertGradientTimesTwo",
-                                   cli=True)
+    code, out, report = run_verify(
+        tmp_path / "x2", cache, *MOEGPT, "parallel=ep2", BUG + "ExpertGradientTimesTwo", cli=True
+    )
     assert code == 1, out[-4000:]
     assert "FAIL" in out
     loc = report["localisation"]
@@ -211,8 +235,9 @@ def test_expert_gradient_times_two_names_the_experts_and_the_ratio(tmp_path, cac
 
 @pytest.mark.slow
 def test_dispatcher_dropping_a_token_names_the_moe_layer(tmp_path, cache):
-    code, out, report = run_verify(tmp_path / "drop", cache, *MOEGPT, "parallel=ep2", "verify.localize=always",
-                                   BUG + "DropLastTokenDispatcher")
+    code, out, report = run_verify(
+        tmp_path / "drop", cache, *MOEGPT, "parallel=ep2", "verify.localize=always", BUG + "DropLastTokenDispatcher"
+    )
     assert code == 1, out[-4000:]
     loc = report["localisation"]
     assert loc == {**loc, "kind": "module_output", "module": "layers.0.feed_forward", "type": "MoELayer"}
@@ -222,8 +247,9 @@ def test_dispatcher_dropping_a_token_names_the_moe_layer(tmp_path, cache):
 
 @pytest.mark.slow
 def test_wrong_causal_ring_block_names_the_attention(tmp_path, cache):
-    code, out, report = run_verify(tmp_path / "ring", cache, *MOEGPT, "parallel=cp2", "verify.localize=always",
-                                   BUG + "WrongCausalRingBlock")
+    code, out, report = run_verify(
+        tmp_path / "ring", cache, *MOEGPT, "parallel=cp2", "verify.localize=always", BUG + "WrongCausalRingBlock"
+    )
     assert code == 1, out[-4000:]
     loc = report["localisation"]
     assert loc["kind"] == "forward_code" and loc["module"] == "layers.0.attention" and loc["type"] == "Attention", loc
@@ -234,8 +260,9 @@ def test_wrong_causal_ring_block_names_the_attention(tmp_path, cache):
 
 @pytest.mark.slow
 def test_colwise_output_projection_names_the_projection(tmp_path, cache):
-    code, out, report = run_verify(tmp_path / "colwise", cache, *USER, "parallel=tp2", "verify.localize=always",
-                                   BUG + "ColwiseOutputProjection")
+    code, out, report = run_verify(
+        tmp_path / "colwise", cache, *USER, "parallel=tp2", "verify.localize=always", BUG + "ColwiseOutputProjection"
+    )
     assert code == 1, out[-4000:]
     assert "in blocks.0.attn.out_proj (Linear) inside blocks.0.attn (SelfAttention)" in report["first_difference"]
     assert report["error"]["module"] == "blocks.0.attn.out_proj"
@@ -248,22 +275,40 @@ def test_verify_layout_api_passes_with_the_layouts_micro_batches_and_turns_dropo
     from tests.scripts.verify_models import DropoutGPT, LayoutBatchDataModule
 
     close_pools()
-    model = partial(DropoutGPT, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32,
-                    moe={"num_experts": 4, "ffn_hidden_size": 32}, dropout=0.2)
+    model = partial(
+        DropoutGPT,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=32,
+        moe={"num_experts": 4, "ffn_hidden_size": 32},
+        dropout=0.2,
+    )
     # Its micro_batch_size=None is one micro-batch per rank: 4 samples under ep2, 8 on one process.
     data = partial(LayoutBatchDataModule, seq_len=32, global_batch_size=8, max_corpus_bytes=200000)
     with pytest.warns(UserWarning, match=r"dropout is not disabled \(embed_dropout \(Dropout p=0.2\)\)"):
-        report = lightning_moe.verify_layout(model, data, {"ep": 2}, devices=2, steps=2, out_dir=tmp_path,
-                                             trainer_kwargs={"accelerator": "cpu"}, verbose=False)
+        report = lightning_moe.verify_layout(
+            model,
+            data,
+            {"ep": 2},
+            devices=2,
+            steps=2,
+            out_dir=tmp_path,
+            trainer_kwargs={"accelerator": "cpu"},
+            verbose=False,
+        )
     assert isinstance(report, lightning_moe.VerifyReport)
     assert report.passed, str(report)
     assert len(report.losses) == 2 and report.layout["ep"] == 2
     assert any("dropout" in note for note in report.notes)
     # The reference ran again through datamodule_factory(micro_batch_size=4).
     assert report.micro_batching is None
-    assert any("the one-process reference runs with the layout's micro-batch size 4: with its own (1 micro-batch of"
-               " 8 samples per step, against 2 data-parallel ranks x 1 micro-batch of 4 samples)" in note
-               for note in report.notes), report.notes
+    assert any(
+        "the one-process reference runs with the layout's micro-batch size 4: with its own (1 micro-batch of"
+        " 8 samples per step, against 2 data-parallel ranks x 1 micro-batch of 4 samples)" in note
+        for note in report.notes
+    ), report.notes
     assert json.loads((tmp_path / "verify.json").read_text())["passed"] is True
 
 
@@ -276,13 +321,26 @@ def test_verify_layout_takes_every_layout_the_strategy_takes(tmp_path):
     from lightning_moe.models import MoEGPT
 
     close_pools()
-    model = partial(MoEGPT, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=32,
-                    moe={"num_experts": 4, "ffn_hidden_size": 32})
+    model = partial(
+        MoEGPT,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_seq_len=32,
+        moe={"num_experts": 4, "ffn_hidden_size": 32},
+    )
     data = partial(ByteTextDataModule, seq_len=32, global_batch_size=8, max_corpus_bytes=200000)
-    common = {"devices": 2, "steps": 2, "cache_dir": tmp_path / "cache", "trainer_kwargs": {"accelerator": "cpu"},
-              "verbose": False}
-    folded = lightning_moe.verify_layout(model, data, {"tp": 2, "ep": 2, "fold_ep": "tp"}, out_dir=tmp_path / "folded",
-                                         noise_control=True, **common)
+    common = {
+        "devices": 2,
+        "steps": 2,
+        "cache_dir": tmp_path / "cache",
+        "trainer_kwargs": {"accelerator": "cpu"},
+        "verbose": False,
+    }
+    folded = lightning_moe.verify_layout(
+        model, data, {"tp": 2, "ep": 2, "fold_ep": "tp"}, out_dir=tmp_path / "folded", noise_control=True, **common
+    )
     assert folded.passed and not folded.within_noise_floor, str(folded)
     assert folded.layout == {"tp": 2, "cp": 1, "ep": 2, "dp": 1, "pp": 1, "etp": 1, "fold_ep": "tp"}
     assert folded.model == "MoEGPT"
@@ -294,8 +352,9 @@ def test_verify_layout_takes_every_layout_the_strategy_takes(tmp_path):
     assert all("control_rel" in row for row in saved["losses"])
     assert any(note.startswith("noise control: one process with every initial parameter") for note in folded.notes)
     # HSDP: 2 replica groups of 1 rank; the reference (FSDP on one process) is the folded one's, from the cache.
-    hsdp = lightning_moe.verify_layout(model, data, {"data_parallel": "hsdp", "dp_replicate": 2},
-                                       out_dir=tmp_path / "hsdp", **common)
+    hsdp = lightning_moe.verify_layout(
+        model, data, {"data_parallel": "hsdp", "dp_replicate": 2}, out_dir=tmp_path / "hsdp", **common
+    )
     assert hsdp.passed, str(hsdp)
     assert hsdp.layout == {"tp": 1, "cp": 1, "ep": 1, "dp": 2, "pp": 1, "etp": 1}
     assert hsdp.noise_control is None and "control_rel" not in hsdp.losses[0]
@@ -313,8 +372,9 @@ def test_layouts_are_resolved_as_the_strategy_resolves_them(tmp_path):
     from lightning_moe.verify.runner import VerifyConfigError, one_process_options
 
     def job(preset: str):
-        cfg = compose("verify", overrides=[*DATA, *MOEGPT, "model.num_layers=4", f"parallel={preset}"],
-                      return_hydra_config=True)
+        cfg = compose(
+            "verify", overrides=[*DATA, *MOEGPT, "model.num_layers=4", f"parallel={preset}"], return_hydra_config=True
+        )
         HydraConfig.instance().set_config(cfg)
         with open_dict(cfg):
             del cfg["hydra"]
@@ -333,17 +393,26 @@ def test_layouts_are_resolved_as_the_strategy_resolves_them(tmp_path):
         # The reference runs on one process without the layout's own options, which one process refuses.
         single = jobs[preset].single_body["config"]["parallel"]
         assert {k: single[k] for k in ("tp", "ep", "dp", "pp", "fold_ep", "dp_replicate", "overlap_ep_comm")} == {
-            "tp": 1, "ep": 1, "dp": 1, "pp": 1, "fold_ep": None, "dp_replicate": None, "overlap_ep_comm": False}
+            "tp": 1,
+            "ep": 1,
+            "dp": 1,
+            "pp": 1,
+            "fold_ep": None,
+            "dp_replicate": None,
+            "overlap_ep_comm": False,
+        }
         assert single["data_parallel"] == "fsdp" and jobs[preset].single_body["config"]["trainer"]["devices"] == 1
     # Every layout of a module from Python shares one reference.
     assert one_process_options({"tp": 2, "ep": 2, "fold_ep": "tp"}, complete=True) == one_process_options(
-        {"ep": 2, "data_parallel": "hsdp", "dp_replicate": 2, "overlap_ep_comm": True}, complete=True)
+        {"ep": 2, "data_parallel": "hsdp", "dp_replicate": 2, "overlap_ep_comm": True}, complete=True
+    )
     # A layout that does not fit: the strategy's message, before any process starts.
     with pytest.raises(VerifyConfigError, match=r"^devices=3: world_size 3 is not divisible by tp\*cp\*ep\*pp"):
         lightning_moe.verify_layout(partial(torch.nn.Linear, 2, 2), dict, {"ep": 2}, devices=3)
     with pytest.raises(VerifyConfigError, match=r"^devices=2: .*dp_replicate"):
-        lightning_moe.verify_layout(partial(torch.nn.Linear, 2, 2), dict, {"dp_replicate": 2, "data_parallel": "ddp"},
-                                    devices=2)
+        lightning_moe.verify_layout(
+            partial(torch.nn.Linear, 2, 2), dict, {"dp_replicate": 2, "data_parallel": "ddp"}, devices=2
+        )
     # Folded over tp, ep's ranks hold the same samples: one micro-batch per micro-step, as on one process.
     routing = {"layers.0.feed_forward": {"load_balancing": "global_aux_loss", "aux_loss_coeff": 0.01}}
     assert layout_dependent_statistics(routing, expected["tp2_ep2_folded"][1]) == []
@@ -356,10 +425,17 @@ def _run(losses: list[float], final: dict[str, torch.Tensor], grad_scale: float 
     from lightning_moe.layout import MESH_DIMS as MESH
     from lightning_moe.verify.runs import RunData
 
-    rank = {"rank": 0, "coords": dict.fromkeys(MESH, 0), "sizes": dict.fromkeys(MESH, 1), "start_order": ["", "w"],
-            "types": {"": "Model", "w": "Linear"}, "losses": losses,
-            "initial": {n: torch.zeros_like(t) for n, t in final.items()},
-            "grads": {n: torch.full_like(t, grad_scale) for n, t in final.items()}, "final": final}
+    rank = {
+        "rank": 0,
+        "coords": dict.fromkeys(MESH, 0),
+        "sizes": dict.fromkeys(MESH, 1),
+        "start_order": ["", "w"],
+        "types": {"": "Model", "w": "Linear"},
+        "losses": losses,
+        "initial": {n: torch.zeros_like(t) for n, t in final.items()},
+        "grads": {n: torch.full_like(t, grad_scale) for n, t in final.items()},
+        "final": final,
+    }
     return RunData(Path("."), [rank], [])
 
 
@@ -384,20 +460,27 @@ def test_noise_control_passes_a_drift_within_the_noise_floor_and_fails_beyond_it
     assert [row["within_noise_floor"] for row in report.losses] == [False] * 3 + [True] * 3
     assert report.parameters[0].noise_floor == pytest.approx(NOISE_FLOOR_FACTOR * 1e-3, rel=1e-4)
     text = str(report)
-    assert "within the noise floor (one process vs itself with every initial parameter one rounding unit higher: rel 1.0e-03)" in text
-    assert ("PASS within the noise floor: 1 step-1 gradients within rtol 1e-05; 3 losses (steps 4-6) and 1 final"
-            " parameter differ by more, by at most 2.0x what one process differs from itself with every initial"
-            " parameter one rounding unit higher (the noise floor: 4x)") in text
+    assert (
+        "within the noise floor (one process vs itself with every initial parameter one rounding unit higher: rel 1.0e-03)"
+        in text
+    )
+    assert (
+        "PASS within the noise floor: 1 step-1 gradients within rtol 1e-05; 3 losses (steps 4-6) and 1 final"
+        " parameter differ by more, by at most 2.0x what one process differs from itself with every initial"
+        " parameter one rounding unit higher (the noise floor: 4x)"
+    ) in text
     assert report.noise_control["control"] == "every initial parameter one rounding unit higher"
     assert report.noise_control["losses"] == pytest.approx(control.losses)
     assert report.noise_control["loss_floor"] == pytest.approx([0.0] * 3 + [NOISE_FLOOR_FACTOR * 1e-3] * 3)
     # Beyond the factor, or before the control drifts at all: FAIL, and the note says what is more than noise.
     far = compare_runs(single, _run(_drifting_losses(4, 1e-2), weights), 1e-5, control)
     assert not far.passed and not far.within_noise_floor
-    assert far.notes[-1] == ("noise control: one process with every initial parameter one rounding unit higher differs"
-                             " from itself by loss rel"
-                             " 1.0e-03 at most, beyond rtol from step 4; the losses at steps 4, 5, 6 differ beyond 4x"
-                             " the control's difference: more than the noise it measured")
+    assert far.notes[-1] == (
+        "noise control: one process with every initial parameter one rounding unit higher differs"
+        " from itself by loss rel"
+        " 1.0e-03 at most, beyond rtol from step 4; the losses at steps 4, 5, 6 differ beyond 4x"
+        " the control's difference: more than the noise it measured"
+    )
     assert "<-- differs beyond the noise floor 4.0e-03" in str(far)
     early = compare_runs(single, _run(_drifting_losses(2, 1e-3), weights), 1e-5, control)
     assert not early.passed and [r["within_noise_floor"] for r in early.losses][:3] == [False] * 3
@@ -415,8 +498,9 @@ def test_noise_control_passes_a_drift_within_the_noise_floor_and_fails_beyond_it
 # -- bad input -------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_nondeterministic_configure_model_is_refused(tmp_path, cache):
-    code, out, _ = run_verify(tmp_path / "unseeded", cache, *MOEGPT, "parallel=ep2",
-                              "model._target_=tests.scripts.verify_models.UnseededGPT")
+    code, out, _ = run_verify(
+        tmp_path / "unseeded", cache, *MOEGPT, "parallel=ep2", "model._target_=tests.scripts.verify_models.UnseededGPT"
+    )
     assert code == 2, out[-3000:]
     assert "is not deterministic under a fixed seed: output.weight differs between two builds" in out
     assert not (tmp_path / "unseeded" / "layout").exists()
@@ -425,8 +509,9 @@ def test_nondeterministic_configure_model_is_refused(tmp_path, cache):
 @pytest.mark.slow
 def test_too_many_processes_is_refused(tmp_path, cache):
     # Through the CLI process itself: a configuration that cannot be verified is exit code 2.
-    code, out, _ = run_verify(tmp_path / "big", cache, *MOEGPT, "parallel=pp2_cp2_tp2_ep2", "verify.max_processes=8",
-                              cli=True)
+    code, out, _ = run_verify(
+        tmp_path / "big", cache, *MOEGPT, "parallel=pp2_cp2_tp2_ep2", "verify.max_processes=8", cli=True
+    )
     assert code == 2, out[-3000:]
     assert "the layout needs 16 processes, more than verify.max_processes=8" in out
 
@@ -457,6 +542,7 @@ def test_the_reference_gets_the_layouts_micro_batch_size_where_the_data_module_t
 
     assert accepts_micro_batch_size(partial(LayoutBatchDataModule, seq_len=32))
     assert not accepts_micro_batch_size(UnsizedLayoutBatchDataModule)
+
     def composed(*overrides: str) -> DictConfig:
         cfg = compose("verify", overrides=[*MOEGPT, "parallel=ep2", *overrides], return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)  # the config's ${hydra:...} paths resolve against it
@@ -466,15 +552,20 @@ def test_the_reference_gets_the_layouts_micro_batch_size_where_the_data_module_t
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = composed(*DATA)
-        unsized = composed("logger=none", "~data", "+data.seq_len=32",
-                           "+data._target_=tests.scripts.verify_models.UnsizedLayoutBatchDataModule")
+        unsized = composed(
+            "logger=none",
+            "~data",
+            "+data.seq_len=32",
+            "+data._target_=tests.scripts.verify_models.UnsizedLayoutBatchDataModule",
+        )
     job = job_from_config(cfg, tmp_path)
     assert job.micro_batch_pin == "config" and job.single_body["config"]["data"]["micro_batch_size"] is None
     pinned = pinned_single_body(job, 8)
     assert pinned["config"]["data"]["micro_batch_size"] == 8
     assert job.single_body["config"]["data"]["micro_batch_size"] is None  # a copy: the job's body is unchanged
     assert {k: v for k, v in pinned["config"].items() if k != "data"} == {
-        k: v for k, v in job.single_body["config"].items() if k != "data"}
+        k: v for k, v in job.single_body["config"].items() if k != "data"
+    }
     assert job_from_config(unsized, tmp_path).micro_batch_pin is None
 
 
@@ -491,7 +582,9 @@ def test_optimizer_noise_explains_only_near_zero_gradients():
     moved[0] += 0.01  # the near-zero element went elsewhere: explained
     assert optimizer_noise(moved, final, initial, grad + noise, grad) == 0.0
     moved[5] += 1e-4  # an ordinary element: not explained
-    assert optimizer_noise(moved, final, initial, grad + noise, grad) == pytest.approx(1e-4 / float(final.abs().max()), rel=1e-3)
+    assert optimizer_noise(moved, final, initial, grad + noise, grad) == pytest.approx(
+        1e-4 / float(final.abs().max()), rel=1e-3
+    )
     # Exactly equal gradients explain nothing.
     assert optimizer_noise(moved, final, initial, grad, grad) is None
 
@@ -500,26 +593,51 @@ def test_micro_batching_explanation_names_the_statistics_and_the_fix():
     from lightning_moe.verify.localise import explain_micro_batching
     from lightning_moe.verify.report import VerifyReport
 
-    mismatch = {"step": 1, "single": "1 micro-batch of 16 samples", "layout": "2 data-parallel ranks x 1 micro-batch of 8 samples",
-                "single_micro_batch_size": 16, "layout_micro_batch_size": 8}
+    mismatch = {
+        "step": 1,
+        "single": "1 micro-batch of 16 samples",
+        "layout": "2 data-parallel ranks x 1 micro-batch of 8 samples",
+        "single_micro_batch_size": 16,
+        "layout_micro_batch_size": 8,
+    }
     routing = {"blocks.0.moe": {"load_balancing": "aux_loss", "aux_loss_coeff": 0.01, "routing": "topk"}}
-    report = VerifyReport(passed=False, layout={}, steps=3, rtol=1e-5, micro_batching=dict(mismatch),
-                          first_difference="gradient of embed.weight (Embedding) at step 1, rel 2.0e-05",
-                          localisation={"kind": "gradient"})
+    report = VerifyReport(
+        passed=False,
+        layout={},
+        steps=3,
+        rtol=1e-5,
+        micro_batching=dict(mismatch),
+        first_difference="gradient of embed.weight (Embedding) at step 1, rel 2.0e-05",
+        localisation={"kind": "gradient"},
+    )
     explain_micro_batching(report, routing, pin="config")
-    assert report.first_difference.startswith("gradient of embed.weight (Embedding) at step 1, rel 2.0e-05; explained by"
-                                              " micro-batching: the one-process run cut step 1 into 1 micro-batch of 16")
+    assert report.first_difference.startswith(
+        "gradient of embed.weight (Embedding) at step 1, rel 2.0e-05; explained by"
+        " micro-batching: the one-process run cut step 1 into 1 micro-batch of 16"
+    )
     assert "(load_balancing='aux_loss', routing='topk' in blocks.0.moe)" in report.first_difference
     assert "Fix: set data.micro_batch_size to 8 (the same micro-batch size on both runs)" in report.first_difference
     # A module output that differs outside the MoE layers is not something micro-batching explains.
-    report = VerifyReport(passed=False, layout={}, steps=3, rtol=1e-5, micro_batching=dict(mismatch),
-                          localisation={"kind": "module_output", "module": "blocks.0.attn"})
+    report = VerifyReport(
+        passed=False,
+        layout={},
+        steps=3,
+        rtol=1e-5,
+        micro_batching=dict(mismatch),
+        localisation={"kind": "module_output", "module": "blocks.0.attn"},
+    )
     explain_micro_batching(report, routing, pin=None)
     assert report.first_difference.startswith("micro-batching differs as well (fix it first)")
     assert report.localisation["explained_by"] is None
     # Same sizes, other samples in each micro-batch: the sampler is the fix.
-    report = VerifyReport(passed=False, layout={}, steps=3, rtol=1e-5, localisation={"kind": "gradient"},
-                          micro_batching={**mismatch, "single_micro_batch_size": 8})
+    report = VerifyReport(
+        passed=False,
+        layout={},
+        steps=3,
+        rtol=1e-5,
+        localisation={"kind": "gradient"},
+        micro_batching={**mismatch, "single_micro_batch_size": 8},
+    )
     explain_micro_batching(report, routing, pin="config")
     assert "micro-batch j of a step on data-parallel rank j % (dp*ep)" in report.first_difference
     passed = VerifyReport(passed=True, layout={}, steps=3, rtol=1e-5, micro_batching=dict(mismatch))
@@ -531,20 +649,35 @@ def test_statistics_over_several_ranks_explain_the_fail_by_design():
     from lightning_moe.verify.localise import explain_batch_statistics
     from lightning_moe.verify.report import VerifyReport
 
-    routing = {f"layers.{i}.feed_forward": {"load_balancing": "global_aux_loss", "aux_loss_coeff": 0.01, "routing": "topk"}
-               for i in range(2)}
+    routing = {
+        f"layers.{i}.feed_forward": {"load_balancing": "global_aux_loss", "aux_loss_coeff": 0.01, "routing": "topk"}
+        for i in range(2)
+    }
     layout = {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1}
-    report = VerifyReport(passed=False, layout=layout, steps=3, rtol=1e-5, localisation={"kind": "gradient"},
-                          first_difference="gradient of x")
+    report = VerifyReport(
+        passed=False,
+        layout=layout,
+        steps=3,
+        rtol=1e-5,
+        localisation={"kind": "gradient"},
+        first_difference="gradient of x",
+    )
     explain_batch_statistics(report, routing)
     assert report.first_difference.startswith(
         "gradient of x; explained by batch-level statistics that span several ranks on this layout, by design:"
         " load_balancing='global_aux_loss' counts the dp x ep = 4 micro-batches of one micro-step at once (one on one"
-        " process) in layers.0.feed_forward, layers.1.feed_forward. Fix: verify with per-micro-batch statistics")
+        " process) in layers.0.feed_forward, layers.1.feed_forward. Fix: verify with per-micro-batch statistics"
+    )
     assert report.localisation["explained_by"] == "batch_statistics"
     # Under tp alone the same setting spans one micro-batch: nothing to explain, the FAIL stays as it is.
-    report = VerifyReport(passed=False, layout={**layout, "ep": 1, "dp": 1, "tp": 2}, steps=3, rtol=1e-5,
-                          localisation={"kind": "gradient"}, first_difference="gradient of x")
+    report = VerifyReport(
+        passed=False,
+        layout={**layout, "ep": 1, "dp": 1, "tp": 2},
+        steps=3,
+        rtol=1e-5,
+        localisation={"kind": "gradient"},
+        first_difference="gradient of x",
+    )
     explain_batch_statistics(report, routing)
     assert report.first_difference == "gradient of x"
 

@@ -3,7 +3,22 @@
 import importlib
 
 # Each module prints its own tables, measured in this one run.
-BENCHMARKS = ("moe_layer", "dispatch_bytes", "ep_topology", "cp_attention", "pipeline_bubble", "meta_init", "activation_memory", "ep_overlap", "ep_folding", "peak_memory", "data_loading", "cp_documents", "checkpoint_save", "muon")
+BENCHMARKS = (
+    "moe_layer",
+    "dispatch_bytes",
+    "ep_topology",
+    "cp_attention",
+    "pipeline_bubble",
+    "meta_init",
+    "activation_memory",
+    "ep_overlap",
+    "ep_folding",
+    "peak_memory",
+    "data_loading",
+    "cp_documents",
+    "checkpoint_save",
+    "muon",
+)
 
 
 def main() -> None:

@@ -26,8 +26,15 @@ import torch.multiprocessing as mp
 
 from experiments.bench.table import print_table
 
-MODEL = dict(vocab_size=256, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_seq_len=256,
-             moe={"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256})
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    max_seq_len=256,
+    moe={"num_experts": 8, "top_k": 2, "ffn_hidden_size": 256},
+)
 BATCH, SEQ, STEPS, WARMUP = 4, 256, 4, 1
 
 
@@ -60,8 +67,12 @@ def _worker(rank: int, world: int, store_file: str, out: dict) -> None:
     dims.build_mesh("cpu")
     ids = torch.randint(0, 256, (BATCH, SEQ), generator=torch.Generator().manual_seed(rank))
     results = {}
-    for name, mode, precision in (("none", "none", "32-true"), ("full", "full", "32-true"),
-                                  ("selective", "selective", "32-true"), ("bf16-mixed", "none", "bf16-mixed")):
+    for name, mode, precision in (
+        ("none", "none", "32-true"),
+        ("full", "full", "32-true"),
+        ("selective", "selective", "32-true"),
+        ("bf16-mixed", "none", "bf16-mixed"),
+    ):
         torch.manual_seed(0)
         model = parallelize(MoEGPT(**MODEL), dims)
         apply_mixed_precision(model, mixed_precision_policy(precision))
@@ -100,15 +111,30 @@ def main() -> None:
     per_rank = measure()
     saved = {k: max(r[k][0] for r in per_rank.values()) for k in per_rank[0]}
     step = {k: max(r[k][1] for r in per_rank.values()) for k in per_rank[0]}
-    print(f"Activation checkpointing, ep=2 on CPU (MoEGPT hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers,"
-          f" batch {BATCH}x{SEQ} per rank): saved activations per rank (max over ranks), step time vs none")
-    print_table([{"activation_checkpointing": k, "activation MB per rank": saved[k] / 1e6,
-                  "memory / none": saved[k] / saved["none"], "step time s": step[k], "step time / none": step[k] / step["none"]}
-                 for k in ("none", "selective", "full")])
+    print(
+        f"Activation checkpointing, ep=2 on CPU (MoEGPT hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers,"
+        f" batch {BATCH}x{SEQ} per rank): saved activations per rank (max over ranks), step time vs none"
+    )
+    print_table(
+        [
+            {
+                "activation_checkpointing": k,
+                "activation MB per rank": saved[k] / 1e6,
+                "memory / none": saved[k] / saved["none"],
+                "step time s": step[k],
+                "step time / none": step[k] / step["none"],
+            }
+            for k in ("none", "selective", "full")
+        ]
+    )
     print()
     print("bf16-mixed vs fp32 step time, ep=2 (FSDP2 bf16 all-gathers, fp32 reduction)")
-    print_table([{"precision": "32-true", "step time s": step["none"], "ratio": 1.0},
-                 {"precision": "bf16-mixed", "step time s": step["bf16-mixed"], "ratio": step["bf16-mixed"] / step["none"]}])
+    print_table(
+        [
+            {"precision": "32-true", "step time s": step["none"], "ratio": 1.0},
+            {"precision": "bf16-mixed", "step time s": step["bf16-mixed"], "ratio": step["bf16-mixed"] / step["none"]},
+        ]
+    )
 
 
 if __name__ == "__main__":

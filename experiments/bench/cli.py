@@ -11,7 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_training(overrides: Sequence[str], run_dir: Path, env: Mapping[str, str] | None = None, timeout: float = 900) -> None:
+def run_training(
+    overrides: Sequence[str], run_dir: Path, env: Mapping[str, str] | None = None, timeout: float = 900
+) -> None:
     """Train with ``overrides`` into ``run_dir`` (Lightning's launcher starts the other ranks), from
     the repository root with it on ``PYTHONPATH`` (benchmark callbacks are ``_target_``s there);
     ``RuntimeError`` with the run's output tail when it fails."""

@@ -70,7 +70,9 @@ def _measure(step: Callable[[], int]) -> dict:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             pairs = step()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     peak = max(itertools.accumulate(e.nbytes() for e in events), default=0)
     return {"peak": peak, "saved": sum(saved.values()), "pairs": pairs}
 
@@ -118,13 +120,16 @@ def run_cp_attention_bench() -> list[dict]:
     rows = []
     for (label, cp, _, _), ranks in zip(CONFIGS, out["results"]):
         pairs = [r["pairs"] for r in ranks]
-        rows.append({
-            "attention": label, "cp": cp,
-            "peak MB/rank": max(r["peak"] for r in ranks) / 2**20,
-            "saved MB/rank": max(r["saved"] for r in ranks) / 2**20,
-            "fwd GFLOP/rank max": 4 * max(pairs) * HEAD_DIM / 1e9,
-            "fwd GFLOP/rank mean": 4 * sum(pairs) / len(pairs) * HEAD_DIM / 1e9,
-        })
+        rows.append(
+            {
+                "attention": label,
+                "cp": cp,
+                "peak MB/rank": max(r["peak"] for r in ranks) / 2**20,
+                "saved MB/rank": max(r["saved"] for r in ranks) / 2**20,
+                "fwd GFLOP/rank max": 4 * max(pairs) * HEAD_DIM / 1e9,
+                "fwd GFLOP/rank mean": 4 * sum(pairs) / len(pairs) * HEAD_DIM / 1e9,
+            }
+        )
     base = rows[0]
     for row in rows:
         row["peak / cp1"] = row["peak MB/rank"] / base["peak MB/rank"]
@@ -139,18 +144,24 @@ def main() -> None:
     rows = run_cp_attention_bench()
     memory_cols = ("attention", "cp", "peak MB/rank", "peak / cp1", "saved MB/rank", "saved / cp1")
     work_cols = ("attention", "cp", "fwd GFLOP/rank max", "fwd GFLOP/rank mean", "work max/mean")
-    print(f"CP attention memory per rank (causal, {SEQ} tokens, batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, "
-          "fp32, fwd+bwd; peak: CPU allocator high-water mark from the torch profiler; "
-          "saved: tensors autograd keeps for backward)")
+    print(
+        f"CP attention memory per rank (causal, {SEQ} tokens, batch {BATCH}, {HEADS} heads, head_dim {HEAD_DIM}, "
+        "fp32, fwd+bwd; peak: CPU allocator high-water mark from the torch profiler; "
+        "saved: tensors autograd keeps for backward)"
+    )
     print_table([{c: row[c] for c in memory_cols} for row in rows])
     print()
-    print("CP attention work per rank (attended query-key pairs counted from the blocks each rank ran; "
-          "target zigzag max/mean <= 1.05 at cp=4)")
+    print(
+        "CP attention work per rank (attended query-key pairs counted from the blocks each rank ran; "
+        "target zigzag max/mean <= 1.05 at cp=4)"
+    )
     print_table([{c: row[c] for c in work_cols} for row in rows if row["attention"] != "sdpa"])
     zigzag4 = next(row for row in rows if row["attention"] == "ring zigzag" and row["cp"] == 4)
     per_head4 = next(row for row in rows if row["attention"] == "ring zigzag per head" and row["cp"] == 4)
-    print(f"\nzigzag cp=4: peak/cp1 {per_head4['peak / cp1']:.3f} per head, {zigzag4['peak / cp1']:.3f} all heads at once "
-          f"(target <= 0.3), saved/cp1 {zigzag4['saved / cp1']:.3f}, work max/mean {zigzag4['work max/mean']:.3f} (target <= 1.05)")
+    print(
+        f"\nzigzag cp=4: peak/cp1 {per_head4['peak / cp1']:.3f} per head, {zigzag4['peak / cp1']:.3f} all heads at once "
+        f"(target <= 0.3), saved/cp1 {zigzag4['saved / cp1']:.3f}, work max/mean {zigzag4['work max/mean']:.3f} (target <= 1.05)"
+    )
 
 
 if __name__ == "__main__":

@@ -79,10 +79,32 @@ MIXES: tuple[tuple[str, int, int, float], ...] = (
 )
 TIMED_MIX = 1  # the mix of the timed document-causal attention
 # heads_kv: the timed shapes' K/V heads (grouped-query, then one per query head); one link for both.
-FULL = dict(plan_seq=8192, plan_batch=4, check_seq=1024, check_batch=2, check_heads=2, check_dim=16,
-            seq=4096, heads_q=8, heads_kv=(2, 8), head_dim=64, rounds=5)
-SMOKE = dict(plan_seq=1024, plan_batch=2, check_seq=256, check_batch=2, check_heads=2, check_dim=8,
-             seq=256, heads_q=4, heads_kv=(2, 4), head_dim=16, rounds=1)
+FULL = dict(
+    plan_seq=8192,
+    plan_batch=4,
+    check_seq=1024,
+    check_batch=2,
+    check_heads=2,
+    check_dim=16,
+    seq=4096,
+    heads_q=8,
+    heads_kv=(2, 8),
+    head_dim=64,
+    rounds=5,
+)
+SMOKE = dict(
+    plan_seq=1024,
+    plan_batch=2,
+    check_seq=256,
+    check_batch=2,
+    check_heads=2,
+    check_dim=8,
+    seq=256,
+    heads_q=4,
+    heads_kv=(2, 4),
+    head_dim=16,
+    rounds=1,
+)
 CASES = (("ring", False), ("a2a", False), ("ring", True), ("a2a", True))  # (method, documents)
 
 
@@ -138,8 +160,15 @@ def _plan_counts(group: dist.ProcessGroup, sizes: dict) -> list[dict]:
         for tile in TILES:
             plan = document_plan(local, group, document_tile=tile)
             per_rank = _gather((plan.computed_pairs, plan.visible_pairs))
-            results.append({"mix": mix, "tile": tile, "rows": rows, "computed": [c for c, _ in per_rank],
-                            "visible": [v for _, v in per_rank]})
+            results.append(
+                {
+                    "mix": mix,
+                    "tile": tile,
+                    "rows": rows,
+                    "computed": [c for c, _ in per_rank],
+                    "visible": [v for _, v in per_rank],
+                }
+            )
     return results
 
 
@@ -165,13 +194,18 @@ def _trace_checks(group: dist.ProcessGroup, sizes: dict) -> list[dict]:
             qq, kk, vv = _fresh(q, k, v)
             with trace_ring_attention() as trace:  # the ring plans from the ids itself
                 ring_attention(qq, kk, vv, group, document_ids=local, document_tile=tile).backward(grad)
-            counts = {f"{what} {phase}": getattr(trace, what)(phase) for what in ("pairs", "visible_pairs")
-                      for phase in ("forward", "backward")}
+            counts = {
+                f"{what} {phase}": getattr(trace, what)(phase)
+                for what in ("pairs", "visible_pairs")
+                for phase in ("forward", "backward")
+            }
             matches = all(counts[f"pairs {p}"] == plan.computed_pairs * heads for p in ("forward", "backward")) and all(
-                counts[f"visible_pairs {p}"] == plan.visible_pairs * heads for p in ("forward", "backward"))
+                counts[f"visible_pairs {p}"] == plan.visible_pairs * heads for p in ("forward", "backward")
+            )
             per_rank = _gather((counts, matches))
-            results.append({"mix": mix, "tile": tile, "counts": [c for c, _ in per_rank],
-                            "matches": all(m for _, m in per_rank)})
+            results.append(
+                {"mix": mix, "tile": tile, "counts": [c for c, _ in per_rank], "matches": all(m for _, m in per_rank)}
+            )
     return results
 
 
@@ -228,10 +262,14 @@ def _timing(group: dist.ProcessGroup, sizes: dict, hkv: int, bandwidth: float | 
     with trace_ring_attention() as trace:
         results[("ring", True)] = step("ring", True)
     trace_matches = trace.pairs("forward") == trace.pairs("backward") == plan.computed_pairs * hq and (
-        trace.visible_pairs("forward") == trace.visible_pairs("backward") == plan.visible_pairs * hq)
-    difference = {documents: _max(max(float((r - a).abs().max()) for r, a in zip(results[("ring", documents)],
-                                                                                 results[("a2a", documents)])))
-                  for documents in (False, True)}
+        trace.visible_pairs("forward") == trace.visible_pairs("backward") == plan.visible_pairs * hq
+    )
+    difference = {
+        documents: _max(
+            max(float((r - a).abs().max()) for r, a in zip(results[("ring", documents)], results[("a2a", documents)]))
+        )
+        for documents in (False, True)
+    }
     del results
 
     samples = {case: {"inf": [], "sim": [], "comm": [], "blocked": [], "sim_bytes": []} for case in CASES}
@@ -268,12 +306,24 @@ def _timing(group: dist.ProcessGroup, sizes: dict, hkv: int, bandwidth: float | 
     bytes_per_rank = {case: _gather(counted[case]) for case in CASES}
     sim_bytes = {case: _gather(samples[case]["sim_bytes"][0]) for case in CASES}
     return {
-        "heads_kv": hkv, "bandwidth": bandwidth, "rows": rows, "trace_matches": _max(float(not trace_matches)) == 0.0,
-        "visible": _gather(plan.visible_pairs), "computed": _gather(plan.computed_pairs), "difference": difference,
-        "cases": {case: {"inf": statistics.median(s["inf"]), "sim": statistics.median(s["sim"]),
-                         "comm": statistics.median(s["comm"]), "blocked": statistics.median(s["blocked"]),
-                         "counted": bytes_per_rank[case], "sim_bytes": sim_bytes[case]}
-                  for case, s in samples.items()},
+        "heads_kv": hkv,
+        "bandwidth": bandwidth,
+        "rows": rows,
+        "trace_matches": _max(float(not trace_matches)) == 0.0,
+        "visible": _gather(plan.visible_pairs),
+        "computed": _gather(plan.computed_pairs),
+        "difference": difference,
+        "cases": {
+            case: {
+                "inf": statistics.median(s["inf"]),
+                "sim": statistics.median(s["sim"]),
+                "comm": statistics.median(s["comm"]),
+                "blocked": statistics.median(s["blocked"]),
+                "counted": bytes_per_rank[case],
+                "sim_bytes": sim_bytes[case],
+            }
+            for case, s in samples.items()
+        },
     }
 
 
@@ -327,7 +377,9 @@ def _cpu_local() -> Any:
 
     from lightning_moe.planner.cluster import Cluster
 
-    return Cluster.from_config(OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_moe/conf/cluster/cpu_local.yaml")))
+    return Cluster.from_config(
+        OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_moe/conf/cluster/cpu_local.yaml"))
+    )
 
 
 def predicted_ratio(records: dict[str, Any], bandwidth: float | None, compute: dict[str, float]) -> float:
@@ -348,8 +400,9 @@ def predicted_ratio(records: dict[str, Any], bandwidth: float | None, compute: d
 
     passes = 3.0 + RECOMPUTE_FORWARDS["none"]  # a forward and a backward of twice its FLOPs
     ring_comm = comm_seconds("ring")
-    hidden = overlapped_hidden_seconds(records["ring layout"], compute["ring"], compute["ring"] * (passes - 1) / passes,
-                                       0.0, ring_comm, 0.0)
+    hidden = overlapped_hidden_seconds(
+        records["ring layout"], compute["ring"], compute["ring"] * (passes - 1) / passes, 0.0, ring_comm, 0.0
+    )
     ring = compute["ring"] + ring_comm - hidden + cluster.overlap_slowdown * hidden
     return (compute["a2a"] + comm_seconds("a2a")) / ring
 
@@ -364,17 +417,19 @@ def _work_rows(plans: list[dict], seq: int) -> list[dict]:
         ideal = sum(length * (length + 1) // 2 for row in p["rows"] for length in row)
         causal = len(p["rows"]) * seq * (seq + 1) // 2
         ratio = computed / visible
-        rows.append({
-            "mix (log-uniform tokens)": MIXES[p["mix"]][0],
-            "docs/row": sum(len(r) for r in p["rows"]) / len(p["rows"]),
-            "tile": p["tile"],
-            "computed / visible": ratio,
-            "within 5%": "yes" if ratio <= 1.05 else "no",
-            "computed / causal": computed / causal,
-            "visible / causal": visible / causal,
-            "work max/mean": max(p["computed"]) / (computed / len(p["computed"])),
-            "visible = ideal": "yes" if visible == ideal else f"NO ({visible} != {ideal})",
-        })
+        rows.append(
+            {
+                "mix (log-uniform tokens)": MIXES[p["mix"]][0],
+                "docs/row": sum(len(r) for r in p["rows"]) / len(p["rows"]),
+                "tile": p["tile"],
+                "computed / visible": ratio,
+                "within 5%": "yes" if ratio <= 1.05 else "no",
+                "computed / causal": computed / causal,
+                "visible / causal": visible / causal,
+                "work max/mean": max(p["computed"]) / (computed / len(p["computed"])),
+                "visible = ideal": "yes" if visible == ideal else f"NO ({visible} != {ideal})",
+            }
+        )
     return rows
 
 
@@ -382,13 +437,15 @@ def _check_rows(checks: list[dict]) -> list[dict]:
     rows = []
     for c in checks:
         total = {key: sum(counts[key] for counts in c["counts"]) for key in c["counts"][0]}
-        rows.append({
-            "mix (log-uniform tokens)": MIXES[c["mix"]][0],
-            "tile": c["tile"],
-            "fwd computed / visible": total["pairs forward"] / total["visible_pairs forward"],
-            "bwd computed / visible": total["pairs backward"] / total["visible_pairs backward"],
-            "trace = plan (fwd, bwd, all ranks)": "yes" if c["matches"] else "NO",
-        })
+        rows.append(
+            {
+                "mix (log-uniform tokens)": MIXES[c["mix"]][0],
+                "tile": c["tile"],
+                "fwd computed / visible": total["pairs forward"] / total["visible_pairs forward"],
+                "bwd computed / visible": total["pairs backward"] / total["visible_pairs backward"],
+                "trace = plan (fwd, bwd, all ranks)": "yes" if c["matches"] else "NO",
+            }
+        )
     return rows
 
 
@@ -405,18 +462,24 @@ def run(smoke: bool = False) -> dict[str, Any]:
     seconds["total"] = time.perf_counter() - started
 
     work = _work_rows(plans, sizes["plan_seq"])
-    print(f"Document-masked ring attention at cp={CP} (zigzag): (query, key) pairs computed vs visible, summed over the"
-          f" ranks' document plans ({sizes['plan_batch']} rows x {sizes['plan_seq']} tokens per mix, lengths log-uniform,"
-          " last document of a row cut to fit; FLOPs = 4 x pairs x head_dim; the backward runs the same blocks)")
+    print(
+        f"Document-masked ring attention at cp={CP} (zigzag): (query, key) pairs computed vs visible, summed over the"
+        f" ranks' document plans ({sizes['plan_batch']} rows x {sizes['plan_seq']} tokens per mix, lengths log-uniform,"
+        " last document of a row cut to fit; FLOPs = 4 x pairs x head_dim; the backward runs the same blocks)"
+    )
     print_table(work)
-    print("computed / visible: 1.0 is the ideal (every visible pair once, nothing else); the excess is the masked squares"
-          " of packed short documents. computed / causal: the share of plain causal attention's pairs computed."
-          " work max/mean: the busiest rank's pairs over the mean.")
+    print(
+        "computed / visible: 1.0 is the ideal (every visible pair once, nothing else); the excess is the masked squares"
+        " of packed short documents. computed / causal: the share of plain causal attention's pairs computed."
+        " work max/mean: the busiest rank's pairs over the mean."
+    )
     print()
     check = _check_rows(checks)
-    print(f"Ring attention run forward + backward under trace_ring_attention() ({sizes['check_batch']} rows x"
-          f" {sizes['check_seq']} tokens, {sizes['check_heads']} heads, head_dim {sizes['check_dim']}): the trace"
-          " against document_plan on every rank")
+    print(
+        f"Ring attention run forward + backward under trace_ring_attention() ({sizes['check_batch']} rows x"
+        f" {sizes['check_seq']} tokens, {sizes['check_heads']} heads, head_dim {sizes['check_dim']}): the trace"
+        " against document_plan on every rank"
+    )
     print_table(check)
     print()
 
@@ -429,24 +492,28 @@ def run(smoke: bool = False) -> dict[str, Any]:
             counted = case["counted"]
             measured = statistics.mean(c["bytes"] for c in counted)
             planned = records[hkv][method].bytes
-            byte_rows.append({
-                "K/V heads": hkv,
-                "attention": "ring" if method == "ring" else "all-to-all",
-                "mask": "documents" if documents else "causal",
-                "cp calls": statistics.mean(c["calls"] for c in counted),
-                "planner calls": records[hkv][method].calls,
-                "cp MB/rank (accounting)": measured / 1e6,
-                "planner MB/rank": planned / 1e6,
-                "measured / planner": measured / planned,
-                "ranks equal": "yes" if len({c["bytes"] for c in counted}) == 1 else "no",
-                "link simulator MB/rank": statistics.mean(case["sim_bytes"]) / 1e6,
-            })
+            byte_rows.append(
+                {
+                    "K/V heads": hkv,
+                    "attention": "ring" if method == "ring" else "all-to-all",
+                    "mask": "documents" if documents else "causal",
+                    "cp calls": statistics.mean(c["calls"] for c in counted),
+                    "planner calls": records[hkv][method].calls,
+                    "cp MB/rank (accounting)": measured / 1e6,
+                    "planner MB/rank": planned / 1e6,
+                    "measured / planner": measured / planned,
+                    "ranks equal": "yes" if len({c["bytes"] for c in counted}) == 1 else "no",
+                    "link simulator MB/rank": statistics.mean(case["sim_bytes"]) / 1e6,
+                }
+            )
     print(f"CP bytes per rank of one attention forward+backward at cp={CP} ({shape}): comm accounting vs planner")
     print_table(byte_rows)
-    print("cp bytes: what count_collectives charged to cp (the ring's P2P sends, the all-to-alls); planner:"
-          " comm_records' cp record (ring: 2(cp-1) x 2 x K/V block x 4 B + cp x 2 x K/V block x 4 B (fp32 dK/dV);"
-          " a2a: ulysses_attention_bytes, K/V heads repeated up to a multiple of cp). Document ids gathered before the"
-          " call (as the strategy's modes do once per micro-batch), so not in these bytes.")
+    print(
+        "cp bytes: what count_collectives charged to cp (the ring's P2P sends, the all-to-alls); planner:"
+        " comm_records' cp record (ring: 2(cp-1) x 2 x K/V block x 4 B + cp x 2 x K/V block x 4 B (fp32 dK/dV);"
+        " a2a: ulysses_attention_bytes, K/V heads repeated up to a multiple of cp). Document ids gathered before the"
+        " call (as the strategy's modes do once per micro-batch), so not in these bytes."
+    )
     print()
 
     cluster = _cpu_local()
@@ -460,44 +527,63 @@ def run(smoke: bool = False) -> dict[str, Any]:
             ring, a2a = timing["cases"][("ring", documents)], timing["cases"][("a2a", documents)]
             measured_compute = {"ring": ring["inf"], "a2a": a2a["inf"]}
             for key, bw in (("inf", None), ("sim", bandwidth)):
-                time_rows.append({
-                    "K/V heads": hkv,
-                    "mask": "documents" if documents else "causal",
-                    "cp link": "none" if bw is None else f"{bw / 1e6:.1f} MB/s",
-                    "ring s": ring[key],
-                    "a2a s": a2a[key],
-                    "a2a / ring": a2a[key] / ring[key],
-                    "predicted (measured compute)": predicted_ratio(records[hkv], bw, measured_compute) if bw else "-",
-                    "predicted (planner compute)": predicted_ratio(records[hkv], bw, planner_compute),
-                    "ring sim comm s": ring["comm"] if bw else "-",
-                    "a2a sim comm s": a2a["comm"] if bw else "-",
-                    "ring comm hidden": 1 - (ring["sim"] - ring["inf"]) / ring["comm"] if bw else "-",
-                })
+                time_rows.append(
+                    {
+                        "K/V heads": hkv,
+                        "mask": "documents" if documents else "causal",
+                        "cp link": "none" if bw is None else f"{bw / 1e6:.1f} MB/s",
+                        "ring s": ring[key],
+                        "a2a s": a2a[key],
+                        "a2a / ring": a2a[key] / ring[key],
+                        "predicted (measured compute)": predicted_ratio(records[hkv], bw, measured_compute)
+                        if bw
+                        else "-",
+                        "predicted (planner compute)": predicted_ratio(records[hkv], bw, planner_compute),
+                        "ring sim comm s": ring["comm"] if bw else "-",
+                        "a2a sim comm s": a2a["comm"] if bw else "-",
+                        "ring comm hidden": 1 - (ring["sim"] - ring["inf"]) / ring["comm"] if bw else "-",
+                    }
+                )
     first = timings[0]
     visible, computed = sum(first["visible"]), sum(first["computed"])
     causal = sizes["seq"] * (sizes["seq"] + 1) // 2
-    print(f"Ring vs all-to-all attention at cp={CP}, one forward+backward ({shape}), {CP} gloo processes of 1 thread on"
-          f" the shared cores, median of {sizes['rounds']} round-robin rounds, slowest rank")
+    print(
+        f"Ring vs all-to-all attention at cp={CP}, one forward+backward ({shape}), {CP} gloo processes of 1 thread on"
+        f" the shared cores, median of {sizes['rounds']} round-robin rounds, slowest rank"
+    )
     print_table(time_rows)
-    print(f"cp link: LinkSimulator(cp=...), latency 0, one for both shapes, set so that the all-to-all's simulated comm"
-          f" time equals the ring's causal time without a link at {sizes['heads_kv'][0]} K/V heads"
-          f" ({sizes['a2a_bytes'] / 1e6:.2f} MB / {sizes['a2a_bytes'] / first['bandwidth']:.3f} s, first round)."
-          f" documents: one row of mix '{MIXES[TIMED_MIX][0]}' ({len(first['rows'][0])} docs, tile {TIMED_TILE}): the"
-          f" ring computes {computed / causal:.3f} of causal attention's pairs ({computed / visible:.3f} of the visible"
-          " ones); all-to-all on CPU runs SDPA with a dense [S, S] boolean mask, every pair. ring comm hidden:"
-          " 1 - (time under the link - time without) / simulated ring comm time.")
-    print("predicted: the planner's rules, compute + exposed comm, comm = record_seconds(cp record) at the link's"
-          " bandwidth; a2a exposed in full, ring hidden by the planner's overlapped_hidden_seconds. measured compute: each method's time"
-          " without a link; planner compute: causal attention FLOPs (no document sparsity) at cpu_local's"
-          f" {cluster.peak_flops / 1e9:.0f} GFLOP/s x {cluster.attention_efficiency} with {CP} ranks on"
-          f" {cluster.concurrent_ranks} cores, the same for both methods"
-          f" ({3 * records[sizes['heads_kv'][0]]['attention_flops'] / rate * slowdown:.3f} s).")
+    print(
+        f"cp link: LinkSimulator(cp=...), latency 0, one for both shapes, set so that the all-to-all's simulated comm"
+        f" time equals the ring's causal time without a link at {sizes['heads_kv'][0]} K/V heads"
+        f" ({sizes['a2a_bytes'] / 1e6:.2f} MB / {sizes['a2a_bytes'] / first['bandwidth']:.3f} s, first round)."
+        f" documents: one row of mix '{MIXES[TIMED_MIX][0]}' ({len(first['rows'][0])} docs, tile {TIMED_TILE}): the"
+        f" ring computes {computed / causal:.3f} of causal attention's pairs ({computed / visible:.3f} of the visible"
+        " ones); all-to-all on CPU runs SDPA with a dense [S, S] boolean mask, every pair. ring comm hidden:"
+        " 1 - (time under the link - time without) / simulated ring comm time."
+    )
+    print(
+        "predicted: the planner's rules, compute + exposed comm, comm = record_seconds(cp record) at the link's"
+        " bandwidth; a2a exposed in full, ring hidden by the planner's overlapped_hidden_seconds. measured compute: each method's time"
+        " without a link; planner compute: causal attention FLOPs (no document sparsity) at cpu_local's"
+        f" {cluster.peak_flops / 1e9:.0f} GFLOP/s x {cluster.attention_efficiency} with {CP} ranks on"
+        f" {cluster.concurrent_ranks} cores, the same for both methods"
+        f" ({3 * records[sizes['heads_kv'][0]]['attention_flops'] / rate * slowdown:.3f} s)."
+    )
     for timing in timings:
-        print(f"{timing['heads_kv']} K/V heads: ring = a2a (max |difference| of output and gradients): causal"
-              f" {timing['difference'][False]:.1e}, documents {timing['difference'][True]:.1e}; the ring's trace"
-              f" equals its plan at this size: {'yes' if timing['trace_matches'] else 'NO'}")
+        print(
+            f"{timing['heads_kv']} K/V heads: ring = a2a (max |difference| of output and gradients): causal"
+            f" {timing['difference'][False]:.1e}, documents {timing['difference'][True]:.1e}; the ring's trace"
+            f" equals its plan at this size: {'yes' if timing['trace_matches'] else 'NO'}"
+        )
     print(f"(work part {seconds['work']:.1f} s, timing part {seconds['timing']:.1f} s, bench {seconds['total']:.1f} s)")
-    return {"work": work, "checks": check, "bytes": byte_rows, "times": time_rows, "timings": timings, "seconds": seconds}
+    return {
+        "work": work,
+        "checks": check,
+        "bytes": byte_rows,
+        "times": time_rows,
+        "timings": timings,
+        "seconds": seconds,
+    }
 
 
 def main(smoke: bool = False) -> None:

@@ -54,11 +54,30 @@ RSS_SAMPLES = 2000
 GLOBAL_BATCH = 16
 MICRO_BATCH = 2
 
-FULL = dict(big_bytes=1 << 30, small_bytes=10_000_000, rss_samples=RSS_SAMPLES, rss_seq_lens=(128, 1024),
-            load_seconds=2.0, train_steps=3, text_bytes=8_000_000, tokenizer_train_bytes=1_500_000,
-            tokenizer_vocab=2000, prepare_batch_size=200)
-SMOKE = dict(big_bytes=4 << 20, small_bytes=1 << 20, rss_samples=100, rss_seq_lens=(128,), load_seconds=0.2,
-             train_steps=1, text_bytes=200_000, tokenizer_train_bytes=50_000, tokenizer_vocab=400, prepare_batch_size=50)
+FULL = dict(
+    big_bytes=1 << 30,
+    small_bytes=10_000_000,
+    rss_samples=RSS_SAMPLES,
+    rss_seq_lens=(128, 1024),
+    load_seconds=2.0,
+    train_steps=3,
+    text_bytes=8_000_000,
+    tokenizer_train_bytes=1_500_000,
+    tokenizer_vocab=2000,
+    prepare_batch_size=200,
+)
+SMOKE = dict(
+    big_bytes=4 << 20,
+    small_bytes=1 << 20,
+    rss_samples=100,
+    rss_seq_lens=(128,),
+    load_seconds=0.2,
+    train_steps=1,
+    text_bytes=200_000,
+    tokenizer_train_bytes=50_000,
+    tokenizer_vocab=400,
+    prepare_batch_size=50,
+)
 
 
 # --- corpora ---------------------------------------------------------------------------------------
@@ -89,7 +108,12 @@ def write_corpus(prefix: Path, num_bytes: int, seed: int = 0) -> dict[str, Any]:
                 written += length
         writer.close(metadata={"tokenizer": "synthetic"})
     seconds = time.perf_counter() - started
-    return {"tokens": writer.num_tokens, "documents": writer.num_documents, "bytes": writer.num_tokens * 2, "seconds": seconds}
+    return {
+        "tokens": writer.num_tokens,
+        "documents": writer.num_documents,
+        "bytes": writer.num_tokens * 2,
+        "seconds": seconds,
+    }
 
 
 def _label(num_bytes: int) -> str:
@@ -102,8 +126,15 @@ def rank_loader(dataset: Any, seed: int, *, num_replicas: int = 1, rank: int = 0
 
     from lightning_moe.data.sampler import LayoutInvariantSampler
 
-    sampler = LayoutInvariantSampler(dataset, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                                     num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
+    sampler = LayoutInvariantSampler(
+        dataset,
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=MICRO_BATCH,
+        num_replicas=num_replicas,
+        rank=rank,
+        shuffle=True,
+        seed=seed,
+    )
     return DataLoader(dataset, batch_size=MICRO_BATCH, sampler=sampler, drop_last=True, num_workers=0)
 
 
@@ -148,10 +179,15 @@ def _child_memory(prefix: str, seq_len: int, samples: int) -> dict[str, Any]:
         if read >= samples:
             break
     after = _status()
-    return {"index_seconds": index_seconds, "first_batch_seconds": first_batch_seconds, "samples_read": read,
-            "train_samples": len(dm.train_dataset), "growth": {k: after[k] - before[k] for k in after},
-            "growth_at_index": {k: at_index[k] - before[k] for k in after},
-            "growth_at_first_batch": {k: at_first_batch[k] - before[k] for k in after}}
+    return {
+        "index_seconds": index_seconds,
+        "first_batch_seconds": first_batch_seconds,
+        "samples_read": read,
+        "train_samples": len(dm.train_dataset),
+        "growth": {k: after[k] - before[k] for k in after},
+        "growth_at_index": {k: at_index[k] - before[k] for k in after},
+        "growth_at_first_batch": {k: at_first_batch[k] - before[k] for k in after},
+    }
 
 
 def _child_train_tokenizer(folder: str, text_file: str, vocab_size: int) -> dict[str, Any]:
@@ -161,8 +197,12 @@ def _child_train_tokenizer(folder: str, text_file: str, vocab_size: int) -> dict
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=[EOS], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[EOS],
+        show_progress=False,
+    )
     tok.train_from_iterator(Path(text_file).read_text().splitlines(keepends=True), trainer=trainer)
     tok.save(str(Path(folder) / "tokenizer.json"))
     (Path(folder) / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
@@ -203,8 +243,13 @@ def loading_rate(prefix: Path, document_mask: bool, seconds: float) -> float:
     after its first batch."""
     from lightning_moe.data.tokens import TokenDataModule
 
-    dm = TokenDataModule(blend=str(prefix), seq_len=128, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH,
-                         document_mask=document_mask)
+    dm = TokenDataModule(
+        blend=str(prefix),
+        seq_len=128,
+        global_batch_size=GLOBAL_BATCH,
+        micro_batch_size=MICRO_BATCH,
+        document_mask=document_mask,
+    )
     loader = rank_loader(dm.train_dataset, dm.seed, num_replicas=2, rank=0)
     batches = iter(loader)
     next(batches)
@@ -260,8 +305,13 @@ def training_rate(vocab_size: int | None, steps: int) -> tuple[float, dict[str, 
     for _ in range(steps):
         step()
     rate = steps * global_batch / (time.perf_counter() - started)
-    return rate, {"vocab_size": vocab, "seq_len": seq_len, "global_batch": global_batch, "micro_batch": micro,
-                  "parameters": sum(p.numel() for p in model.parameters())}
+    return rate, {
+        "vocab_size": vocab,
+        "seq_len": seq_len,
+        "global_batch": global_batch,
+        "micro_batch": micro,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
 
 
 # --- prepare ---------------------------------------------------------------------------------------
@@ -308,7 +358,9 @@ def tokenization_rows(tmp: Path, sizes: dict[str, Any]) -> tuple[list[dict[str, 
     # Children: this process must not start tokenizers' thread pool before prepare forks its workers.
     run_child("train_tokenizer", folder=str(folder), text_file=str(train_text), vocab_size=sizes["tokenizer_vocab"])
     threaded = run_child("encode", tokenizer_folder=str(folder), jsonl=str(jsonl))
-    single = run_child("encode", env={"TOKENIZERS_PARALLELISM": "false"}, tokenizer_folder=str(folder), jsonl=str(jsonl))
+    single = run_child(
+        "encode", env={"TOKENIZERS_PARALLELISM": "false"}, tokenizer_folder=str(folder), jsonl=str(jsonl)
+    )
     threaded_rate, single_rate = threaded["tokens"] / threaded["seconds"], single["tokens"] / single["seconds"]
 
     from lightning_moe.data.prepare import prepare
@@ -316,26 +368,51 @@ def tokenization_rows(tmp: Path, sizes: dict[str, Any]) -> tuple[list[dict[str, 
     runs = {}
     for workers in (2, 1):  # 2 first: its workers fork before this process uses the tokenizer itself
         started = time.perf_counter()
-        summary = prepare(str(jsonl), str(folder), str(tmp / f"prepared_w{workers}"), workers=workers,
-                          batch_size=sizes["prepare_batch_size"], progress=False)
+        summary = prepare(
+            str(jsonl),
+            str(folder),
+            str(tmp / f"prepared_w{workers}"),
+            workers=workers,
+            batch_size=sizes["prepare_batch_size"],
+            progress=False,
+        )
         seconds = time.perf_counter() - started
         runs[workers] = (summary["tokens"] - summary["documents"], seconds)  # one EOS per document left out
     threads = os.cpu_count() or 1
     rows = [
-        {"run": "encode_batch, 1 process", "threads": f"tokenizers' ({threads})", "tokens": f"{threaded['tokens']:,}",
-         "seconds": threaded["seconds"], "tokens/s": threaded_rate, "tokens/s per worker": threaded_rate,
-         "per worker / encode_batch 1 thread": threaded_rate / single_rate},
-        {"run": "encode_batch, 1 process", "threads": "1 (TOKENIZERS_PARALLELISM=false)", "tokens": f"{single['tokens']:,}",
-         "seconds": single["seconds"], "tokens/s": single_rate, "tokens/s per worker": single_rate,
-         "per worker / encode_batch 1 thread": 1.0},
+        {
+            "run": "encode_batch, 1 process",
+            "threads": f"tokenizers' ({threads})",
+            "tokens": f"{threaded['tokens']:,}",
+            "seconds": threaded["seconds"],
+            "tokens/s": threaded_rate,
+            "tokens/s per worker": threaded_rate,
+            "per worker / encode_batch 1 thread": threaded_rate / single_rate,
+        },
+        {
+            "run": "encode_batch, 1 process",
+            "threads": "1 (TOKENIZERS_PARALLELISM=false)",
+            "tokens": f"{single['tokens']:,}",
+            "seconds": single["seconds"],
+            "tokens/s": single_rate,
+            "tokens/s per worker": single_rate,
+            "per worker / encode_batch 1 thread": 1.0,
+        },
     ]
     for workers in (1, 2):
         tokens, seconds = runs[workers]
         rate = tokens / seconds
-        rows.append({"run": f"prepare workers={workers}",
-                     "threads": f"tokenizers' ({threads})" if workers == 1 else f"{workers} processes x 1",
-                     "tokens": f"{tokens:,}", "seconds": seconds, "tokens/s": rate, "tokens/s per worker": rate / workers,
-                     "per worker / encode_batch 1 thread": rate / workers / single_rate})
+        rows.append(
+            {
+                "run": f"prepare workers={workers}",
+                "threads": f"tokenizers' ({threads})" if workers == 1 else f"{workers} processes x 1",
+                "tokens": f"{tokens:,}",
+                "seconds": seconds,
+                "tokens/s": rate,
+                "tokens/s per worker": rate / workers,
+                "per worker / encode_batch 1 thread": rate / workers / single_rate,
+            }
+        )
     info = {"records": len(records), "chars": sum(map(len, records)), "threaded_rate": threaded_rate}
     return rows, info
 
@@ -357,11 +434,23 @@ def run(smoke: bool = False) -> dict[str, Any]:
         for name, num_bytes in (("big", sizes["big_bytes"]), ("small", sizes["small_bytes"])):
             corpora[name] = {"prefix": tmp / name, **write_corpus(tmp / name, num_bytes, seed=len(name))}
         big, small = corpora["big"], corpora["small"]
-        print(f"Synthetic token corpora (uint16, vocab {VOCAB}, lognormal document lengths, written through"
-              " IndexedCorpusWriter)")
-        print_table([{"corpus": _label(c["bytes"]), "tokens": f"{c['tokens']:,}", "documents": f"{c['documents']:,}",
-                      "mean tokens/document": c["tokens"] / c["documents"], "write s": c["seconds"],
-                      "write MB/s": c["bytes"] / 1e6 / c["seconds"]} for c in corpora.values()])
+        print(
+            f"Synthetic token corpora (uint16, vocab {VOCAB}, lognormal document lengths, written through"
+            " IndexedCorpusWriter)"
+        )
+        print_table(
+            [
+                {
+                    "corpus": _label(c["bytes"]),
+                    "tokens": f"{c['tokens']:,}",
+                    "documents": f"{c['documents']:,}",
+                    "mean tokens/document": c["tokens"] / c["documents"],
+                    "write s": c["seconds"],
+                    "write MB/s": c["bytes"] / 1e6 / c["seconds"],
+                }
+                for c in corpora.values()
+            ]
+        )
         result["corpora"] = {k: {key: v for key, v in c.items() if key != "prefix"} for k, c in corpora.items()}
 
         memory_rows, memory = [], {}
@@ -371,34 +460,53 @@ def run(smoke: bool = False) -> dict[str, Any]:
                 m = run_child("memory", prefix=str(corpus["prefix"]), seq_len=seq_len, samples=sizes["rss_samples"])
                 memory[(name, seq_len)] = m
                 g = m["growth"]
-                memory_rows.append({
-                    "corpus": _label(corpus["bytes"]), "seq_len": seq_len, "train samples": f"{m['train_samples']:,}",
-                    "index build s": m["index_seconds"], "first batch s": m["first_batch_seconds"],
-                    "RssAnon: index MB": m["growth_at_index"]["RssAnon"] / 1e6,
-                    "first batch MB": m["growth_at_first_batch"]["RssAnon"] / 1e6, "end MB": g["RssAnon"] / 1e6,
-                    "RssFile MB": g["RssFile"] / 1e6, "VmRSS MB": g["VmRSS"] / 1e6, "peak (VmHWM) MB": g["VmHWM"] / 1e6,
-                })
+                memory_rows.append(
+                    {
+                        "corpus": _label(corpus["bytes"]),
+                        "seq_len": seq_len,
+                        "train samples": f"{m['train_samples']:,}",
+                        "index build s": m["index_seconds"],
+                        "first batch s": m["first_batch_seconds"],
+                        "RssAnon: index MB": m["growth_at_index"]["RssAnon"] / 1e6,
+                        "first batch MB": m["growth_at_first_batch"]["RssAnon"] / 1e6,
+                        "end MB": g["RssAnon"] / 1e6,
+                        "RssFile MB": g["RssFile"] / 1e6,
+                        "VmRSS MB": g["VmRSS"] / 1e6,
+                        "peak (VmHWM) MB": g["VmHWM"] / 1e6,
+                    }
+                )
         print()
-        print(f"A fresh process per corpus and seq_len: index build (TokenDataModule), first batch of one rank's loader,"
-              f" then growth of the resident set after reading {sizes['rss_samples']} random samples (global batch"
-              f" {GLOBAL_BATCH}, micro-batch {MICRO_BATCH}); RssAnon growth after the index build, after the first"
-              " batch (the sampler's epoch order\nincluded: one index per sample of the rank) and at the end")
+        print(
+            f"A fresh process per corpus and seq_len: index build (TokenDataModule), first batch of one rank's loader,"
+            f" then growth of the resident set after reading {sizes['rss_samples']} random samples (global batch"
+            f" {GLOBAL_BATCH}, micro-batch {MICRO_BATCH}); RssAnon growth after the index build, after the first"
+            " batch (the sampler's epoch order\nincluded: one index per sample of the rank) and at the end"
+        )
         print_table(memory_rows)
         diff_rows = []
         for seq_len in sizes["rss_seq_lens"]:
             b, s = memory[("big", seq_len)]["growth"], memory[("small", seq_len)]["growth"]
-            diff_rows.append({"seq_len": seq_len, "RssAnon MB": (b["RssAnon"] - s["RssAnon"]) / 1e6,
-                              "RssFile MB": (b["RssFile"] - s["RssFile"]) / 1e6,
-                              "VmRSS MB": (b["VmRSS"] - s["VmRSS"]) / 1e6,
-                              "peak (VmHWM) MB": (b["VmHWM"] - s["VmHWM"]) / 1e6})
+            diff_rows.append(
+                {
+                    "seq_len": seq_len,
+                    "RssAnon MB": (b["RssAnon"] - s["RssAnon"]) / 1e6,
+                    "RssFile MB": (b["RssFile"] - s["RssFile"]) / 1e6,
+                    "VmRSS MB": (b["VmRSS"] - s["VmRSS"]) / 1e6,
+                    "peak (VmHWM) MB": (b["VmHWM"] - s["VmHWM"]) / 1e6,
+                }
+            )
         print()
-        print(f"Growth with the {_label(big['bytes'])} corpus minus growth with the {_label(small['bytes'])} one"
-              " (the bound: < 100 MB)")
+        print(
+            f"Growth with the {_label(big['bytes'])} corpus minus growth with the {_label(small['bytes'])} one"
+            " (the bound: < 100 MB)"
+        )
         print_table(diff_rows)
-        print("RssAnon is what the process allocates (index arrays, sampler order, Python objects); RssFile is pages of"
-              " the memory-mapped .bin/.idx\nthat reads touched (the kernel maps up to 16 cached pages around each"
-              " fault), which the kernel reclaims under pressure and which\nare shared with the page cache; VmRSS ="
-              " RssAnon + RssFile + RssShmem.")
+        print(
+            "RssAnon is what the process allocates (index arrays, sampler order, Python objects); RssFile is pages of"
+            " the memory-mapped .bin/.idx\nthat reads touched (the kernel maps up to 16 cached pages around each"
+            " fault), which the kernel reclaims under pressure and which\nare shared with the page cache; VmRSS ="
+            " RssAnon + RssFile + RssShmem."
+        )
         result["memory"] = {f"{name}/{seq_len}": m for (name, seq_len), m in memory.items()}
         result["memory_difference"] = diff_rows
 
@@ -408,30 +516,55 @@ def run(smoke: bool = False) -> dict[str, Any]:
         for name in ("big", "small"):
             for mask in (False, True):
                 rate = loading_rate(corpora[name]["prefix"], mask, sizes["load_seconds"])
-                load_rows.append({"corpus": _label(corpora[name]["bytes"]), "document_mask": mask, "loaded samples/s": rate,
-                                  f"/ train vocab {shape['vocab_size']}": rate / train_small,
-                                  f"/ train vocab {VOCAB}": rate / train_big})
+                load_rows.append(
+                    {
+                        "corpus": _label(corpora[name]["bytes"]),
+                        "document_mask": mask,
+                        "loaded samples/s": rate,
+                        f"/ train vocab {shape['vocab_size']}": rate / train_small,
+                        f"/ train vocab {VOCAB}": rate / train_big,
+                    }
+                )
         print()
-        print(f"One rank's loading rate (rank 0 of 2, num_workers=0, seq_len 128, micro-batch {MICRO_BATCH}) vs the default"
-              f" model's training rate here: MoEGPT tiny, fp32 AdamW, global batch {shape['global_batch']} of"
-              f" {shape['micro_batch']} x {shape['seq_len']}, 1 process, 1 thread")
-        print_table([{"model": f"tiny, vocab {s['vocab_size']}", "parameters": f"{s['parameters']:,}",
-                      "trained samples/s": r} for s, r in ((shape, train_small), (shape_big, train_big))])
+        print(
+            f"One rank's loading rate (rank 0 of 2, num_workers=0, seq_len 128, micro-batch {MICRO_BATCH}) vs the default"
+            f" model's training rate here: MoEGPT tiny, fp32 AdamW, global batch {shape['global_batch']} of"
+            f" {shape['micro_batch']} x {shape['seq_len']}, 1 process, 1 thread"
+        )
+        print_table(
+            [
+                {
+                    "model": f"tiny, vocab {s['vocab_size']}",
+                    "parameters": f"{s['parameters']:,}",
+                    "trained samples/s": r,
+                }
+                for s, r in ((shape, train_small), (shape_big, train_big))
+            ]
+        )
         print_table(load_rows)
-        print("Ratio = loaded samples/s / trained samples/s: > 1 means the loader keeps up (with num_workers=0 it loads"
-              " in the training thread,\ntaking about 1/ratio of the step time).")
-        result["training"] = {"default": {"samples_per_s": train_small, **shape}, "vocab32000": {"samples_per_s": train_big, **shape_big}}
+        print(
+            "Ratio = loaded samples/s / trained samples/s: > 1 means the loader keeps up (with num_workers=0 it loads"
+            " in the training thread,\ntaking about 1/ratio of the step time)."
+        )
+        result["training"] = {
+            "default": {"samples_per_s": train_small, **shape},
+            "vocab32000": {"samples_per_s": train_big, **shape_big},
+        }
         result["loading"] = load_rows
 
         token_rows, info = tokenization_rows(tmp, sizes)
         print()
-        print(f"prepare (JSON lines -> .bin/.idx, batch_size={sizes['prepare_batch_size']}) vs tokenizers' encode_batch,"
-              f" {info['records']:,} records of the standard library's sources ({info['chars'] / 1e6:.1f} M characters),"
-              f" byte-level BPE vocab {sizes['tokenizer_vocab']}")
+        print(
+            f"prepare (JSON lines -> .bin/.idx, batch_size={sizes['prepare_batch_size']}) vs tokenizers' encode_batch,"
+            f" {info['records']:,} records of the standard library's sources ({info['chars'] / 1e6:.1f} M characters),"
+            f" byte-level BPE vocab {sizes['tokenizer_vocab']}"
+        )
         print_table(token_rows)
-        print("Ratio = prepare's tokens/s per worker / encode_batch's tokens/s on one thread: 1 means prepare costs no more"
-              " per core than the\ntokenizer alone (reading JSON, appending EOS and writing included); workers=1 runs"
-              " the tokenizer's own threads in-process.")
+        print(
+            "Ratio = prepare's tokens/s per worker / encode_batch's tokens/s on one thread: 1 means prepare costs no more"
+            " per core than the\ntokenizer alone (reading JSON, appending EOS and writing included); workers=1 runs"
+            " the tokenizer's own threads in-process."
+        )
         result["tokenization"] = token_rows
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -72,13 +72,16 @@ def run_dispatch_bytes_bench(ep_sizes: tuple[int, ...] = (2, 4)) -> list[dict]:
     for ep in ep_sizes:
         for dispatcher in ("alltoall_dedup", "alltoall", "allgather"):
             result = _measure(ep, {"ep": ep, "dispatcher": dispatcher})
-            rows.append({
-                "dispatcher": dispatcher, "ep": ep,
-                "MB/rank/step": result["bytes"] / ep / 2**20,
-                "minimum MB/rank/step": result["minimum"] / ep / 2**20,
-                "measured/minimum": result["bytes"] / result["minimum"],
-                "calls/rank/step": result["calls"] / ep,
-            })
+            rows.append(
+                {
+                    "dispatcher": dispatcher,
+                    "ep": ep,
+                    "MB/rank/step": result["bytes"] / ep / 2**20,
+                    "minimum MB/rank/step": result["minimum"] / ep / 2**20,
+                    "measured/minimum": result["bytes"] / result["minimum"],
+                    "calls/rank/step": result["calls"] / ep,
+                }
+            )
     return rows
 
 
@@ -144,7 +147,9 @@ def run_tp_dedup_bench() -> list[dict]:
 def main() -> None:
     from experiments.bench.table import print_table
 
-    print(f"EP dispatch bytes per rank per step ({TOKENS} tokens/rank, hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, fp32, fwd+bwd)")
+    print(
+        f"EP dispatch bytes per rank per step ({TOKENS} tokens/rank, hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, fp32, fwd+bwd)"
+    )
     print_table(run_dispatch_bytes_bench())
     print()
     print(f"Copies of a token per (token, other ep rank) pair ({TOKENS} tokens/rank, uniform routing)")

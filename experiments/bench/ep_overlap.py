@@ -129,7 +129,9 @@ def _expert_seconds(model: torch.nn.Module, reps: int = 5) -> float:
 
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     local_experts = EXPERTS // EP
-    rows = MICRO_BATCHES * SAMPLES * SEQ * TOP_K  # a rank routes this many slots per layer; balanced, its experts get as many
+    rows = (
+        MICRO_BATCHES * SAMPLES * SEQ * TOP_K
+    )  # a rank routes this many slots per layer; balanced, its experts get as many
     counts = torch.full((local_experts,), rows // local_experts, dtype=torch.int64)
     x = torch.randn(rows, HIDDEN, requires_grad=True, generator=torch.Generator().manual_seed(1))
     times = []
@@ -141,7 +143,9 @@ def _expert_seconds(model: torch.nn.Module, reps: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def _measure(steps: dict[str, Callable[[], None]], dims: object, expert_seconds: float, rounds: int) -> tuple[dict, list[dict]]:
+def _measure(
+    steps: dict[str, Callable[[], None]], dims: object, expert_seconds: float, rounds: int
+) -> tuple[dict, list[dict]]:
     """Set the ep link from the first case (ep comm time = ``expert_seconds``), then time every case
     with infinite bandwidth and under the link, round-robin; the medians, on every rank."""
     from lightning_moe.comm.link_simulator import LinkSimulator
@@ -159,7 +163,9 @@ def _measure(steps: dict[str, Callable[[], None]], dims: object, expert_seconds:
         step()
         return _slowest(time.perf_counter() - start)
 
-    samples: dict[str, dict[str, list[float]]] = {case: {"inf": [], "sim": [], "comm": [], "blocked": []} for case in steps}
+    samples: dict[str, dict[str, list[float]]] = {
+        case: {"inf": [], "sim": [], "comm": [], "blocked": []} for case in steps
+    }
     for round_ in range(rounds + 1):  # round 0 warms up
         for case, step in steps.items():
             inf = timed(step)
@@ -195,7 +201,8 @@ def _layer_worker(rank: int, world: int, store_file: str, rounds: int, out: dict
     micro_batches = _micro_batches(rank)
     models = {case: _build(moe_options, dims, LAYERS) for case, (moe_options, _) in CASES.items()}
     steps = {
-        case: functools.partial(_training_step, models[case], micro_batches, overlap) for case, (_, overlap) in CASES.items()
+        case: functools.partial(_training_step, models[case], micro_batches, overlap)
+        for case, (_, overlap) in CASES.items()
     }
     setting, rows = _measure(steps, dims, _expert_seconds(models["no overlap"]), rounds)
     if rank == 0:
@@ -241,7 +248,9 @@ def run_ep_overlap_bench(rounds: int = 3) -> tuple[dict, list[dict], dict, list[
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
         out = manager.dict()
         mp.start_processes(_layer_worker, args=(EP, f"{tmp}/store", rounds, out), nprocs=EP, start_method="spawn")
-        mp.start_processes(_pipeline_worker, args=(2 * EP, f"{tmp}/store_pp", rounds, out), nprocs=2 * EP, start_method="spawn")
+        mp.start_processes(
+            _pipeline_worker, args=(2 * EP, f"{tmp}/store_pp", rounds, out), nprocs=2 * EP, start_method="spawn"
+        )
         parts = (dict(out["setting"]), [dict(r) for r in out["rows"]],
                  dict(out["pipeline_setting"]), [dict(r) for r in out["pipeline_rows"]])  # fmt: skip
     predicted = planner_hidden_fractions()
@@ -255,7 +264,9 @@ def run_ep_overlap_bench(rounds: int = 3) -> tuple[dict, list[dict], dict, list[
             planner = predicted[row["overlap"]]
             row["gain by blocking"] = row["hidden (by blocking)"] - baseline
             row["planner"] = planner
-            row[f"agree (blocking, {AGREEMENT})"] = "yes" if abs(row["hidden (by blocking)"] - planner) <= AGREEMENT else "no"
+            row[f"agree (blocking, {AGREEMENT})"] = (
+                "yes" if abs(row["hidden (by blocking)"] - planner) <= AGREEMENT else "no"
+            )
             row[f"agree (gain, {AGREEMENT})"] = "yes" if abs(row["gain by blocking"] - planner) <= AGREEMENT else "no"
     return parts
 
@@ -278,7 +289,9 @@ def planner_hidden(moe_options: dict, num_layers: int, **layout_options: object)
 
     from experiments.bench.cli import ROOT
 
-    cpu_local = Cluster.from_config(OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_moe/conf/cluster/cpu_local.yaml")))
+    cpu_local = Cluster.from_config(
+        OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_moe/conf/cluster/cpu_local.yaml"))
+    )
     cluster = dataclasses.replace(cpu_local, fsdp_overlap=True, collective_latency=0.0, comm_efficiency=1.0)
     shape = ModelShape.from_config({
         "vocab_size": VOCAB, "hidden_size": HIDDEN, "num_layers": num_layers, "num_heads": HEADS,
@@ -287,7 +300,9 @@ def planner_hidden(moe_options: dict, num_layers: int, **layout_options: object)
     layout = Layout(ep=EP, micro_batch_size=SAMPLES, microbatches=MICRO_BATCHES, **layout_options)  # type: ignore[arg-type]
     expert = 3 * forward_seconds_by_kind(shape, layout, cluster, SEQ, precision="32-true")["expert"] * MICRO_BATCHES
     ep_bytes = sum(r.bytes for r in comm_records(shape, layout, SEQ, "32-true") if r.dim == "ep")
-    cluster = dataclasses.replace(cluster, intra_node_bandwidth=ep_bytes / expert, inter_node_bandwidth=ep_bytes / expert)
+    cluster = dataclasses.replace(
+        cluster, intra_node_bandwidth=ep_bytes / expert, inter_node_bandwidth=ep_bytes / expert
+    )
     est = estimate(shape, layout, cluster, SEQ, EP * MICRO_BATCHES * SAMPLES, precision="32-true", load_imbalance=1.0)
     ep_seconds = sum(record_seconds(r, layout, cluster) for r in est.records if r.dim == "ep")
     return sum(est.hidden_ep_comm_time.values()) / ep_seconds
@@ -298,7 +313,9 @@ def planner_hidden_fractions() -> dict[str, float]:
     out = {case: planner_hidden(moe, LAYERS, gather_once_per_step=overlap, overlap_ep_comm=overlap)
            for case, (moe, overlap) in CASES.items()}  # fmt: skip
     for case, overlap in PIPELINE_CASES.items():
-        out[case] = planner_hidden({}, 2 * LAYERS, pp=2, pp_schedule="DualPipeV", pp_stages_per_rank=2, overlap_ep_comm=overlap)
+        out[case] = planner_hidden(
+            {}, 2 * LAYERS, pp=2, pp_schedule="DualPipeV", pp_stages_per_rank=2, overlap_ep_comm=overlap
+        )
     return out
 
 

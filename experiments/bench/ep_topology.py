@@ -105,7 +105,9 @@ def _worker(rank: int, world: int, ranks_per_node: int, store_file: str, out: di
 def _measure(world: int, ranks_per_node: int) -> dict:
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
         out = manager.dict()
-        mp.start_processes(_worker, args=(world, ranks_per_node, f"{tmp}/store", out), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world, ranks_per_node, f"{tmp}/store", out), nprocs=world, start_method="spawn"
+        )
         return dict(out["result"])
 
 
@@ -118,26 +120,38 @@ def run_ep_topology_bench(layouts: tuple[tuple[int, int], ...] = ((4, 2), (8, 4)
         name = f"ep{ep}, 2 nodes x {ranks_per_node}"
         for label, _, _ in ROUTING_CASES:
             ep_bytes, internode, minimum = result[label]
-            routing.append({
-                "layout": name, "dispatch": label,
-                "inter-node B/token": internode / tokens,
-                "minimum B/token": minimum / tokens,
-                "measured/minimum": internode / minimum,
-                "vs flat": internode / result["flat alltoall"][1],
-                "all ep B/token": ep_bytes / tokens,
-            })
+            routing.append(
+                {
+                    "layout": name,
+                    "dispatch": label,
+                    "inter-node B/token": internode / tokens,
+                    "minimum B/token": minimum / tokens,
+                    "measured/minimum": internode / minimum,
+                    "vs flat": internode / result["flat alltoall"][1],
+                    "all ep B/token": ep_bytes / tokens,
+                }
+            )
         base = result["wire None"][0]
         for wire in (None, "bf16", "fp8"):
             ep_bytes, internode, _ = result[f"wire {wire}"]
-            wires.append({
-                "layout": name, "dispatch_dtype": str(wire),
-                "comm/ep_bytes per rank": ep_bytes / ep,
-                "ratio to fp32": ep_bytes / base,
-                "inter-node per rank": internode / ep,
-            })
+            wires.append(
+                {
+                    "layout": name,
+                    "dispatch_dtype": str(wire),
+                    "comm/ep_bytes per rank": ep_bytes / ep,
+                    "ratio to fp32": ep_bytes / base,
+                    "inter-node per rank": internode / ep,
+                }
+            )
         one = result["chunks 1"][0]
         for n in (1, 2, 4):
-            chunks.append({"layout": name, "dispatch_chunks": n, "step time / 1 chunk (noisy CPU)": result[f"chunks {n}"][0] / one})
+            chunks.append(
+                {
+                    "layout": name,
+                    "dispatch_chunks": n,
+                    "step time / 1 chunk (noisy CPU)": result[f"chunks {n}"][0] / one,
+                }
+            )
     return {"routing": routing, "wires": wires, "chunks": chunks}
 
 
@@ -146,13 +160,17 @@ def main() -> None:
 
     tables = run_ep_topology_bench()
     setting = f"{TOKENS} tokens/rank, hidden {HIDDEN}, {EXPERTS} experts, top-{TOP_K}, fp32, fwd+bwd"
-    print(f"Inter-node bytes per token on 2 simulated nodes ({setting}; minimum: distinct other nodes x hidden x 4 B x 4)")
+    print(
+        f"Inter-node bytes per token on 2 simulated nodes ({setting}; minimum: distinct other nodes x hidden x 4 B x 4)"
+    )
     print_table(tables["routing"])
     print()
     print(f"EP bytes by dispatch_dtype, flat alltoall ({setting}; combine and backward in bf16 when set)")
     print_table(tables["wires"])
     print()
-    print("dispatch_chunks: forward+backward time relative to 1 chunk (CPU/gloo on shared cores: noisy, overhead not overlap)")
+    print(
+        "dispatch_chunks: forward+backward time relative to 1 chunk (CPU/gloo on shared cores: noisy, overhead not overlap)"
+    )
     print_table(tables["chunks"])
 
 

@@ -58,12 +58,22 @@ SMOKE_ATTN_SHAPES = ((1, 2, 64, 16),)
 # ~1.25B parameters (~0.4B active): Mixtral's design (8 experts, top-2, GQA 4:1, every layer MoE)
 # at hidden 2048 with expert FFN 1.75x hidden.
 TRAIN_MODEL = dict(
-    vocab_size=32000, hidden_size=2048, num_layers=6, num_heads=16, num_kv_heads=4,
+    vocab_size=32000,
+    hidden_size=2048,
+    num_layers=6,
+    num_heads=16,
+    num_kv_heads=4,
     moe=dict(num_experts=8, top_k=2, ffn_hidden_size=3584, aux_loss_coeff=1e-2),
 )
 TRAIN_BATCH = (4, 4096)  # (batch, seq)
-SMOKE_TRAIN_MODEL = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                         moe=dict(num_experts=4, top_k=2, ffn_hidden_size=96))
+SMOKE_TRAIN_MODEL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    moe=dict(num_experts=4, top_k=2, ffn_hidden_size=96),
+)
 SMOKE_TRAIN_BATCH = (2, 32)
 
 
@@ -120,8 +130,10 @@ def bench_moe_layer(device: torch.device, shapes: tuple, warmup: int, iters: int
         torch.manual_seed(0)
         dtype = torch.bfloat16
         layer = MoELayer(hidden, ffn, experts, top_k=top_k).to(device=device, dtype=dtype)
-        dense = [(torch.randn(o, i, device=device, dtype=dtype) * 0.02).requires_grad_(True)
-                 for o, i in ((top_k * ffn, hidden), (top_k * ffn, hidden), (hidden, top_k * ffn))]
+        dense = [
+            (torch.randn(o, i, device=device, dtype=dtype) * 0.02).requires_grad_(True)
+            for o, i in ((top_k * ffn, hidden), (top_k * ffn, hidden), (hidden, top_k * ffn))
+        ]
         x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(tokens, hidden, device=device, dtype=dtype)
 
@@ -140,8 +152,9 @@ def bench_moe_layer(device: torch.device, shapes: tuple, warmup: int, iters: int
             fns["torchtitan"] = lambda: moe_step(titan)
         seconds = _time(fns, device, warmup, iters)
         flops = 18 * tokens * top_k * hidden * ffn
-        row: dict[str, Any] = dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
-                                   expert_gemm_flops=flops)
+        row: dict[str, Any] = dict(
+            tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, expert_gemm_flops=flops
+        )
         for name, s in seconds.items():
             row[f"{name}_ms"] = 1e3 * s
             row[f"{name}_tflops"] = flops / s / 1e12
@@ -172,8 +185,10 @@ def bench_ring_attention(device: torch.device, shapes: tuple, warmup: int, iters
         dtype = torch.bfloat16
         for batch, heads, seq, head_dim in shapes:
             torch.manual_seed(0)
-            q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
-                       for _ in range(3))
+            q, k, v = (
+                torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+                for _ in range(3)
+            )
             dout = torch.randn_like(q)
 
             def sdpa() -> None:
@@ -188,8 +203,9 @@ def bench_ring_attention(device: torch.device, shapes: tuple, warmup: int, iters
                 max_abs_diff = (ref.float() - got.float()).abs().max().item()
             seconds = _time({"sdpa": sdpa, "ring_cp1": ring}, device, warmup, iters)
             flops = 3.5 * 4 * batch * heads * seq * seq * head_dim / 2  # causal; backward = 2.5x forward
-            row: dict[str, Any] = dict(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=True,
-                                       max_abs_diff=max_abs_diff)
+            row: dict[str, Any] = dict(
+                batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=True, max_abs_diff=max_abs_diff
+            )
             for name, s in seconds.items():
                 row[f"{name}_ms"] = 1e3 * s
                 row[f"{name}_tflops"] = flops / s / 1e12
@@ -246,9 +262,16 @@ def bench_train_step(device: torch.device, model_kwargs: dict, batch_shape: tupl
     peak = peak_tflops(device)
     achieved = flops_per_token * tokens_per_s / 1e12
     return dict(
-        model=model_kwargs, batch=batch, seq=seq, params=total, active_params=active,
-        step_ms=1e3 * seconds, tokens_per_second=tokens_per_s, model_tflops=achieved,
-        peak_bf16_tflops=peak, mfu=achieved / peak if peak else None,
+        model=model_kwargs,
+        batch=batch,
+        seq=seq,
+        params=total,
+        active_params=active,
+        step_ms=1e3 * seconds,
+        tokens_per_second=tokens_per_s,
+        model_tflops=achieved,
+        peak_bf16_tflops=peak,
+        mfu=achieved / peak if peak else None,
         losses=[float(x) for x in losses],
         max_memory_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     )
@@ -265,8 +288,11 @@ def bench_dense_gemm(device: torch.device, size: int, warmup: int, iters: int) -
 # -- driver --------------------------------------------------------------------------------------------
 def _environment(device: torch.device) -> dict:
     env: dict[str, Any] = dict(
-        date=datetime.now(timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
-        python=platform.python_version(), device=str(device), cuda=torch.version.cuda,
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        device=str(device),
+        cuda=torch.version.cuda,
     )
     try:
         import lightning
@@ -296,8 +322,11 @@ def run(args: argparse.Namespace) -> dict:
             device, SMOKE_ATTN_SHAPES if args.smoke else ATTN_SHAPES, warmup, iters
         ),
         "train_step": lambda: bench_train_step(
-            device, SMOKE_TRAIN_MODEL if args.smoke else TRAIN_MODEL,
-            SMOKE_TRAIN_BATCH if args.smoke else TRAIN_BATCH, warmup, iters,
+            device,
+            SMOKE_TRAIN_MODEL if args.smoke else TRAIN_MODEL,
+            SMOKE_TRAIN_BATCH if args.smoke else TRAIN_BATCH,
+            warmup,
+            iters,
         ),
     }
     only = args.only.split(",") if args.only else list(sections)
@@ -337,7 +366,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench_gpu.json", help="the JSON file the figures go to")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the script in seconds")
     parser.add_argument("--device", default="auto", help="auto (cuda if present, cpu with --smoke), cpu, cuda, cuda:N")
-    parser.add_argument("--only", default="", help="comma-separated sections: dense_gemm,moe_layer,ring_attention,train_step")
+    parser.add_argument(
+        "--only", default="", help="comma-separated sections: dense_gemm,moe_layer,ring_attention,train_step"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--strict", action="store_true", help="stop at the first failing section")

@@ -24,7 +24,9 @@ import torch.multiprocessing as mp
 from experiments.bench.table import print_table
 
 # ~360 MB of fp32 parameters, 95% of them in experts: large next to the allocator's noise.
-MODEL = dict(vocab_size=256, hidden_size=512, num_layers=4, num_heads=8, moe={"num_experts": 16, "ffn_hidden_size": 1024})
+MODEL = dict(
+    vocab_size=256, hidden_size=512, num_layers=4, num_heads=8, moe={"num_experts": 16, "ffn_hidden_size": 1024}
+)
 
 
 def _high_water_kb() -> int:
@@ -61,9 +63,22 @@ def _worker(rank: int, world: int, store_file: str, meta: bool, out: dict) -> No
     dist.destroy_process_group()
 
 
-QWEN3 = {"model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "tie_word_embeddings": False, "intermediate_size": 512, "moe_intermediate_size": 256,
-         "num_experts": 16, "num_experts_per_tok": 2, "norm_topk_prob": True, "head_dim": 64, "max_position_embeddings": 128}
+QWEN3 = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 256,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "head_dim": 64,
+    "max_position_embeddings": 128,
+}
 
 
 def _load_worker(rank: int, world: int, store_file: str, folder: str, out: dict) -> None:
@@ -107,8 +122,12 @@ def main_loading() -> None:
         rows = []
         for ep in (1, 2, 4):
             read, expert_read = measure_loading(folder, ep)
-            rows.append({"ep": ep, "bytes read / model": read / total, "expert bytes read / experts": expert_read / experts})
-    print(f"Bytes read per rank loading a Qwen3-MoE folder ({total / 1e6:.1f} MB, {experts / total:.0%} experts) on the meta device")
+            rows.append(
+                {"ep": ep, "bytes read / model": read / total, "expert bytes read / experts": expert_read / experts}
+            )
+    print(
+        f"Bytes read per rank loading a Qwen3-MoE folder ({total / 1e6:.1f} MB, {experts / total:.0%} experts) on the meta device"
+    )
     print_table(rows)
 
 
@@ -129,9 +148,17 @@ def main() -> None:
     for ep in (1, 2, 4):
         for meta in (False, True):
             peak, held = measure(meta, ep)
-            rows.append({"ep": ep, "init": "meta" if meta else "eager", "peak growth / model": peak / full,
-                         "parameters held / model": held / full})
-    print(f"Peak memory per rank while building MoEGPT ({full / 1e6:.0f} MB of fp32 parameters), as a ratio to the whole model")
+            rows.append(
+                {
+                    "ep": ep,
+                    "init": "meta" if meta else "eager",
+                    "peak growth / model": peak / full,
+                    "parameters held / model": held / full,
+                }
+            )
+    print(
+        f"Peak memory per rank while building MoEGPT ({full / 1e6:.0f} MB of fp32 parameters), as a ratio to the whole model"
+    )
     print_table(rows)
     print()
     main_loading()

@@ -137,7 +137,9 @@ def run_moe_layer_bench(
 
 def main() -> None:
     threads = 2
-    print(f"MoE layer forward+backward on CPU, {threads} threads, median of round-robin runs (higher ratios are better)")
+    print(
+        f"MoE layer forward+backward on CPU, {threads} threads, median of round-robin runs (higher ratios are better)"
+    )
     print_table(run_moe_layer_bench(threads=threads))
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from experiments.bench.cli import run_training
+
 OUT_ENV = "LMOE_PEAK_MEMORY_DIR"  # where each rank writes its figures
 
 RUN = [
@@ -99,7 +100,9 @@ def planned_bytes(parallel: str, overrides: Sequence[str], world_size: int) -> f
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"parallel={parallel}", "trainer.default_root_dir=/tmp/unused"])
-    layout = layout_from_parallel(cfg.parallel, world_size, cfg.data.global_batch_size, cfg.data.get("micro_batch_size"))
+    layout = layout_from_parallel(
+        cfg.parallel, world_size, cfg.data.global_batch_size, cfg.data.get("micro_batch_size")
+    )
     precision = "bf16-mixed" if str(cfg.trainer.get("precision") or "32-true").startswith("bf16") else "32-true"
     memory, _ = memory_per_rank(model_shape(cfg.model), layout, cfg.data.seq_len, precision)
     return memory.total("none")
@@ -109,7 +112,13 @@ def compare(ranks: Sequence[dict[str, int]], planned: float) -> dict[str, float]
     """The busiest rank's peak, floor, peak minus floor and its ratio to the estimate."""
     busiest = max(ranks, key=lambda r: r["peak"] - r["floor"])
     used = busiest["peak"] - busiest["floor"]
-    return {"peak": busiest["peak"], "floor": busiest["floor"], "used": used, "planned": planned, "ratio": used / planned}
+    return {
+        "peak": busiest["peak"],
+        "floor": busiest["floor"],
+        "used": used,
+        "planned": planned,
+        "ratio": used / planned,
+    }
 
 
 def run_peak_memory_bench() -> list[dict[str, Any]]:

@@ -78,7 +78,7 @@ def _measure(rank: int, schedule_name: str, microbatches: int) -> float:
 
     torch.manual_seed(0)
     model = _Stack(HIDDEN, PP * BLOCKS_PER_STAGE)
-    (index, module), = split_module(model, rank, PP)
+    ((index, module),) = split_module(model, rank, PP)
     stage = PipelineStage(module, index, PP, torch.device("cpu"))
     busy = [0.0]
     _timed(stage, busy)
@@ -136,15 +136,17 @@ def run_pipeline_bubble_bench(
     rows = []
     for name, m in configs:
         per_rank = measured[(name, m)]
-        rows.append({
-            "schedule": name,
-            "p": PP,
-            "m": m,
-            "bubble rank 0": per_rank[0],
-            "bubble rank 1": per_rank[1],
-            "bubble measured": sum(per_rank.values()) / PP,
-            "bubble theory (p-1)/(m+p-1)": (PP - 1) / (m + PP - 1),
-        })
+        rows.append(
+            {
+                "schedule": name,
+                "p": PP,
+                "m": m,
+                "bubble rank 0": per_rank[0],
+                "bubble rank 1": per_rank[1],
+                "bubble measured": sum(per_rank.values()) / PP,
+                "bubble theory (p-1)/(m+p-1)": (PP - 1) / (m + PP - 1),
+            }
+        )
     return rows
 
 

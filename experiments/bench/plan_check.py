@@ -77,7 +77,9 @@ def anchors() -> None:
         scale = 1.0 if unit == "MFU" else cfg.cluster.peak_flops
         figures = [best["mfu_bounds"][k] * scale for k in ("modelled", "no_overlap", "perfect_overlap")]
         show = (lambda x: f"{x:.1%}") if unit == "MFU" else (lambda x: f"{x / 1e12:.0f}")
-        print(f"| {name} | {show(published)} {unit} | {show(figures[0])} ({show(figures[1])} – {show(figures[2])}) | {best['label']} |")
+        print(
+            f"| {name} | {show(published)} {unit} | {show(figures[0])} ({show(figures[1])} – {show(figures[2])}) | {best['label']} |"
+        )
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -108,7 +110,9 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 def measure(name: str, overrides: list[str], out: Path) -> float:
     """Seconds per optimizer step of one layout (tokens/s over the steps after the first)."""
     run_dir = out / name.replace(" ", "_")
-    model = [f"model.{k}={v}" for k, v in MODEL.items() if k != "moe"] + [f"model.moe.{k}={v}" for k, v in MODEL["moe"].items()]
+    model = [f"model.{k}={v}" for k, v in MODEL.items() if k != "moe"] + [
+        f"model.moe.{k}={v}" for k, v in MODEL["moe"].items()
+    ]
     run_training(["logger=none", f"trainer.max_steps={STEPS}", "trainer.val_check_interval=null",
                   "trainer.limit_val_batches=0", f"data.seq_len={SEQ}", f"data.global_batch_size={GLOBAL_BATCH}",
                   f"data.micro_batch_size={MICRO_BATCH}", "data.max_corpus_bytes=400000", "~callbacks.progress_bar",
@@ -118,7 +122,9 @@ def measure(name: str, overrides: list[str], out: Path) -> float:
 
 
 def main() -> None:
-    cluster = Cluster.from_config(OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_moe/conf/cluster/cpu_local.yaml")))
+    cluster = Cluster.from_config(
+        OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_moe/conf/cluster/cpu_local.yaml"))
+    )
     shape = ModelShape.from_config(MODEL)
     estimates = {}
     for name, (_, sizes) in LAYOUTS.items():

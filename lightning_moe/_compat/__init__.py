@@ -103,7 +103,10 @@ from lightning_moe._compat.pipelining import (
     skip_backward_actions,
 )
 from lightning_moe._compat.transformers import (
-    attention_implementation, initialize_module_weights, set_attention_implementation, tied_weights_keys,
+    attention_implementation,
+    initialize_module_weights,
+    set_attention_implementation,
+    tied_weights_keys,
 )
 
 __all__ = [

@@ -39,8 +39,14 @@ def flash_attention_cpu(
 
 
 def flash_attention_cpu_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: ``aten._scaled_dot_product_flash_attention_for_cpu_backward``.
     Checked on: torch 2.11-2.13."""
@@ -62,14 +68,35 @@ def flash_attention_cuda(
 
 
 def flash_attention_cuda_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float, philox_seed: torch.Tensor, philox_offset: torch.Tensor,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    philox_seed: torch.Tensor,
+    philox_offset: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: ``aten._scaled_dot_product_flash_attention_backward``. Without dropout the RNG
     state is never read (any forward's has the right type); the cumulative sequence lengths are for
     varlen inputs only (None). Checked on: torch 2.11-2.13."""
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, philox_seed, philox_offset,
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        None,
+        None,
+        q.shape[2],
+        k.shape[2],
+        0.0,
+        causal,
+        philox_seed,
+        philox_offset,
         scale=scale,
     )
 
@@ -84,13 +111,32 @@ def efficient_attention_cuda(
 
 
 def efficient_attention_cuda_backward(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    causal: bool, scale: float, philox_seed: torch.Tensor, philox_offset: torch.Tensor,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    philox_seed: torch.Tensor,
+    philox_offset: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``: ``aten._scaled_dot_product_efficient_attention_backward``; ``lse`` in the
     forward's padded layout. Checked on: torch 2.11-2.13."""
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse, philox_seed, philox_offset, 0.0, [True, True, True, False], causal,
+        dout,
+        q,
+        k,
+        v,
+        None,
+        out,
+        lse,
+        philox_seed,
+        philox_offset,
+        0.0,
+        [True, True, True, False],
+        causal,
         scale=scale,
     )
     return dq, dk, dv

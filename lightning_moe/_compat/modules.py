@@ -21,7 +21,9 @@ class Fp32BuffersModule(nn.Module):
     Checked on: torch 2.11-2.13."""
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Fp32BuffersModule:
-        fp32_buffers = {name: buf for name, buf in self._buffers.items() if buf is not None and buf.dtype == torch.float32}
+        fp32_buffers = {
+            name: buf for name, buf in self._buffers.items() if buf is not None and buf.dtype == torch.float32
+        }
         super()._apply(fn, recurse)
         for name, old in fp32_buffers.items():
             new = self._buffers[name]

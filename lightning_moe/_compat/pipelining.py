@@ -52,7 +52,9 @@ def run_schedule_forward_only(schedule: Any, *args: Any, **kwargs: Any) -> Any:
     return schedule.eval(*args, **kwargs)
 
 
-def interleave_overlapped_forward_backward(schedule: Any, interleave: Callable[[Callable[[], None], Callable[[], None]], None]) -> None:
+def interleave_overlapped_forward_backward(
+    schedule: Any, interleave: Callable[[Callable[[], None], Callable[[], None]], None]
+) -> None:
     """Run each ``OVERLAP_F_B`` action of a ``ScheduleDualPipeV`` (one micro-batch's forward on one
     stage and another's backward on the other) as ``interleave(backward, forward)`` instead of one
     after the other, through the schedule's ``register_custom_function``.

@@ -48,7 +48,9 @@ class OptimizerStepCallback(Callback):
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Called after the micro-batch that completed an optimizer step."""
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._step_at_batch_start = trainer.global_step
         if not self._in_step:
             self._in_step = True

@@ -165,10 +165,16 @@ def count_collectives(groups: GroupDims) -> Iterator[None]:
         return
     restore = wrap_distributed_functions(
         c10d={
-            **{name: functools.partial(_counted, sent_bytes=bytes_, functional=False) for name, bytes_ in C10D_SENT_BYTES.items()},
+            **{
+                name: functools.partial(_counted, sent_bytes=bytes_, functional=False)
+                for name, bytes_ in C10D_SENT_BYTES.items()
+            },
             "batch_isend_irecv": _counted_batch_isend_irecv,
         },
-        functional={name: functools.partial(_counted, sent_bytes=bytes_, functional=True) for name, bytes_ in FUNCOL_SENT_BYTES.items()},
+        functional={
+            name: functools.partial(_counted, sent_bytes=bytes_, functional=True)
+            for name, bytes_ in FUNCOL_SENT_BYTES.items()
+        },
         pipeline_batch=_counted_pipeline_batch,
     )
     try:

@@ -73,7 +73,9 @@ class ExpertLoadPlotCallback(Callback):
             return
         path = self._directory(trainer) / f"expert_load_step{result.step:06d}.png"
         imbalance = result.metrics.get("moe/load_imbalance", float("nan"))
-        plot_expert_load(result.counts, path, title=f"share of tokens per expert, step {result.step} (imbalance {imbalance:.2f})")
+        plot_expert_load(
+            result.counts, path, title=f"share of tokens per expert, step {result.step} (imbalance {imbalance:.2f})"
+        )
         self.paths.append(path)
         self._last_plotted_step = result.step
         _log_image(trainer, HEATMAP_KEY, path, step=result.log_step)
@@ -87,8 +89,11 @@ class ExpertLoadPlotCallback(Callback):
             self._heatmap(trainer, last)
         path = self._directory(trainer) / "load_imbalance.png"
         plot_curves(
-            self._metrics_cb.imbalance_per_layer(), path, title="load imbalance per MoE layer",
-            ylabel="max / mean tokens per expert", hline=1.0,
+            self._metrics_cb.imbalance_per_layer(),
+            path,
+            title="load imbalance per MoE layer",
+            ylabel="max / mean tokens per expert",
+            hline=1.0,
         )
         self.paths.append(path)
         _log_image(trainer, IMBALANCE_KEY, path, step=last.log_step)

@@ -109,7 +109,9 @@ class MoEStatsMetric(Metric):
     full_state_update = False
     totals: torch.Tensor
 
-    def __init__(self, num_experts: Sequence[int], num_scalars: int, data_parallel_size: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self, num_experts: Sequence[int], num_scalars: int, data_parallel_size: int = 1, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.num_experts = list(num_experts)
         self.max_experts = max(self.num_experts, default=0)
@@ -252,7 +254,9 @@ class MoEMetricsCallback(OptimizerStepCallback):
         for row, layer in enumerate(self._local):
             stats = layer.stats
             counts[row, : layer.num_experts] = stats["tokens_per_expert"].detach().float()
-            scalars[row, : len(self.SCALARS)] = torch.stack([stats[k].detach().float().reshape(()) for k in self.SCALARS])
+            scalars[row, : len(self.SCALARS)] = torch.stack(
+                [stats[k].detach().float().reshape(()) for k in self.SCALARS]
+            )
         if self._bias_norms is not None:
             scalars[:, -1] = self._bias_norms
         self._metric.update(self._local_index, counts, scalars)

@@ -45,7 +45,9 @@ class RoutingReplayCallback(pl.Callback):
             self.trace = RoutingTrace.load(self.replay_path)
 
     # -- replay ------------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.trace is not None:
             self._stack.enter_context(replay_routing(pl_module, self.trace))
 

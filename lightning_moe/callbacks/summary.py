@@ -18,7 +18,6 @@ from lightning_moe.layout import LAYOUT_KEYS
 from lightning_moe.parallel.dims import parallel_dims_of
 
 
-
 def parallel_layout(trainer: pl.Trainer) -> dict[str, int | str]:
     """``{tp, cp, ep, dp, pp, etp}`` of the run: from ``trainer.strategy.parallel_dims`` when the
     strategy has it (``MoE5DStrategy``), otherwise plain data parallel over ``trainer.world_size``.

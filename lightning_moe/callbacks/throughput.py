@@ -60,7 +60,9 @@ def model_flops_per_token(module: nn.Module, seq_len: int) -> float:
     attention = sum(
         m.num_heads * m.head_dim
         for m in module.modules()
-        if m is not module and isinstance(getattr(m, "num_heads", None), int) and isinstance(getattr(m, "head_dim", None), int)
+        if m is not module
+        and isinstance(getattr(m, "num_heads", None), int)
+        and isinstance(getattr(m, "head_dim", None), int)
     )
     return 6.0 * (active_parameters(module) + reapplied_head_parameters(module)) + 12.0 * attention * seq_len
 
@@ -99,7 +101,9 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype, size: int = 
 
 
 def _precision_dtype(precision: str) -> torch.dtype:
-    return next((dtype for prefix, dtype in _PRECISION_DTYPES.items() if str(precision).startswith(prefix)), torch.float32)
+    return next(
+        (dtype for prefix, dtype in _PRECISION_DTYPES.items() if str(precision).startswith(prefix)), torch.float32
+    )
 
 
 class ThroughputCallback(OptimizerStepCallback):

@@ -12,5 +12,13 @@ from lightning_moe.checkpoint.state import (
     saved_model_shapes,
 )
 
-__all__ = ["PeriodicCheckpoint", "check_model_matches", "latest_checkpoint", "load_safely", "read_metadata",
-           "rescale_batch_progress", "rewind_epoch_cut_short", "saved_model_shapes"]
+__all__ = [
+    "PeriodicCheckpoint",
+    "check_model_matches",
+    "latest_checkpoint",
+    "load_safely",
+    "read_metadata",
+    "rescale_batch_progress",
+    "rewind_epoch_cut_short",
+    "saved_model_shapes",
+]

@@ -28,8 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     to_hf = commands.add_parser("to-hf", help="a Hugging Face folder (safetensors + config) from a checkpoint")
     to_hf.add_argument("checkpoint", type=Path)
     to_hf.add_argument("output", type=Path)
-    to_hf.add_argument("--model", choices=("moegpt", "hf"), default=None,
-                       help="which module wrote the checkpoint (default: told by its hyper-parameters)")
+    to_hf.add_argument(
+        "--model",
+        choices=("moegpt", "hf"),
+        default=None,
+        help="which module wrote the checkpoint (default: told by its hyper-parameters)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":

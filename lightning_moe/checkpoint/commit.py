@@ -80,7 +80,12 @@ def is_legacy_checkpoint(checkpoint: str | Path) -> bool:
     is loaded (with a warning); ``latest_checkpoint`` never picks it.
     """
     path = Path(checkpoint)
-    return path.is_dir() and not (path / COMMIT_FILE).exists() and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
+    return (
+        path.is_dir()
+        and not (path / COMMIT_FILE).exists()
+        and (path / ".metadata").is_file()
+        and (path / "meta.pt").is_file()
+    )
 
 
 def require_complete(checkpoint: str | Path) -> None:
@@ -91,11 +96,15 @@ def require_complete(checkpoint: str | Path) -> None:
     if not Path(checkpoint).is_symlink() and not Path(checkpoint).exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
     if is_legacy_checkpoint(checkpoint):
-        rank_zero_warn(f"{checkpoint} has no commit marker {COMMIT_FILE} (written by lightning-moe before markers existed):"
-                       " loading it as complete")
+        rank_zero_warn(
+            f"{checkpoint} has no commit marker {COMMIT_FILE} (written by lightning-moe before markers existed):"
+            " loading it as complete"
+        )
         return
-    raise ValueError(f"checkpoint {checkpoint} is incomplete: {reason}; resume from a complete one"
-                     " (ckpt_path=auto picks the newest complete checkpoint of the run)")
+    raise ValueError(
+        f"checkpoint {checkpoint} is incomplete: {reason}; resume from a complete one"
+        " (ckpt_path=auto picks the newest complete checkpoint of the run)"
+    )
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:

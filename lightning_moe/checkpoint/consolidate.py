@@ -68,7 +68,9 @@ def describe(checkpoint: str | Path) -> str:
     meta = read_metadata(path)
     tensors = _tensor_metadata(path)
     state = meta.get(STATE_KEY, {})
-    layout = " ".join(f"{k}={v}" for k, v in state.get("layout", {}).items()) or "unknown (not written by MoE5DStrategy)"
+    layout = (
+        " ".join(f"{k}={v}" for k, v in state.get("layout", {}).items()) or "unknown (not written by MoE5DStrategy)"
+    )
     loaders = meta.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader") or [{}]
     samples = loaders[0].get("samples_consumed", "unknown") if isinstance(loaders[0], dict) else "unknown"
     lines = [

@@ -41,19 +41,35 @@ class PeriodicCheckpoint(ModelCheckpoint):
         auto_insert_metric_name: bool = False,
         **kwargs: Any,
     ) -> None:
-        for name, value, kinds in (("every_n_train_steps", every_n_train_steps, int), ("every_n_minutes", every_n_minutes, (int, float))):
+        for name, value, kinds in (
+            ("every_n_train_steps", every_n_train_steps, int),
+            ("every_n_minutes", every_n_minutes, (int, float)),
+        ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, kinds) or value <= 0):
                 kind = "integer" if kinds is int else "number"
-                raise ValueError(f"PeriodicCheckpoint({name}={value!r}) must be a positive {kind}, or null to turn it off")
+                raise ValueError(
+                    f"PeriodicCheckpoint({name}={value!r}) must be a positive {kind}, or null to turn it off"
+                )
         if every_n_train_steps is None and every_n_minutes is None:
             raise ValueError("PeriodicCheckpoint needs every_n_train_steps and/or every_n_minutes (when to save)")
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last == 0 or keep_last < -1:
-            raise ValueError(f"PeriodicCheckpoint(keep_last={keep_last!r}) must be a positive integer, or -1 to keep all")
+            raise ValueError(
+                f"PeriodicCheckpoint(keep_last={keep_last!r}) must be a positive integer, or -1 to keep all"
+            )
         # ModelCheckpoint considers a save after every optimizer step; on_train_batch_end lets through only the due ones.
         # Keep-last-K is its top-k on the step counter.
-        super().__init__(dirpath=dirpath, filename=filename, auto_insert_metric_name=auto_insert_metric_name, monitor="step",
-                         mode="max", save_top_k=keep_last, save_last=save_last, every_n_train_steps=1,
-                         enable_version_counter=False, **kwargs)
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            auto_insert_metric_name=auto_insert_metric_name,
+            monitor="step",
+            mode="max",
+            save_top_k=keep_last,
+            save_last=save_last,
+            every_n_train_steps=1,
+            enable_version_counter=False,
+            **kwargs,
+        )
         self.every_n_steps = every_n_train_steps
         self.every_n_seconds = None if every_n_minutes is None else 60.0 * every_n_minutes
         self._step_considered: int | None = None

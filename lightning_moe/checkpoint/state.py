@@ -191,9 +191,13 @@ def check_model_matches(
         if name not in saved:
             problems.append(f"missing in the checkpoint: {name} {tuple(shape)}")
         elif tuple(saved[name]) != tuple(shape):
-            problems.append(f"shape differs: {name} is {tuple(saved[name])} in the checkpoint, {tuple(shape)} in the model")
+            problems.append(
+                f"shape differs: {name} is {tuple(saved[name])} in the checkpoint, {tuple(shape)} in the model"
+            )
     if complete:
-        problems += [f"not in the model: {name} {tuple(shape)}" for name, shape in saved.items() if name not in expected]
+        problems += [
+            f"not in the model: {name} {tuple(shape)}" for name, shape in saved.items() if name not in expected
+        ]
     if problems:
         shown = "\n  ".join(problems[:limit])
         more = f"\n  ... and {len(problems) - limit} more" if len(problems) > limit else ""
@@ -222,7 +226,9 @@ def _flat_options(*, full: bool = False) -> Any:
     return StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True, full_state_dict=full)
 
 
-def optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False) -> dict[str, Any]:
+def optimizer_state_dict(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, full: bool = False
+) -> dict[str, Any]:
     """The optimizer's state in the one form every layout saves and loads: flat, keyed by parameter name
     (``full``: whole tensors on global rank 0, for a one-file checkpoint)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -250,14 +256,19 @@ def load_one_file_checkpoint(
 
     contents = load_safely(checkpoint)
     model_state = contents.pop("state_dict")
-    check_model_matches({name: t.shape for name, t in model_state.items()},
-                        {name: t.shape for name, t in get_model_state_dict(model).items()}, complete=True)
+    check_model_matches(
+        {name: t.shape for name, t in model_state.items()},
+        {name: t.shape for name, t in get_model_state_dict(model).items()},
+        complete=True,
+    )
     set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True, strict=strict))
     for optimizer, saved in zip(optimizers, contents.pop("optimizer_states", [])):
         state = optimizer_state_dict(model, optimizer)
         missing = sorted(set(state) - set(saved))
         if missing:
-            raise ValueError(f"the checkpoint's optimizer state lacks {len(missing)} entries of this optimizer, e.g. {missing[:3]}")
+            raise ValueError(
+                f"the checkpoint's optimizer state lacks {len(missing)} entries of this optimizer, e.g. {missing[:3]}"
+            )
         for key, local in state.items():
             value = saved[key]
             if isinstance(local, DTensor):
@@ -268,7 +279,12 @@ def load_one_file_checkpoint(
 
 
 def load_model_and_optimizers(
-    model: torch.nn.Module, optimizers: list[torch.optim.Optimizer], checkpoint: str | Path, *, complete: bool, strict: bool = True
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    checkpoint: str | Path,
+    *,
+    complete: bool,
+    strict: bool = True,
 ) -> None:
     """Load a DCP checkpoint of any layout into this rank's (sharded) model and optimizers.
 

@@ -18,7 +18,9 @@ def _kind_of(hparams: dict[str, Any]) -> str:
         return "moegpt"
     if "attn_implementation" in hparams:
         return "hf"
-    raise ValueError(f"cannot tell which model wrote this checkpoint from its hyper-parameters {sorted(hparams)}: pass --model")
+    raise ValueError(
+        f"cannot tell which model wrote this checkpoint from its hyper-parameters {sorted(hparams)}: pass --model"
+    )
 
 
 def checkpoint_to_hf(checkpoint: str | Path, output: str | Path, model: str | None = None) -> None:

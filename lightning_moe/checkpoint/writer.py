@@ -58,7 +58,9 @@ def commit(path: Path, global_step: int) -> None:
     remove_checkpoint(previous)
 
 
-def save_file_atomically(path: Path, write: Callable[[Path], None], *, is_global_zero: bool, barrier: Callable[[], None]) -> None:
+def save_file_atomically(
+    path: Path, write: Callable[[Path], None], *, is_global_zero: bool, barrier: Callable[[], None]
+) -> None:
     """A single-file checkpoint: ``write(<path>.staging)`` (Lightning's CheckpointIO, rank 0), then rename it to ``path``."""
     staging = staging_path(path)
     write(staging)
@@ -90,8 +92,14 @@ class CheckpointWriter:
         self._group: Any = None
 
     def save(
-        self, tensors: dict[str, Any], metadata: dict[str, Any], path: Path, *, global_step: int,
-        is_global_zero: bool, barrier: Callable[[], None],
+        self,
+        tensors: dict[str, Any],
+        metadata: dict[str, Any],
+        path: Path,
+        *,
+        global_step: int,
+        is_global_zero: bool,
+        barrier: Callable[[], None],
     ) -> None:
         """Write ``tensors`` (DCP) and ``metadata`` (``meta.pt``) as the checkpoint folder ``path``; every rank calls it."""
         self.wait()

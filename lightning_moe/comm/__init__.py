@@ -94,21 +94,27 @@ def reduce_scatter_autograd(x: torch.Tensor, group: dist.ProcessGroup, dim: str)
     return out
 
 
-def gather_to(tensor: torch.Tensor, received: list[torch.Tensor] | None, owner: int, group: dist.ProcessGroup, dim: str) -> None:
+def gather_to(
+    tensor: torch.Tensor, received: list[torch.Tensor] | None, owner: int, group: dist.ProcessGroup, dim: str
+) -> None:
     """``dist.gather`` of equal-sized ``tensor``s into ``received`` on the global rank ``owner``."""
     if dist.get_rank() != owner:
         record(dim, tensor.numel() * tensor.element_size())
     dist.gather(tensor, received, dst=owner, group=group)
 
 
-def scatter_from(output: torch.Tensor, pieces: list[torch.Tensor] | None, owner: int, group: dist.ProcessGroup, dim: str) -> None:
+def scatter_from(
+    output: torch.Tensor, pieces: list[torch.Tensor] | None, owner: int, group: dist.ProcessGroup, dim: str
+) -> None:
     """``dist.scatter`` of the equal-sized ``pieces`` on the global rank ``owner`` into ``output``."""
     if dist.get_rank() == owner:
         record(dim, output.numel() * output.element_size() * (dist.get_world_size(group) - 1))
     dist.scatter(output, pieces, src=owner, group=group)
 
 
-def all_reduce_(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce_(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: str, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> torch.Tensor:
     """In-place, non-differentiable all-reduce (statistics, counts); a no-op for a 1-rank group."""
     if group is None or dist.get_world_size(group) == 1:
         return tensor
@@ -177,7 +183,9 @@ def all_gather_uneven_autograd(x: torch.Tensor, sizes: list[int], group: dist.Pr
     return all_to_all_autograd(x.repeat(size, *([1] * (x.dim() - 1))), sizes, [x.shape[0]] * size, group, dim)
 
 
-def reduce_scatter_uneven_autograd(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, dim: str) -> torch.Tensor:
+def reduce_scatter_uneven_autograd(
+    x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, dim: str
+) -> torch.Tensor:
     """Sum over ranks of row block ``r`` of ``x`` lands on rank r (inverse of :func:`all_gather_uneven_autograd`)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     mine = sizes[rank]

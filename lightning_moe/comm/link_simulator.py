@@ -105,7 +105,9 @@ def parse_bandwidth(value: str | float | int | None) -> float | None:
             raise ValueError(f"bandwidth {value!r}: write a number and a unit, e.g. '50GB/s', '400Gb/s', '200MB/s'")
         number, unit = float(match.group(1)), match.group(2) or "B/s"
     if unit not in _BANDWIDTH_UNITS:
-        raise ValueError(f"bandwidth {value!r}: unknown unit {unit!r}; use one of {sorted(_BANDWIDTH_UNITS)} (B: bytes, b: bits)")
+        raise ValueError(
+            f"bandwidth {value!r}: unknown unit {unit!r}; use one of {sorted(_BANDWIDTH_UNITS)} (B: bytes, b: bits)"
+        )
     if number == float("inf"):
         return None
     if number <= 0:
@@ -128,7 +130,9 @@ def parse_duration(value: str | float | int | None) -> float:
         match = _QUANTITY.match(str(value))
         unit = match.group(2) if match else None
         if match is None or (unit or "s") not in _DURATION_UNITS:
-            raise ValueError(f"latency {value!r}: write a number and a unit, one of {list(_DURATION_UNITS)} (e.g. '10us')")
+            raise ValueError(
+                f"latency {value!r}: write a number and a unit, one of {list(_DURATION_UNITS)} (e.g. '10us')"
+            )
         seconds = float(match.group(1)) * _DURATION_UNITS[unit or "s"]
     if seconds < 0:
         raise ValueError(f"latency {value!r} must be >= 0")
@@ -295,9 +299,13 @@ class LinkSimulator:
         self.stats = {}
         c10d = {name: functools.partial(self._wrap_c10d, sent_bytes=fn) for name, fn in C10D_SENT_BYTES.items()}
         c10d["batch_isend_irecv"] = self._wrap_p2p_batch
-        functional = {name: functools.partial(self._wrap_functional, sent_bytes=fn) for name, fn in FUNCOL_SENT_BYTES.items()}
+        functional = {
+            name: functools.partial(self._wrap_functional, sent_bytes=fn) for name, fn in FUNCOL_SENT_BYTES.items()
+        }
         functional["wait_tensor"] = self._wrap_wait_tensor
-        self._restore = wrap_distributed_functions(c10d=c10d, functional=functional, pipeline_batch=self._wrap_p2p_batch)
+        self._restore = wrap_distributed_functions(
+            c10d=c10d, functional=functional, pipeline_batch=self._wrap_p2p_batch
+        )
 
     def stop(self) -> None:
         """Put torch's functions back (a no-op when not installed)."""
@@ -307,7 +315,9 @@ class LinkSimulator:
         self._pending.clear()
 
     # -- the model ----------------------------------------------------------------------------------
-    def _link_of(self, group: Any, functional: bool, all_to_all: bool = False) -> tuple[int, int, tuple[str, str] | None]:
+    def _link_of(
+        self, group: Any, functional: bool, all_to_all: bool = False
+    ) -> tuple[int, int, tuple[str, str] | None]:
         """``(size, rank, link)`` of a call's group; link None: not simulated.
 
         The dim is the comm accounting's (:class:`~lightning_moe.callbacks.GroupDims`), except that an
@@ -352,8 +362,13 @@ class LinkSimulator:
             self._local.depth = depth
 
     def _issue(
-        self, fn: Callable[..., Any], signature: inspect.Signature, sent_bytes: SentBytes, functional: bool,
-        args: tuple[Any, ...], kwargs: dict[str, Any],
+        self,
+        fn: Callable[..., Any],
+        signature: inspect.Signature,
+        sent_bytes: SentBytes,
+        functional: bool,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> tuple[Any, float | None, tuple[str, str] | None, bool]:
         """Run ``fn`` and schedule its transfer on its link: ``(result, deadline, link, async_op)``;
         no deadline when the call is nested in another simulated one, off every simulated link or on one rank."""
@@ -363,7 +378,9 @@ class LinkSimulator:
                 return fn(*args, **kwargs), None, None, False
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            size, rank, link = self._link_of(bound.arguments.get("group"), functional, fn.__name__.startswith("all_to_all"))
+            size, rank, link = self._link_of(
+                bound.arguments.get("group"), functional, fn.__name__.startswith("all_to_all")
+            )
             if link is None or size < 2:
                 return fn(*args, **kwargs), None, None, False
             deadline = self._schedule(link, sent_bytes(bound.arguments, size, rank), issued)
@@ -487,7 +504,9 @@ class LinkSimulatorCallback(pl.Callback):
         self.simulator.stop()
         if trainer.is_global_zero and self.simulator.stats:
             steps = max(self._steps, 1)
-            parts = ", ".join(f"{d} {s['seconds'] / steps * 1e3:.1f} ms" for d, s in sorted(self.simulator.stats.items()))
+            parts = ", ".join(
+                f"{d} {s['seconds'] / steps * 1e3:.1f} ms" for d, s in sorted(self.simulator.stats.items())
+            )
             print(f"link simulator ({self.simulator.settings}): simulated link time per batch, rank 0: {parts}")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -498,4 +517,3 @@ class LinkSimulatorCallback(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._stop(trainer)
-

@@ -105,8 +105,9 @@ def _flex_kernel(q: torch.Tensor) -> Any:
     return flex_attention
 
 
-def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor, scale: float | None,
-                    enable_gqa: bool) -> torch.Tensor:
+def _flex_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor, scale: float | None, enable_gqa: bool
+) -> torch.Tensor:
     """CUDA: flex attention under a block mask (no dense [S, S] mask; blocks no document spans are skipped)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -117,12 +118,27 @@ def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_
     return _flex_kernel(q)(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
-def sdpa_arguments(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-               enable_gqa: bool = False) -> dict[str, Any]:
+def sdpa_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> dict[str, Any]:
     """SDPA's arguments by name (the torch function's signature)."""
-    return dict(query=query, key=key, value=value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=scale, enable_gqa=enable_gqa)
+    return dict(
+        query=query,
+        key=key,
+        value=value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
 
 
 # The document-aware attention modes now active, innermost last (see set_document_ids).
@@ -213,8 +229,15 @@ class DocumentAttentionMode(DocumentAwareMode):
             return _flex_attention(q, k, v, documents, call["scale"], call["enable_gqa"])
         # Outer modes must not see the mask (a recomputation's mode may sit above the next micro-batch's).
         with torch_function_disabled():
-            return func(q, k, v, attn_mask=document_causal_mask(documents, documents), dropout_p=call["dropout_p"],
-                        scale=call["scale"], enable_gqa=call["enable_gqa"])
+            return func(
+                q,
+                k,
+                v,
+                attn_mask=document_causal_mask(documents, documents),
+                dropout_p=call["dropout_p"],
+                scale=call["scale"],
+                enable_gqa=call["enable_gqa"],
+            )
 
 
 class SequenceShardedAttentionMode(DocumentAwareMode):
@@ -256,7 +279,9 @@ class SequenceShardedAttentionMode(DocumentAwareMode):
         if call["attn_mask"] is not None:
             raise NotImplementedError(f"{where} does not support attn_mask; use is_causal=True for causal attention")
         if call["dropout_p"] > 0.0:
-            raise NotImplementedError(f"{where} does not support dropout_p={call['dropout_p']}; set attention dropout to 0")
+            raise NotImplementedError(
+                f"{where} does not support dropout_p={call['dropout_p']}; set attention dropout to 0"
+            )
         return self.sharded_attention(call, where)
 
 

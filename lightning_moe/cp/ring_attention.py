@@ -211,7 +211,12 @@ def _finite_lse(lse: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def _torch_forward(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, mask: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    scale: float,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, tuple]:
     scores = _block_scores(q, k, causal, scale, mask)
     lse = torch.logsumexp(scores, dim=-1)
@@ -220,7 +225,15 @@ def _torch_forward(
 
 
 def _torch_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    aux: tuple,
     mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     dout = _wide(dout, mask)
@@ -238,7 +251,15 @@ def _cpu_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: flo
 
 
 def _cpu_flash_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    aux: tuple,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return _compat.flash_attention_cpu_backward(dout, q, k, v, out, lse, causal, scale)
 
@@ -260,7 +281,15 @@ def _cuda_flash_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: fl
 
 
 def _cuda_flash_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    aux: tuple,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # Without dropout the RNG state is never read; any forward's state has the right type.
     philox_seed, philox_offset = aux
@@ -268,7 +297,9 @@ def _cuda_flash_backward(
     return _compat.flash_attention_cuda_backward(dout, q, k, v, out, lse, causal, scale, philox_seed, philox_offset)
 
 
-def _cuda_efficient_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, tuple]:
+def _cuda_efficient_forward(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor, tuple]:
     # -> (out, logsumexp [B, H, ceil(Sq / 32) * 32] fp32, philox_seed, philox_offset). The padded
     # log-sum-exp columns are cut here (the merge wants [B, H, Sq]) and restored for the backward.
     out, lse, philox_seed, philox_offset = _compat.efficient_attention_cuda(q, k, v, causal, scale)
@@ -285,7 +316,15 @@ def _pad_lse(lse: Tensor, multiple: int = 32) -> Tensor:
 
 
 def _cuda_efficient_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool, scale: float, aux: tuple,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    causal: bool,
+    scale: float,
+    aux: tuple,
 ) -> tuple[Tensor, Tensor, Tensor]:
     philox_seed, philox_offset = aux
     dout, q, k, v, out = _dense(dout, q, k, v, out)
@@ -431,12 +470,20 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tuple[Tensor
 
 
 def _forward_block(
-    q: Tensor, kv: list[Tensor], block: _Block, cfg: _Config, out: Tensor | None, lse: Tensor | None,
+    q: Tensor,
+    kv: list[Tensor],
+    block: _Block,
+    cfg: _Config,
+    out: Tensor | None,
+    lse: Tensor | None,
 ) -> tuple[Tensor, Tensor, tuple]:
     """Attend to one block and fold it into (out, lse); the block's own output dies on return."""
     blk_out, blk_lse, aux = cfg.kernel.forward(
-        q[:, :, block.q], _expand_kv(kv[0][:, :, block.kv], cfg.groups),
-        _expand_kv(kv[1][:, :, block.kv], cfg.groups), block.causal, cfg.scale,
+        q[:, :, block.q],
+        _expand_kv(kv[0][:, :, block.kv], cfg.groups),
+        _expand_kv(kv[1][:, :, block.kv], cfg.groups),
+        block.causal,
+        cfg.scale,
     )
     if out is None or lse is None:
         return blk_out.float(), blk_lse.float(), aux
@@ -452,8 +499,14 @@ def _merge(out: Tensor, lse: Tensor, blk_out: Tensor, blk_lse: Tensor) -> None:
 
 
 def _ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    aux: tuple, cfg: _Config,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    aux: tuple,
+    cfg: _Config,
 ) -> tuple[Tensor, Tensor, Tensor]:
     ring, seq_local = cfg.ring, q.shape[2]
     saved = (dout, q, out, lse, aux)
@@ -484,16 +537,28 @@ def _ring_backward(
 
 
 def _backward_block(
-    dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, aux: tuple,
-    kv: list[Tensor], block: _Block, cfg: _Config, dq: Tensor,
+    dout: Tensor,
+    q: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    aux: tuple,
+    kv: list[Tensor],
+    block: _Block,
+    cfg: _Config,
+    dq: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Add one block's dQ into ``dq`` and return its dK, dV (per K/V head)."""
     rows = block.q
     dq_blk, dk_blk, dv_blk = cfg.kernel.backward(
-        dout[:, :, rows], q[:, :, rows], _expand_kv(kv[0][:, :, block.kv], cfg.groups),
-        _expand_kv(kv[1][:, :, block.kv], cfg.groups), out[:, :, rows],
+        dout[:, :, rows],
+        q[:, :, rows],
+        _expand_kv(kv[0][:, :, block.kv], cfg.groups),
+        _expand_kv(kv[1][:, :, block.kv], cfg.groups),
+        out[:, :, rows],
         lse[:, :, rows].contiguous(),  # the fused kernels want dense lse rows
-        block.causal, cfg.scale, aux,
+        block.causal,
+        cfg.scale,
+        aux,
     )
     dq[:, :, rows] += dq_blk
     return _reduce_kv(dk_blk, cfg.groups), _reduce_kv(dv_blk, cfg.groups)
@@ -711,8 +776,14 @@ def _record_item(phase: str, src: int, item: _DocItem, q: Tensor) -> None:
     if _ACTIVE_TRACES:
         batch_heads = _rows(item.rows, q.shape[0]) * q.shape[1]
         record = BlockRecord(
-            phase, src, item.q.stop - item.q.start, item.kv.stop - item.kv.start, item.causal, batch_heads,
-            masked=item.mask is not None, visible=item.visible * batch_heads,
+            phase,
+            src,
+            item.q.stop - item.q.start,
+            item.kv.stop - item.kv.start,
+            item.causal,
+            batch_heads,
+            masked=item.mask is not None,
+            visible=item.visible * batch_heads,
         )
         for trace in _ACTIVE_TRACES:
             trace.blocks.append(record)
@@ -760,7 +831,14 @@ def _document_ring_forward(q: Tensor, k: Tensor, v: Tensor, cfg: _Config) -> tup
 
 
 def _document_ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, aux: tuple, cfg: _Config,
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    aux: tuple,
+    cfg: _Config,
 ) -> tuple[Tensor, Tensor, Tensor]:
     ring, plan = cfg.ring, cfg.documents
     assert plan is not None
@@ -776,8 +854,13 @@ def _document_ring_backward(
         for item in items:
             _record_item("backward", src, item, q)
             rows, q_part = item.rows, item.q
-            args = (dout[rows, :, q_part], q[rows, :, q_part], *_item_kv(kv, item, cfg.groups), out[rows, :, q_part],
-                    lse[rows, :, q_part].contiguous())
+            args = (
+                dout[rows, :, q_part],
+                q[rows, :, q_part],
+                *_item_kv(kv, item, cfg.groups),
+                out[rows, :, q_part],
+                lse[rows, :, q_part].contiguous(),
+            )
             if item.mask is not None:
                 dq_blk, dk_blk, dv_blk = _torch_backward(*args, False, cfg.scale, (), mask=item.mask)
             else:

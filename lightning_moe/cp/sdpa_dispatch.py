@@ -102,11 +102,24 @@ class RingAttentionMode(SequenceShardedAttentionMode):
             )
         if self.document_ids is not None and call["is_causal"]:
             return ring_attention(
-                q, k, v, self.group, causal=True, layout=self.layout, scale=call["scale"],
-                head_chunks=self.head_chunks, document_ids=self._document_plan(q),
+                q,
+                k,
+                v,
+                self.group,
+                causal=True,
+                layout=self.layout,
+                scale=call["scale"],
+                head_chunks=self.head_chunks,
+                document_ids=self._document_plan(q),
             )
         return ring_attention(
-            q, k, v, self.group, causal=call["is_causal"], layout=self.layout, scale=call["scale"],
+            q,
+            k,
+            v,
+            self.group,
+            causal=call["is_causal"],
+            layout=self.layout,
+            scale=call["scale"],
             head_chunks=self.head_chunks,
         )
 

@@ -59,7 +59,9 @@ def check_seq_len(seq_len: int, cp_size: int, layout: Layout = "zigzag") -> None
         raise ValueError(problem)
 
 
-def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1, layout: Layout = "zigzag") -> torch.Tensor:
+def shard_sequence(
+    x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1, layout: Layout = "zigzag"
+) -> torch.Tensor:
     """The part of ``x`` (full sequence along ``dim``) that ``cp_rank`` keeps.
 
     Example::
@@ -130,7 +132,9 @@ def contiguous_unshard(chunks: Sequence[torch.Tensor], dim: int = 1) -> torch.Te
     return unshard_sequence(chunks, dim, "contiguous")
 
 
-def zigzag_position_ids(seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+def zigzag_position_ids(
+    seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None
+) -> torch.Tensor:
     """Global positions (int64, ``[seq_len // cp_size]``) of the tokens ``cp_rank`` holds under zigzag.
 
     RoPE needs the global position of each local token; the strategy adds these to the batch.

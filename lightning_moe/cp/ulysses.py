@@ -127,8 +127,10 @@ def _heads_to_full_sequence(
     out = []
     for t, part in zip(tensors, received.split([b.shape[1] for b in blocks], dim=1)):
         batch, heads, seq_local, dim = t.shape
-        full = part.view(cp, batch, heads // cp, seq_local, dim).permute(1, 2, 0, 3, 4).reshape(
-            batch, heads // cp, cp * seq_local, dim
+        full = (
+            part.view(cp, batch, heads // cp, seq_local, dim)
+            .permute(1, 2, 0, 3, 4)
+            .reshape(batch, heads // cp, cp * seq_local, dim)
         )
         out.append(full if order is None else full.index_select(2, order))
     return out
@@ -194,8 +196,14 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, 
 
 
 def _ulysses(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup | None, causal: bool, layout: str,
-    scale: float | None, documents: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: dist.ProcessGroup | None,
+    causal: bool,
+    layout: str,
+    scale: float | None,
+    documents: Tensor | None,
 ) -> Tensor:
     """:func:`ulysses_attention` after the checks, with the full-sequence ``documents`` (or None)."""
     cp = dist.get_world_size(group)
@@ -286,8 +294,9 @@ class UlyssesAttentionMode(SequenceShardedAttentionMode):
 
     communication = "all-to-all context parallelism"
 
-    def __init__(self, group: dist.ProcessGroup | None, layout: Layout = "zigzag",
-                 document_ids: Tensor | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, layout: Layout = "zigzag", document_ids: Tensor | None = None
+    ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"unknown context-parallel layout {layout!r}; choose one of {LAYOUTS}")
         self._documents: Tensor | None = None  # the full-sequence ids, gathered at first use

@@ -50,9 +50,13 @@ def parse_blend(blend: Any) -> list[tuple[float, str]]:
         try:
             value = float(weight)
         except (TypeError, ValueError):
-            raise ValueError(f"blend weight {weight!r} of {source}: not a number; write e.g. [0.7, {source}, ...]") from None
+            raise ValueError(
+                f"blend weight {weight!r} of {source}: not a number; write e.g. [0.7, {source}, ...]"
+            ) from None
         if not value > 0 or not np.isfinite(value):
-            raise ValueError(f"blend weight {weight!r} of {source} must be > 0: give every source a positive weight, or drop it")
+            raise ValueError(
+                f"blend weight {weight!r} of {source} must be > 0: give every source a positive weight, or drop it"
+            )
         result.append((value, os.fspath(source)))
     total = sum(weight for weight, _ in result)
     return [(weight / total, source) for weight, source in result]

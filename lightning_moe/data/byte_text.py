@@ -52,14 +52,8 @@ def stdlib_source_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(("config-", "."))
-        ]
-        files += [
-            Path(dirpath, f)
-            for f in filenames
-            if f.endswith(".py") and not f.startswith("_sysconfigdata")
-        ]
+        dirnames[:] = [d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith(("config-", "."))]
+        files += [Path(dirpath, f) for f in filenames if f.endswith(".py") and not f.startswith("_sysconfigdata")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
@@ -278,9 +272,7 @@ class ByteTextDataModule(LayoutInvariantDataModule):
 
     def build_datasets(self) -> None:
         # Every rank builds (or finds) the corpus: the build is atomic, so racing is harmless.
-        self.corpus = build_corpus(
-            self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir
-        )
+        self.corpus = build_corpus(self.path, max_bytes=self.max_corpus_bytes, cache_dir=self.cache_dir)
         corpus_bytes = self.corpus.stat().st_size
         if corpus_bytes < self.seq_len + 1:
             raise ValueError(

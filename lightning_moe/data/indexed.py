@@ -33,7 +33,14 @@ INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 # Megatron's dtype codes.
 _DTYPE_CODES: dict[int, type[np.number]] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 _CODE_OF = {np.dtype(dtype): code for code, dtype in _DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")
@@ -84,9 +91,13 @@ class IndexedTokens:
             )
         _, version, code, num_sequences, num_document_indices = _HEADER.unpack(header)
         if version != INDEX_VERSION:
-            raise ValueError(f"{self.idx_path}: index version {version}, only version {INDEX_VERSION} is read; {_PREPARE_HINT}")
+            raise ValueError(
+                f"{self.idx_path}: index version {version}, only version {INDEX_VERSION} is read; {_PREPARE_HINT}"
+            )
         if code not in _DTYPE_CODES:
-            raise ValueError(f"{self.idx_path}: unknown token dtype code {code} (known: {sorted(_DTYPE_CODES)}); {_PREPARE_HINT}")
+            raise ValueError(
+                f"{self.idx_path}: unknown token dtype code {code} (known: {sorted(_DTYPE_CODES)}); {_PREPARE_HINT}"
+            )
         self.dtype = np.dtype(_DTYPE_CODES[code])
         needed = _HEADER.size + num_sequences * (4 + 8) + num_document_indices * 8
         if num_document_indices < 1 or idx_size < needed:
@@ -101,7 +112,9 @@ class IndexedTokens:
         offset += 8 * num_sequences
         document_index = index[offset : offset + 8 * num_document_indices].view(np.int64)
         if document_index[0] != 0 or document_index[-1] != num_sequences or np.any(np.diff(document_index) < 0):
-            raise ValueError(f"{self.idx_path}: inconsistent document index (not 0 ... {num_sequences}); {_PREPARE_HINT}")
+            raise ValueError(
+                f"{self.idx_path}: inconsistent document index (not 0 ... {num_sequences}); {_PREPARE_HINT}"
+            )
         num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
         expected = num_tokens * self.dtype.itemsize
         bin_size = self.bin_path.stat().st_size
@@ -162,13 +175,17 @@ class IndexedCorpusWriter:
         ...     writer.add_document([17, 4, 2])
     """
 
-    def __init__(self, prefix: str | os.PathLike, *, vocab_size: int | None = None, dtype: np.dtype | type | None = None) -> None:
+    def __init__(
+        self, prefix: str | os.PathLike, *, vocab_size: int | None = None, dtype: np.dtype | type | None = None
+    ) -> None:
         if (vocab_size is None) == (dtype is None):
             raise ValueError("IndexedCorpusWriter needs exactly one of vocab_size (to choose the dtype) or dtype")
         self.vocab_size = vocab_size
         self.dtype = token_dtype(vocab_size) if dtype is None else np.dtype(dtype)
         if self.dtype not in _CODE_OF:
-            raise ValueError(f"dtype {self.dtype} has no Megatron code; use one of {sorted(str(np.dtype(d)) for d in _CODE_OF)}")
+            raise ValueError(
+                f"dtype {self.dtype} has no Megatron code; use one of {sorted(str(np.dtype(d)) for d in _CODE_OF)}"
+            )
         self.bin_path, self.idx_path = _paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         tag = f".{os.getpid()}.{uuid.uuid4().hex}.tmp"
@@ -191,7 +208,9 @@ class IndexedCorpusWriter:
         """Append one document's token ids (values must fit the dtype)."""
         array = np.asarray(ids)
         if array.size and (array.min() < np.iinfo(self.dtype).min or array.max() > np.iinfo(self.dtype).max):
-            raise ValueError(f"token ids {array.min()}..{array.max()} do not fit {self.dtype}; pass the tokenizer's vocab_size")
+            raise ValueError(
+                f"token ids {array.min()}..{array.max()} do not fit {self.dtype}; pass the tokenizer's vocab_size"
+            )
         self._bin.write(array.astype(self.dtype, copy=False).tobytes(order="C"))
         self._lengths.append(int(array.size))
         self.num_tokens += int(array.size)
@@ -230,8 +249,14 @@ class IndexedCorpusWriter:
             fh.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
             fh.flush()
             os.fsync(fh.fileno())
-        record = {"vocab_size": self.vocab_size, **(metadata or {}), "documents": self.num_documents, "tokens": self.num_tokens,
-                  "max_token_id": self.max_token_id, "dtype": str(self.dtype)}
+        record = {
+            "vocab_size": self.vocab_size,
+            **(metadata or {}),
+            "documents": self.num_documents,
+            "tokens": self.num_tokens,
+            "max_token_id": self.max_token_id,
+            "dtype": str(self.dtype),
+        }
         self._json_tmp.write_text(json.dumps(record, indent=2) + "\n")
         self.idx_path.unlink(missing_ok=True)
         os.replace(self._bin_tmp, self.bin_path)

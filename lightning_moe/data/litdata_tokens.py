@@ -50,17 +50,50 @@ _HEADER_DTYPE = np.dtype(np.uint32)  # litdata writes the chunk header with nump
 
 # litdata's torch dtype codes (``_TORCH_DTYPES_MAPPING``), as numpy dtypes; the others are named for messages.
 _TORCH_INTEGER_CODES: dict[int, type[np.integer]] = {
-    11: np.uint8, 12: np.int8, 13: np.int16, 14: np.int16, 15: np.int32, 16: np.int32, 17: np.int64, 18: np.int64,
+    11: np.uint8,
+    12: np.int8,
+    13: np.int16,
+    14: np.int16,
+    15: np.int32,
+    16: np.int32,
+    17: np.int64,
+    18: np.int64,
     20: np.uint16,
 }
 _TORCH_OTHER_CODES = {
-    0: "float32", 1: "float32", 2: "float64", 3: "float64", 4: "complex64", 5: "complex64", 6: "complex128",
-    7: "complex128", 8: "float16", 9: "float16", 10: "bfloat16", 19: "bool",
+    0: "float32",
+    1: "float32",
+    2: "float64",
+    3: "float64",
+    4: "complex64",
+    5: "complex64",
+    6: "complex128",
+    7: "complex128",
+    8: "float16",
+    9: "float16",
+    10: "bfloat16",
+    19: "bool",
 }
 # litdata's numpy dtype codes (``_NUMPY_DTYPES_MAPPING``: the position in its list of scalar types).
 _NUMPY_CODES = [
-    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64",
-    "complex64", "complex128", "bool", "object", "bytes", "str", "void",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "bool",
+    "object",
+    "bytes",
+    "str",
+    "void",
 ]
 
 
@@ -292,8 +325,13 @@ class LitdataTokens:
         if count == 0:
             tokens = np.zeros(0, dtype=self.dtype)
         else:
-            tokens = np.memmap(self.chunk_paths[position], dtype=self.dtype, mode="r",
-                               offset=self._chunk_header_bytes[position], shape=(count,))
+            tokens = np.memmap(
+                self.chunk_paths[position],
+                dtype=self.dtype,
+                mode="r",
+                offset=self._chunk_header_bytes[position],
+                shape=(count,),
+            )
         self._maps[position] = tokens
         while len(self._maps) > max(1, self.MAX_OPEN_CHUNKS):
             self._maps.popitem(last=False)  # arrays handed out keep their own reference to the map

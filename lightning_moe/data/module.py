@@ -18,7 +18,11 @@ __all__ = ["LayoutInvariantDataModule", "next_token_sample"]
 def next_token_sample(window: torch.Tensor, sample_index: int) -> dict[str, torch.Tensor]:
     """The training sample of a window of ``seq_len + 1`` tokens: inputs, next-token labels and the
     sample's index in the epoch order (what routing replay and resume checks key on)."""
-    return {"input_ids": window[:-1], "labels": window[1:], "sample_index": torch.tensor(sample_index, dtype=torch.int64)}
+    return {
+        "input_ids": window[:-1],
+        "labels": window[1:],
+        "sample_index": torch.tensor(sample_index, dtype=torch.int64),
+    }
 
 
 class LayoutInvariantDataModule(pl.LightningDataModule):

@@ -62,8 +62,16 @@ from omegaconf import MISSING
 from lightning_moe.data.indexed import IndexedCorpusWriter, token_dtype
 
 __all__ = [
-    "BYTES_TOKENIZER", "PrepareConfig", "Source", "format_summary", "main", "parse_args", "prepare", "read_texts",
-    "resolve_inputs", "usage",
+    "BYTES_TOKENIZER",
+    "PrepareConfig",
+    "Source",
+    "format_summary",
+    "main",
+    "parse_args",
+    "prepare",
+    "read_texts",
+    "resolve_inputs",
+    "usage",
 ]
 
 BYTES_TOKENIZER = "bytes"
@@ -83,20 +91,44 @@ _GLOB_CHARS = frozenset("*?[")
 class PrepareConfig:
     """The options of ``python -m lightning_moe.data.prepare`` (and of :func:`prepare`)."""
 
-    input: Any = field(default=MISSING, metadata={"help": (
-        "(required) files, globs or folders to read: .jsonl, .jsonl.gz, .parquet, .txt, .md, datasets"
-        " save_to_disk folders; several as a list: input='[a.jsonl,b/*.parquet]'")})
-    tokenizer: str = field(default=MISSING, metadata={"help": (
-        "(required) a local tokenizer folder (tokenizer.json), a tokenizer.json file, or 'bytes' (UTF-8 bytes, vocab 256)")})
-    output: str = field(default=MISSING, metadata={"help": (
-        "(required) the output prefix: writes <output>.bin, <output>.idx and <output>.json (folders created)")})
+    input: Any = field(
+        default=MISSING,
+        metadata={
+            "help": (
+                "(required) files, globs or folders to read: .jsonl, .jsonl.gz, .parquet, .txt, .md, datasets"
+                " save_to_disk folders; several as a list: input='[a.jsonl,b/*.parquet]'"
+            )
+        },
+    )
+    tokenizer: str = field(
+        default=MISSING,
+        metadata={
+            "help": (
+                "(required) a local tokenizer folder (tokenizer.json), a tokenizer.json file, or 'bytes' (UTF-8 bytes, vocab 256)"
+            )
+        },
+    )
+    output: str = field(
+        default=MISSING,
+        metadata={
+            "help": (
+                "(required) the output prefix: writes <output>.bin, <output>.idx and <output>.json (folders created)"
+            )
+        },
+    )
     workers: int = field(default=1, metadata={"help": "tokenizer processes; the output is the same for any number"})
     text_key: str = field(default="text", metadata={"help": "the JSON key / Parquet or Arrow column holding the text"})
-    lines: bool = field(default=False, metadata={"help": ".txt/.md: one document per non-blank line instead of per file"})
+    lines: bool = field(
+        default=False, metadata={"help": ".txt/.md: one document per non-blank line instead of per file"}
+    )
     append_eos: bool = field(default=True, metadata={"help": "end every document with the EOS id"})
     # Optional[...] rather than `str | None`: OmegaConf 2.3 reads typing's Optional.
-    eos_token: Optional[str] = field(default=None, metadata={"help": (
-        "the EOS token to append; null: the eos_token of the tokenizer folder's tokenizer_config.json")})
+    eos_token: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": ("the EOS token to append; null: the eos_token of the tokenizer folder's tokenizer_config.json")
+        },
+    )
     batch_size: int = field(default=1000, metadata={"help": "documents per batch sent to a tokenizer process"})
     progress: bool = field(default=True, metadata={"help": "a progress line on stderr (only when it is a terminal)"})
 
@@ -149,8 +181,10 @@ def parse_args(argv: Sequence[str]) -> PrepareConfig:
             else:
                 parts.append(OmegaConf.from_cli([arg]))
         except Exception as err:  # YAML's scanner errors have no common base worth naming
-            raise ValueError(f"{arg!r}: cannot parse the value ({str(err).splitlines()[0]}); quote list items:"
-                             f" {key}='[\"a/*.jsonl\",b.parquet]'") from None
+            raise ValueError(
+                f"{arg!r}: cannot parse the value ({str(err).splitlines()[0]}); quote list items:"
+                f" {key}='[\"a/*.jsonl\",b.parquet]'"
+            ) from None
     try:
         config = OmegaConf.merge(OmegaConf.structured(PrepareConfig), *parts)
     except OmegaConfBaseException as err:  # e.g. workers=many: name the option, not only the value
@@ -183,7 +217,9 @@ def resolve_inputs(input: str | os.PathLike | Sequence[str | os.PathLike]) -> li
     """
     entries = [input] if isinstance(input, (str, os.PathLike)) else list(input)
     if not entries:
-        raise ValueError("input=[] names nothing; pass input=<file, glob or folder> or a list: input='[a.jsonl,b/*.parquet]'")
+        raise ValueError(
+            "input=[] names nothing; pass input=<file, glob or folder> or a list: input='[a.jsonl,b/*.parquet]'"
+        )
     sources: list[Source] = []
     for entry in entries:
         for path in _expand(str(entry)):
@@ -199,7 +235,9 @@ def _expand(entry: str) -> list[Path]:
     if _GLOB_CHARS.intersection(pattern):
         matches = sorted(glob.glob(pattern, recursive=True))
         if not matches:
-            raise FileNotFoundError(f"input={entry!r}: the glob matches nothing; check the pattern and the current directory")
+            raise FileNotFoundError(
+                f"input={entry!r}: the glob matches nothing; check the pattern and the current directory"
+            )
         return [Path(match) for match in matches]
     raise FileNotFoundError(f"input={entry!r}: no such file or folder; pass existing {_SUPPORTED}, or globs of them")
 
@@ -208,11 +246,15 @@ def _sources_at(path: Path) -> list[Source]:
     if not path.is_dir():
         kind = _file_kind(path.name)
         if kind is None:
-            raise ValueError(f"input {path}: not a file type prepare reads ({_SUPPORTED}); convert it or leave it out of input=")
+            raise ValueError(
+                f"input {path}: not a file type prepare reads ({_SUPPORTED}); convert it or leave it out of input="
+            )
         return [Source(path, kind)]
     splits = _dataset_dict_splits(path)
     if splits is not None:
-        raise ValueError(f"input {path}: a datasets DatasetDict (splits {splits}); name one split, e.g. input={path / splits[0]}")
+        raise ValueError(
+            f"input {path}: a datasets DatasetDict (splits {splits}); name one split, e.g. input={path / splits[0]}"
+        )
     if _is_saved_dataset(path):
         return [Source(path, "arrow")]
     return _folder_sources(path)
@@ -233,7 +275,9 @@ def _dataset_dict_splits(folder: Path) -> list[str] | None:
     marker = folder / "dataset_dict.json"
     if not marker.is_file():
         return None
-    return list(json.loads(marker.read_text()).get("splits", [])) or sorted(p.name for p in folder.iterdir() if p.is_dir())
+    return list(json.loads(marker.read_text()).get("splits", [])) or sorted(
+        p.name for p in folder.iterdir() if p.is_dir()
+    )
 
 
 def _folder_sources(folder: Path) -> list[Source]:
@@ -255,7 +299,9 @@ def _folder_sources(folder: Path) -> list[Source]:
             if kind is not None:
                 found.append(Source(here / name, kind))
     if not found:
-        raise ValueError(f"input {folder}: a folder with nothing prepare reads under it ({_SUPPORTED}); name the files instead")
+        raise ValueError(
+            f"input {folder}: a folder with nothing prepare reads under it ({_SUPPORTED}); name the files instead"
+        )
     return sorted(found, key=lambda source: source.path.relative_to(folder).as_posix())
 
 
@@ -267,7 +313,9 @@ def _arrow_files(folder: Path) -> list[Path]:
         if names:
             missing = [name for name in names if not (folder / name).is_file()]
             if missing:
-                raise FileNotFoundError(f"input {folder}: state.json lists {missing}, which are not there; save the dataset again")
+                raise FileNotFoundError(
+                    f"input {folder}: state.json lists {missing}, which are not there; save the dataset again"
+                )
             return [folder / name for name in names]
     return sorted(folder.glob("*.arrow"))
 
@@ -297,7 +345,9 @@ def _check_columns(sources: Iterable[Source], text_key: str) -> None:
 def _check_schema(path: Path, schema: Any, text_key: str) -> None:
     types = _pyarrow().types
     if text_key not in schema.names:
-        raise ValueError(f"{path}: no column {text_key!r} (columns: {schema.names}); pass text_key=<the column that holds the text>")
+        raise ValueError(
+            f"{path}: no column {text_key!r} (columns: {schema.names}); pass text_key=<the column that holds the text>"
+        )
     column_type = schema.field(text_key).type
     if not (types.is_string(column_type) or types.is_large_string(column_type) or types.is_string_view(column_type)):
         raise ValueError(f"{path}: column {text_key!r} holds {column_type}, not text; pass text_key=<a string column>")
@@ -331,13 +381,19 @@ def _read_jsonl(source: Source, text_key: str, **_: Any) -> Iterator[str]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{where}: not JSON ({err.msg}); a .jsonl file holds one JSON object per line") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object; a .jsonl file holds one JSON object per line")
+            raise ValueError(
+                f"{where}: a JSON {type(record).__name__}, not an object; a .jsonl file holds one JSON object per line"
+            )
         if text_key not in record:
-            raise ValueError(f"{where}: the record has no {text_key!r} key (keys: {sorted(record)}); "
-                             "pass text_key=<the key that holds the text>")
+            raise ValueError(
+                f"{where}: the record has no {text_key!r} key (keys: {sorted(record)}); "
+                "pass text_key=<the key that holds the text>"
+            )
         text = record[text_key]
         if text is not None and not isinstance(text, str):
-            raise ValueError(f"{where}: {text_key!r} holds a {type(text).__name__}, not text; pass text_key=<a text key>")
+            raise ValueError(
+                f"{where}: {text_key!r} holds a {type(text).__name__}, not text; pass text_key=<a text key>"
+            )
         yield text or ""
 
 
@@ -352,7 +408,9 @@ def _read_text(source: Source, lines: bool, **_: Any) -> Iterator[str]:
     try:
         yield data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise ValueError(f"{source.path}: not UTF-8 at byte {err.start} ({err.reason}); re-encode the file as UTF-8") from None
+        raise ValueError(
+            f"{source.path}: not UTF-8 at byte {err.start} ({err.reason}); re-encode the file as UTF-8"
+        ) from None
 
 
 def _read_parquet(source: Source, text_key: str, rows: int, **_: Any) -> Iterator[str]:
@@ -384,11 +442,16 @@ def _texts(column: Any) -> Iterator[str]:
 
 
 _READERS: dict[str, Callable[..., Iterator[str]]] = {
-    "jsonl": _read_jsonl, "text": _read_text, "parquet": _read_parquet, "arrow": _read_saved_dataset,
+    "jsonl": _read_jsonl,
+    "text": _read_text,
+    "parquet": _read_parquet,
+    "arrow": _read_saved_dataset,
 }
 
 
-def read_texts(sources: Iterable[Source], *, text_key: str = "text", lines: bool = False, rows: int = 1000) -> Iterator[str]:
+def read_texts(
+    sources: Iterable[Source], *, text_key: str = "text", lines: bool = False, rows: int = 1000
+) -> Iterator[str]:
     """The text of every record of ``sources``, in order, read lazily (``rows``: Parquet rows per read)."""
     for source in sources:
         yield from _READERS[source.kind](source, text_key=text_key, lines=lines, rows=rows)
@@ -460,14 +523,20 @@ def _configured_eos(tokenizer_path: Path) -> str | None:
     return eos if isinstance(eos, str) else None
 
 
-def _resolve_tokenizer(tokenizer: str | os.PathLike, *, append_eos: bool, eos_token: str | None) -> tuple[_EncoderSpec, int, Any]:
+def _resolve_tokenizer(
+    tokenizer: str | os.PathLike, *, append_eos: bool, eos_token: str | None
+) -> tuple[_EncoderSpec, int, Any]:
     """The encoder spec, the vocab size and the loaded tokenizer (None for bytes); refuses a missing or bad EOS."""
     if str(tokenizer) == BYTES_TOKENIZER:
         if eos_token is not None:
-            raise ValueError(f"tokenizer=bytes has no special tokens, so eos_token={eos_token!r} names none; leave it"
-                             " unset and pass append_eos=false")
+            raise ValueError(
+                f"tokenizer=bytes has no special tokens, so eos_token={eos_token!r} names none; leave it"
+                " unset and pass append_eos=false"
+            )
         if append_eos:
-            raise ValueError("tokenizer=bytes has no EOS token (its 256 ids are the byte values): pass append_eos=false")
+            raise ValueError(
+                "tokenizer=bytes has no EOS token (its 256 ids are the byte values): pass append_eos=false"
+            )
         return _EncoderSpec(BYTES_TOKENIZER, None, str(token_dtype(256))), 256, None
     from lightning_moe.data.text import load_tokenizer
 
@@ -483,8 +552,12 @@ def _resolve_tokenizer(tokenizer: str | os.PathLike, *, append_eos: bool, eos_to
             origin = "" if eos_token is not None else f" (from {path}'s tokenizer_config.json)"
             raise ValueError(f"eos_token={name!r}{origin} is not in the vocab of tokenizer={tokenizer}; {_EOS_FIX}")
     if append_eos and eos_id is None:
-        raise ValueError(f"tokenizer={tokenizer} names no EOS token (no eos_token in a tokenizer_config.json beside it); {_EOS_FIX}")
-    spec = _EncoderSpec(str(path), int(eos_id) if append_eos and eos_id is not None else None, str(token_dtype(vocab_size)))
+        raise ValueError(
+            f"tokenizer={tokenizer} names no EOS token (no eos_token in a tokenizer_config.json beside it); {_EOS_FIX}"
+        )
+    spec = _EncoderSpec(
+        str(path), int(eos_id) if append_eos and eos_id is not None else None, str(token_dtype(vocab_size))
+    )
     return spec, vocab_size, loaded
 
 
@@ -534,8 +607,9 @@ class _WorkerPool:
 
     def __init__(self, spec: _EncoderSpec, workers: int) -> None:
         self.window = 2 * workers
-        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(),
-                                             initializer=_init_worker, initargs=(spec,))
+        self._executor = ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context(), initializer=_init_worker, initargs=(spec,)
+        )
         # Start the workers now: before the progress bar's thread exists (forking a threaded process
         # is unsafe) and before the output is opened (they should not inherit its file).
         try:
@@ -598,8 +672,9 @@ def _progress(enabled: bool) -> Iterator[Callable[[int, int], None]]:
         yield update
 
 
-def _write_documents(writer: IndexedCorpusWriter, encoded: Iterable[tuple[np.ndarray, np.ndarray]],
-                     update: Callable[[int, int], None]) -> int:
+def _write_documents(
+    writer: IndexedCorpusWriter, encoded: Iterable[tuple[np.ndarray, np.ndarray]], update: Callable[[int, int], None]
+) -> int:
     """Adds every document with tokens to ``writer``; returns how many had none (skipped)."""
     skipped = 0
     for ids, lengths in encoded:
@@ -618,8 +693,10 @@ def _check_run_options(output: str | os.PathLike, workers: int, batch_size: int)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r}: must be a whole number >= 1")
     if not str(output) or Path(output).expanduser().is_dir():
-        raise ValueError(f"output={str(output)!r} is a folder or empty: it is a prefix, the files are <prefix>.bin and"
-                         " <prefix>.idx; pass output=<folder>/<name>")
+        raise ValueError(
+            f"output={str(output)!r} is a folder or empty: it is a prefix, the files are <prefix>.bin and"
+            " <prefix>.idx; pass output=<folder>/<name>"
+        )
 
 
 def prepare(
@@ -664,16 +741,20 @@ def prepare(
         encoded = stack.enter_context(closing(runner.map(_batches(texts, batch_size))))
         skipped = _write_documents(writer, encoded, update)
         if writer.num_documents == 0:
-            raise ValueError(f"no record of the {len(sources)} input(s) has any tokens ({skipped} empty); nothing written")
-        writer.close(metadata={
-            "tokenizer": spec.tokenizer,
-            "vocab_size": vocab_size,
-            "eos_id": spec.eos_id,
-            "skipped_empty": skipped,
-            "text_key": text_key,
-            "lines": lines,
-            "inputs": [str(source.path.absolute()) for source in sources],
-        })
+            raise ValueError(
+                f"no record of the {len(sources)} input(s) has any tokens ({skipped} empty); nothing written"
+            )
+        writer.close(
+            metadata={
+                "tokenizer": spec.tokenizer,
+                "vocab_size": vocab_size,
+                "eos_id": spec.eos_id,
+                "skipped_empty": skipped,
+                "text_key": text_key,
+                "lines": lines,
+                "inputs": [str(source.path.absolute()) for source in sources],
+            }
+        )
     return {
         "documents": writer.num_documents,
         "tokens": writer.num_tokens,
@@ -687,9 +768,11 @@ def prepare(
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The one line the command prints when done."""
-    return (f"prepared {summary['documents']:,} documents, {summary['tokens']:,} tokens ({summary['dtype']}),"
-            f" {summary['skipped_empty']:,} empty skipped, from {summary['files']} input(s) in {summary['seconds']:.1f} s"
-            f" -> {', '.join(summary['paths'])}")
+    return (
+        f"prepared {summary['documents']:,} documents, {summary['tokens']:,} tokens ({summary['dtype']}),"
+        f" {summary['skipped_empty']:,} empty skipped, from {summary['files']} input(s) in {summary['seconds']:.1f} s"
+        f" -> {', '.join(summary['paths'])}"
+    )
 
 
 # --- command line ----------------------------------------------------------------------------------
@@ -712,7 +795,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prepare: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("prepare: interrupted; nothing was written (an older output is as it was, or without its .idx)", file=sys.stderr)
+        print(
+            "prepare: interrupted; nothing was written (an older output is as it was, or without its .idx)",
+            file=sys.stderr,
+        )
         return 130
     print(format_summary(summary))
     return 0

@@ -17,7 +17,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_moe.layout import DEFAULT_MICRO_BATCH_SIZE, default_micro_batch_size, resolve_batch_layout
 
-__all__ = ["DEFAULT_MICRO_BATCH_SIZE", "LayoutInvariantSampler", "ResumableDataLoader", "default_micro_batch_size", "resolve_batch_layout"]
+__all__ = [
+    "DEFAULT_MICRO_BATCH_SIZE",
+    "LayoutInvariantSampler",
+    "ResumableDataLoader",
+    "default_micro_batch_size",
+    "resolve_batch_layout",
+]
 
 
 class LayoutInvariantSampler(DistributedSampler):
@@ -51,9 +57,7 @@ class LayoutInvariantSampler(DistributedSampler):
         seed: int = 0,
     ) -> None:
         resolve_batch_layout(global_batch_size, micro_batch_size, num_replicas)
-        super().__init__(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
-        )
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.num_steps = len(dataset) // global_batch_size

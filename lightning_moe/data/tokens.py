@@ -83,7 +83,9 @@ def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
     except (TypeError, ValueError):
         raise ValueError(f"split={split!r}: write train,validation,test weights, e.g. '969,30,1'") from None
     if not 1 <= len(values) <= 3 or any(v < 0 for v in values) or sum(values) <= 0 or values[0] <= 0:
-        raise ValueError(f"split={split!r}: give 1 to 3 non-negative weights with a positive train share, e.g. '969,30,1'")
+        raise ValueError(
+            f"split={split!r}: give 1 to 3 non-negative weights with a positive train share, e.g. '969,30,1'"
+        )
     values += [0.0] * (3 - len(values))
     total = sum(values)
     return values[0] / total, values[1] / total, values[2] / total
@@ -262,8 +264,16 @@ class TokenDataModule(LayoutInvariantDataModule):
         # Validation blends the sources whose validation split holds a sample, with their weights.
         kept = [(weight, windows) for weight, windows in zip(weights, val) if len(windows)]
         total = sum(weight for weight, _ in kept)
-        self.val_dataset = BlendedWindows([w for _, w in kept], [weight / total for weight, _ in kept],
-                                          document_mask=document_mask, eod_mask_loss=eod_mask_loss) if kept else None
+        self.val_dataset = (
+            BlendedWindows(
+                [w for _, w in kept],
+                [weight / total for weight, _ in kept],
+                document_mask=document_mask,
+                eod_mask_loss=eod_mask_loss,
+            )
+            if kept
+            else None
+        )
         if self.val_dataset is not None and len(self.val_dataset) < global_batch_size:
             warnings.warn(
                 f"validation skipped: the blend's validation split gives {len(self.val_dataset)} samples, fewer than"

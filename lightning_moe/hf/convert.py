@@ -172,14 +172,16 @@ def family_of(name: str) -> Family:
 def _unknown_blocks(model: nn.Module) -> list[str]:
     """Class names that look like sparse-MoE parts (``_MOE_HINTS``) outside any known block."""
     inside_known = {id(m) for block in model.modules() if type(block).__name__ in FAMILIES for m in block.modules()}
-    return sorted({
-        type(m).__name__
-        for m in model.modules()
-        if id(m) not in inside_known
-        and not isinstance(m, MoELayer)
-        and type(m).__module__.startswith("transformers")
-        and any(h in type(m).__name__ for h in _MOE_HINTS)
-    })
+    return sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if id(m) not in inside_known
+            and not isinstance(m, MoELayer)
+            and type(m).__module__.startswith("transformers")
+            and any(h in type(m).__name__ for h in _MOE_HINTS)
+        }
+    )
 
 
 def check_supported(model: nn.Module) -> None:
@@ -232,12 +234,18 @@ def convert_moe_blocks(
         family = FAMILIES[type(block).__name__]
         kwargs = family.layer_kwargs(config, block)
         if not model_family(family.name).expert_bias_balancing:
-            coeff = aux_loss_coeff if aux_loss_coeff is not None else getattr(config, "router_aux_loss_coef", None) or 0.0
+            coeff = (
+                aux_loss_coeff if aux_loss_coeff is not None else getattr(config, "router_aux_loss_coef", None) or 0.0
+            )
             kwargs.update(aux_loss_coeff=float(coeff), load_balancing=load_balancing or "aux_loss")
         else:
             kwargs.update(aux_loss_coeff=float(aux_loss_coeff or 0.0), load_balancing=load_balancing or "none")
-        kwargs.update(z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor, dispatcher=dispatcher,
-                      bias_update_rate=bias_update_rate)
+        kwargs.update(
+            z_loss_coeff=z_loss_coeff,
+            capacity_factor=capacity_factor,
+            dispatcher=dispatcher,
+            bias_update_rate=bias_update_rate,
+        )
         layer = _new_layer(family, kwargs, block)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
@@ -290,7 +298,9 @@ def _copy_in(family: Family, layer: MoELayer, block: nn.Module) -> None:
         layer.router.expert_load.zero_()
 
 
-def moe_layer_to_hf(layer: MoELayer, family: str | None = None, full: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def moe_layer_to_hf(
+    layer: MoELayer, family: str | None = None, full: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """The transformers weights of one converted layer, keyed relative to the block (``"gate.weight"``).
 
     ``full`` turns a (possibly sharded) tensor into the whole tensor (default: itself).

@@ -55,7 +55,9 @@ def load_causal_lm(
 
         spec = dict(model)
         if "model_type" not in spec:
-            raise ValueError(f"a config mapping needs a 'model_type' key (one of {SUPPORTED_MODEL_TYPES}), got {sorted(spec)}")
+            raise ValueError(
+                f"a config mapping needs a 'model_type' key (one of {SUPPORTED_MODEL_TYPES}), got {sorted(spec)}"
+            )
         model = build_config(spec.pop("model_type"), **spec)
     if isinstance(model, PretrainedConfig):
         _check_model_type(model)
@@ -82,7 +84,9 @@ def _attn_kwargs(config: Any, attn_implementation: str | None) -> dict[str, Any]
     return {"attn_implementation": attn_implementation}
 
 
-def _padded_v_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+def _padded_v_sdpa(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any
+) -> Any:
     """transformers' SDPA attention with V zero-padded to the q/k head dim and the output cut back.
 
     MLA (DeepSeek-V3) has ``v_head_dim < qk_head_dim``; ring attention (context parallelism) needs

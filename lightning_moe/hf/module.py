@@ -121,8 +121,12 @@ class HFMoEModule(CausalLMModule):
         self.hparams["mtp_depth"] = self.mtp_depth
         add_mtp_layers(hf, self.mtp_depth)
         convert_moe_blocks(
-            hf, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff, capacity_factor=capacity_factor,
-            dispatcher=dispatcher, bias_update_rate=bias_update_rate,
+            hf,
+            aux_loss_coeff=aux_loss_coeff,
+            z_loss_coeff=z_loss_coeff,
+            capacity_factor=capacity_factor,
+            dispatcher=dispatcher,
+            bias_update_rate=bias_update_rate,
         )
         if self.mtp_depth and folder is not None and self.pretrained_folder is None:
             load_mtp_layers(hf, folder)
@@ -138,10 +142,17 @@ class HFMoEModule(CausalLMModule):
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.get_input_embeddings().num_embeddings) if self.model.model.embed_tokens is not None else int(self.config.vocab_size)
+        return (
+            int(self.model.get_input_embeddings().num_embeddings)
+            if self.model.model.embed_tokens is not None
+            else int(self.config.vocab_size)
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, mtp_input_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        mtp_input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """``input_ids [B, S]`` -> logits ``[B, S, vocab]`` (hidden states in and/or out on a pipeline stage).
 
@@ -162,7 +173,11 @@ class HFMoEModule(CausalLMModule):
             del lm.forward
 
     def _decoder_loop(
-        self, lm: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None, mtp_input_ids: torch.Tensor | None
+        self,
+        lm: nn.Module,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        mtp_input_ids: torch.Tensor | None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         inner = lm.model
         embed = inner.embed_tokens
@@ -186,7 +201,11 @@ class HFMoEModule(CausalLMModule):
             mask = masks["full_attention"] if masks else None
             for k, (_, layer) in enumerate(mtp_layers(lm)):
                 depth_hidden = mtp_forward(
-                    layer, depth_hidden, embed(mtp_input_ids[..., k]), attention_mask=mask, position_ids=position_ids,
+                    layer,
+                    depth_hidden,
+                    embed(mtp_input_ids[..., k]),
+                    attention_mask=mask,
+                    position_ids=position_ids,
                     position_embeddings=position_embeddings,
                 )
                 depth_logits.append(lm.lm_head(layer.shared_head.norm(depth_hidden)))
@@ -259,7 +278,9 @@ class HFMoEModule(CausalLMModule):
                 self._pretrained_shards = PretrainedShards(self.pretrained_folder, self.model)
             return self._pretrained_shards(name, tensor, index)
         if tensor.ndim < 2:
-            return (torch.ones if "norm" in attr or "norm" in owner_name.rsplit(".", 1)[-1] else torch.zeros)(tensor.shape)[index]
+            return (torch.ones if "norm" in attr or "norm" in owner_name.rsplit(".", 1)[-1] else torch.zeros)(
+                tensor.shape
+            )[index]
         generator = seeded_generator(self.init_seed, name)
         return torch.empty(tensor.shape).normal_(0.0, self.config.initializer_range, generator=generator)[index]
 
@@ -319,7 +340,12 @@ class HFMoEModule(CausalLMModule):
         heads = config.num_attention_heads
         experts = next((m.num_experts for m in self.model.modules() if isinstance(m, MoELayer)), None)
         problems += size_problems(
-            tp, cp, ep, pp=pp, num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            tp,
+            cp,
+            ep,
+            pp=pp,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             num_experts=experts,
         )
         if pp > 1 and self.mtp_depth:

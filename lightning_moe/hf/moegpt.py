@@ -23,7 +23,11 @@ _BLOCK_NAMES = {
     "attention.wo.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_END_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_END_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def _check_maps_exactly(model: Any) -> None:
@@ -31,14 +35,18 @@ def _check_maps_exactly(model: Any) -> None:
     layers = list(model.layers.values())
     problems = []
     if any(not isinstance(block.feed_forward, MoELayer) for block in layers):
-        problems.append(f"moe_layer_freq={hp.moe_layer_freq} leaves dense layers (Mixtral has an MoE FFN in every layer)")
+        problems.append(
+            f"moe_layer_freq={hp.moe_layer_freq} leaves dense layers (Mixtral has an MoE FFN in every layer)"
+        )
     for block in layers:
         layer = block.feed_forward
         if not isinstance(layer, MoELayer):
             continue
         router = layer.router
         if router.score_func != "softmax" or not router.topk_norm:
-            problems.append("routing other than softmax with top-k renormalisation (score_func='softmax', topk_norm=True)")
+            problems.append(
+                "routing other than softmax with top-k renormalisation (score_func='softmax', topk_norm=True)"
+            )
         if layer.shared_expert is not None or layer.shared_expert_gate is not None:
             problems.append("a shared expert")
         if router.use_expert_bias or router.num_groups is not None or router.use_sinkhorn:

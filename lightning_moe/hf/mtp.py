@@ -40,7 +40,10 @@ __all__ = [
 ]
 
 #: The published copies of shared tensors in each MTP layer -> the main model's tensor they copy.
-MTP_COPIES: dict[str, str] = {"embed_tokens.weight": "model.embed_tokens.weight", "shared_head.head.weight": "lm_head.weight"}
+MTP_COPIES: dict[str, str] = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "shared_head.head.weight": "lm_head.weight",
+}
 
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -64,7 +67,9 @@ def resolve_mtp_depth(config: Any, requested: int | None, checkpoint: tuple[str,
     """
     family = model_family(config.model_type)
     if requested is not None and requested < 0:
-        raise ValueError(f"mtp_depth must be >= 0 (0: no multi-token prediction, None: the checkpoint's), got {requested}")
+        raise ValueError(
+            f"mtp_depth must be >= 0 (0: no multi-token prediction, None: the checkpoint's), got {requested}"
+        )
     if not family.mtp_layers:
         if requested:
             with_mtp = tuple(f.model_type for f in MODEL_FAMILIES.values() if f.mtp_layers)
@@ -132,12 +137,16 @@ def add_mtp_layers(model: nn.Module, depth: int, published_copies: bool = False)
 
 def main_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(key, layer)`` of the main decoder layers present in ``model.model.layers`` (a pipeline stage: its own)."""
-    return [(key, layer) for key, layer in model.model.layers.named_children() if int(key) < model.config.num_hidden_layers]
+    return [
+        (key, layer) for key, layer in model.model.layers.named_children() if int(key) < model.config.num_hidden_layers
+    ]
 
 
 def mtp_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(key, layer)`` of the MTP layers of ``model.model.layers``, depth 1 first."""
-    return [(key, layer) for key, layer in model.model.layers.named_children() if int(key) >= model.config.num_hidden_layers]
+    return [
+        (key, layer) for key, layer in model.model.layers.named_children() if int(key) >= model.config.num_hidden_layers
+    ]
 
 
 def mtp_forward(layer: nn.Module, hidden: torch.Tensor, embeddings: torch.Tensor, **layer_kwargs: Any) -> torch.Tensor:

@@ -115,7 +115,9 @@ class _Sequence(ParallelStyleWithApply):
         return module
 
 
-def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = True, prefix: str = "") -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(
+    model: nn.Module, sequence_parallel: bool = True, prefix: str = ""
+) -> dict[str, ParallelStyle]:
     """Megatron-style plan over ``model.model.layers`` of a converted transformers causal LM.
 
     Attention q/k/v (MLA: ``q_b_proj``/``kv_b_proj``; ``q_proj`` without q-LoRA) column-wise,
@@ -167,8 +169,12 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = True, prefi
         if isinstance(mlp, MoELayer) or moe_name == "mlp.moe":
             if sequence_parallel:
                 plan[at + moe_name] = PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=False,
-                    output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=True,
+                    input_layouts=(Shard(1),),
+                    desired_input_layouts=(Shard(1),),
+                    use_local_input=False,
+                    output_layouts=(Shard(1),),
+                    desired_output_layouts=(Shard(1),),
+                    use_local_output=True,
                 )
         else:
             if sequence_parallel:

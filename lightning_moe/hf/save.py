@@ -88,7 +88,9 @@ def write_hf_folder(config: Any, state: dict[str, torch.Tensor], path: str | os.
     tied = set(tied_weights_keys(fresh))
     missing = [k for k in missing if k not in tied]
     if missing or unexpected:
-        raise RuntimeError(f"save_hf: state dict does not match {type(fresh).__name__}: missing {missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"save_hf: state dict does not match {type(fresh).__name__}: missing {missing}, unexpected {unexpected}"
+        )
     if tied and getattr(config, "tie_word_embeddings", False):
         fresh.tie_weights()
     out = Path(path)

@@ -149,7 +149,10 @@ class PretrainedShards:
         experts, first, second = index
         # Per expert, nn.Linear weights: gate/up [F, H] and down [H, F], i.e. ours transposed.
         return torch.stack(
-            [read(f"{block}.experts.{e}.{key}.weight", (second, first)).t() for e in range(*experts.indices(num_experts))]
+            [
+                read(f"{block}.experts.{e}.{key}.weight", (second, first)).t()
+                for e in range(*experts.indices(num_experts))
+            ]
         )
 
     def _moe(self, rest: str, block: str, family: Any, ffn: int, tensor: torch.Tensor, index: Index) -> torch.Tensor:

@@ -46,9 +46,22 @@ class UpcycleTarget:
 
 
 _COMMON_KEYS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps", "tie_word_embeddings",
-    "rope_parameters", "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "rope_parameters",
+    "attention_dropout",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
 )
 
 UPCYCLE_TARGETS: dict[str, UpcycleTarget] = {
@@ -58,12 +71,22 @@ UPCYCLE_TARGETS: dict[str, UpcycleTarget] = {
     "llama": UpcycleTarget(
         "mixtral",
         refused=(
-            ("attention_bias", True, "Mixtral's q/k/v/o projections have no bias, so the dense attention biases would be lost"),
-            ("mlp_bias", True, "Mixtral's experts (and MoELayer's SwiGLU experts) have no bias, so the dense MLP biases would be lost"),
+            (
+                "attention_bias",
+                True,
+                "Mixtral's q/k/v/o projections have no bias, so the dense attention biases would be lost",
+            ),
+            (
+                "mlp_bias",
+                True,
+                "Mixtral's experts (and MoELayer's SwiGLU experts) have no bias, so the dense MLP biases would be lost",
+            ),
         ),
     ),
     # Qwen2-MoE keeps Qwen2's q/k/v biases and per-layer windows; its shared expert starts at zero output.
-    "qwen2": UpcycleTarget("qwen2_moe", copied=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")),
+    "qwen2": UpcycleTarget(
+        "qwen2_moe", copied=("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+    ),
     # Qwen3-MoE: the same attention (q/k norms per head); one sliding window for all layers or none.
     "qwen3": UpcycleTarget("qwen3_moe", copied=("attention_bias", "use_sliding_window", "sliding_window")),
 }
@@ -71,7 +94,9 @@ UPCYCLE_TARGETS: dict[str, UpcycleTarget] = {
 _MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(.+)$")
 
 
-def _check_arguments(num_experts: int, top_k: int, granularity: int, intermediate_size: int, router_std: float | None) -> None:
+def _check_arguments(
+    num_experts: int, top_k: int, granularity: int, intermediate_size: int, router_std: float | None
+) -> None:
     for name, value in (("num_experts", num_experts), ("top_k", top_k), ("granularity", granularity)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"upcycle: {name} must be a positive integer, got {value!r}")
@@ -127,13 +152,13 @@ def upcycle_config(
             " (Llama and Mistral become Mixtral, Qwen2 Qwen2-MoE, Qwen3 Qwen3-MoE)"
         )
     problems = [
-        f"{key}={value!r}: {why}"
-        for key, value, why in target.refused
-        if getattr(dense_config, key, None) == value
+        f"{key}={value!r}: {why}" for key, value, why in target.refused if getattr(dense_config, key, None) == value
     ]
     act = getattr(dense_config, "hidden_act", "silu")
     if act != "silu":
-        problems.append(f"hidden_act={act!r}: MoELayer's experts are SwiGLU with silu, so the dense MLP's {act} cannot be kept")
+        problems.append(
+            f"hidden_act={act!r}: MoELayer's experts are SwiGLU with silu, so the dense MLP's {act} cannot be kept"
+        )
     if model_type == "qwen3":
         kinds = set(getattr(dense_config, "layer_types", None) or ["full_attention"])
         if len(kinds) > 1:
@@ -160,11 +185,18 @@ def upcycle_config(
     routed = top_k * granularity
     if target.moe_model_type == "mixtral":
         kwargs.setdefault("sliding_window", None)
-        kwargs.update(intermediate_size=ffn, num_local_experts=num_experts, num_experts_per_tok=routed, router_jitter_noise=0.0)
+        kwargs.update(
+            intermediate_size=ffn, num_local_experts=num_experts, num_experts_per_tok=routed, router_jitter_noise=0.0
+        )
     else:
         kwargs.update(
-            intermediate_size=intermediate, moe_intermediate_size=ffn, num_experts=num_experts, num_experts_per_tok=routed,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            intermediate_size=intermediate,
+            moe_intermediate_size=ffn,
+            num_experts=num_experts,
+            num_experts_per_tok=routed,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
         )
         if target.moe_model_type == "qwen2_moe":
             kwargs.update(qkv_bias=True, shared_expert_intermediate_size=shared_expert_intermediate_size or ffn)
@@ -213,7 +245,9 @@ class UpcycledHFMoEModule(HFMoEModule):
         if dense is None and pretrained is None:
             raise ValueError("upcycle: pass dense (a model, config mapping or folder) or pretrained (a local folder)")
         if dense is not None and pretrained is not None and not isinstance(dense, Mapping):
-            raise ValueError("upcycle: pass either dense or pretrained, not both (pretrained replaces only a config mapping)")
+            raise ValueError(
+                "upcycle: pass either dense or pretrained, not both (pretrained replaces only a config mapping)"
+            )
         source = pretrained if pretrained is not None else dense
         random_shapes: dict[str, tuple[int, ...]] | None = None
         on_meta = torch.empty(()).is_meta
@@ -248,14 +282,22 @@ class UpcycledHFMoEModule(HFMoEModule):
             first = next(iter(state.values()))
             dtype, device = first.dtype, first.device
         else:
-            raise TypeError(f"upcycle: dense must be a transformers PreTrainedModel or a local folder, got {type(source).__name__}")
+            raise TypeError(
+                f"upcycle: dense must be a transformers PreTrainedModel or a local folder, got {type(source).__name__}"
+            )
         moe_config = upcycle_config(
-            dense_config, num_experts, top_k, granularity, shared_expert_intermediate_size=shared_expert_intermediate_size,
+            dense_config,
+            num_experts,
+            top_k,
+            granularity,
+            shared_expert_intermediate_size=shared_expert_intermediate_size,
             router_std=router_std,
         )
         attn = module_kwargs.get("attn_implementation", "sdpa")
         with torch.device("meta"):
-            moe = AutoModelForCausalLM.from_config(moe_config, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
+            moe = AutoModelForCausalLM.from_config(
+                moe_config, dtype=dtype, **({"attn_implementation": attn} if attn else {})
+            )
         with warnings.catch_warnings():  # Lightning's note that ``dense`` (a module) is in the init args
             warnings.filterwarnings("ignore", message=r"Attribute 'dense' is an instance of `nn.Module`")
             super().__init__(moe, **module_kwargs)
@@ -347,7 +389,8 @@ class UpcycledHFMoEModule(HFMoEModule):
         if problems:
             raise ValueError(
                 f"upcycle: the dense {self.dense_model_type} weights do not map onto {type(self.model).__name__}: "
-                + "; ".join(problems[:8]) + ("" if len(problems) <= 8 else f" (and {len(problems) - 8} more)")
+                + "; ".join(problems[:8])
+                + ("" if len(problems) <= 8 else f" (and {len(problems) - 8} more)")
             )
 
     # -- the recipe ----------------------------------------------------------------------------------
@@ -467,7 +510,13 @@ def upcycle(
     """
     key = "pretrained" if isinstance(model, (str, os.PathLike)) else "dense"
     return UpcycledHFMoEModule(
-        num_experts=num_experts, top_k=top_k, granularity=granularity, router_std=router_std,
-        shared_expert_intermediate_size=shared_expert_intermediate_size, seed=seed, dtype=dtype,
-        **{key: model}, **module_kwargs,
+        num_experts=num_experts,
+        top_k=top_k,
+        granularity=granularity,
+        router_std=router_std,
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+        seed=seed,
+        dtype=dtype,
+        **{key: model},
+        **module_kwargs,
     )

@@ -26,9 +26,7 @@ def rotary_cos_sin(
     sequence index: a context-parallel shard that carries its global position ids rotates its
     tokens exactly like the unsharded sequence does.
     """
-    inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim
-    )
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
     angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
     return angles.cos(), angles.sin()
 
@@ -68,9 +66,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = hidden_size // num_heads
         if self.head_dim % 2:
-            raise ValueError(
-                f"head dimension hidden_size/num_heads = {self.head_dim} must be even for RoPE"
-            )
+            raise ValueError(f"head dimension hidden_size/num_heads = {self.head_dim} must be even for RoPE")
         self.wq = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=False)
@@ -84,9 +80,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, seq, head_dim]
         # enable_gqa only when needed: some fused kernels do not take the flag.
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -112,9 +106,7 @@ class TransformerBlock(nn.Module):
         torch.Size([2, 10, 64])
     """
 
-    def __init__(
-        self, attention: Attention, feed_forward: nn.Module, hidden_size: int, norm_eps: float = 1e-6
-    ) -> None:
+    def __init__(self, attention: Attention, feed_forward: nn.Module, hidden_size: int, norm_eps: float = 1e-6) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(hidden_size, eps=norm_eps)
         self.attention = attention

@@ -33,7 +33,9 @@ OPTIMIZERS = ("adamw", "muon")
 def check_optimizer(optimizer: str) -> None:
     """Refuse an unknown ``optimizer`` hyperparameter when the module is built, before any work."""
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} must be one of {OPTIMIZERS} (model.optimizer=muon on the command line)")
+        raise ValueError(
+            f"optimizer={optimizer!r} must be one of {OPTIMIZERS} (model.optimizer=muon on the command line)"
+        )
 
 
 @functools.cache
@@ -41,9 +43,7 @@ def _forward_parameters(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 
-def warmup_cosine_factor(
-    step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float
-) -> float:
+def warmup_cosine_factor(step: int, *, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier after `step` optimizer steps: linear warmup then cosine decay.
 
     `(step + 1) / warmup_steps` while `step < warmup_steps` (the first step already trains), then
@@ -106,9 +106,7 @@ class CausalLMModule(pl.LightningModule):
         mean, which divides by `loss_token_count` when the strategy provides it). Logits are cast
         to fp32 for the softmax."""
         logits = self(batch["input_ids"], batch.get("position_ids"), **self.sample_index_kwargs(batch))
-        return self.loss_from_logits(
-            logits, batch["labels"], batch.get("loss_mask"), batch.get("loss_token_count")
-        )
+        return self.loss_from_logits(logits, batch["labels"], batch.get("loss_mask"), batch.get("loss_token_count"))
 
     def sample_index_kwargs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """`{"sample_index": batch["sample_index"]}` when the batch has it and `forward` takes it, else `{}`
@@ -138,15 +136,28 @@ class CausalLMModule(pl.LightningModule):
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         objective, terms = self.loss_terms(batch)
         for name, value in terms.items():
-            self.log(f"train/{name}", value, prog_bar=name == "loss", on_step=True, on_epoch=False,
-                     batch_size=batch["input_ids"].shape[0])
+            self.log(
+                f"train/{name}",
+                value,
+                prog_bar=name == "loss",
+                on_step=True,
+                on_epoch=False,
+                batch_size=batch["input_ids"].shape[0],
+            )
         return objective
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         objective, terms = self.loss_terms(batch)
         for name, value in terms.items():
-            self.log(f"val/{name}", value, prog_bar=name == "loss", on_step=False, on_epoch=True, sync_dist=True,
-                     batch_size=batch["input_ids"].shape[0])
+            self.log(
+                f"val/{name}",
+                value,
+                prog_bar=name == "loss",
+                on_step=False,
+                on_epoch=True,
+                sync_dist=True,
+                batch_size=batch["input_ids"].shape[0],
+            )
         return objective
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
@@ -210,7 +221,6 @@ class CausalLMModule(pl.LightningModule):
         estimated = self.trainer.estimated_stepping_batches
         if not math.isfinite(estimated):
             raise ValueError(
-                f"cannot size the cosine schedule: set {type(self).__name__}(max_steps=...) or "
-                "Trainer(max_steps=...)"
+                f"cannot size the cosine schedule: set {type(self).__name__}(max_steps=...) or Trainer(max_steps=...)"
             )
         return int(estimated)

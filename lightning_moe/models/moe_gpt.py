@@ -261,7 +261,9 @@ class MoEGPT(CausalLMModule):
         if "mtp_labels" not in batch:
             batch = add_mtp_targets(batch, depth)
         output = self(
-            batch["input_ids"], batch.get("position_ids"), **self.sample_index_kwargs(batch),
+            batch["input_ids"],
+            batch.get("position_ids"),
+            **self.sample_index_kwargs(batch),
             mtp_input_ids=batch["mtp_input_ids"],
         )
         return self.loss_terms_from_output(output, batch)
@@ -278,7 +280,9 @@ class MoEGPT(CausalLMModule):
         (`labels` and the optional `loss_mask`, `loss_token_count` and `mtp_*` entries of a batch).
         Under pipeline parallelism the strategy calls it on the last stage for every micro-batch."""
         logits, *depth_logits = output if isinstance(output, tuple) else (output,)
-        main = self.loss_from_logits(logits, targets["labels"], targets.get("loss_mask"), targets.get("loss_token_count"))
+        main = self.loss_from_logits(
+            logits, targets["labels"], targets.get("loss_mask"), targets.get("loss_token_count")
+        )
         if not depth_logits:
             return main, {"loss": main}
         extra = mtp_loss(depth_logits, targets)

@@ -48,7 +48,9 @@ class MultiTokenPrediction(nn.Module):
         self.block = block
         self.norm = nn.RMSNorm(hidden_size, eps=norm_eps)
 
-    def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, embeddings: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         """`hidden`: depth `k - 1`'s residual stream (before its final norm); `embeddings`: of the
         tokens `k` ahead. Returns depth `k`'s residual stream (`norm` then the head give its logits)."""
         combined = torch.cat([self.enorm(embeddings), self.hnorm(hidden)], dim=-1)
@@ -74,7 +76,7 @@ def add_mtp_targets(batch: Mapping[str, Any], depth: int) -> dict[str, Any]:
     ids, targets, masks = [], [], []
     for k in range(1, depth + 1):
         keep = torch.ones_like(input_ids, dtype=torch.bool)
-        keep[:, seq_len - k:] = False
+        keep[:, seq_len - k :] = False
         if loss_mask is not None:
             keep[:, : seq_len - k] &= loss_mask[:, k:].bool()
         if documents is not None:
@@ -103,11 +105,17 @@ def mtp_loss(depth_logits: Sequence[torch.Tensor], batch: Mapping[str, Any]) -> 
         True
     """
     counts = batch.get("mtp_loss_token_count")
-    return torch.stack([
-        next_token_loss(logits, batch["mtp_labels"][..., k], batch["mtp_loss_mask"][..., k],
-                        counts[k] if counts is not None else None)
-        for k, logits in enumerate(depth_logits)
-    ]).mean()
+    return torch.stack(
+        [
+            next_token_loss(
+                logits,
+                batch["mtp_labels"][..., k],
+                batch["mtp_loss_mask"][..., k],
+                counts[k] if counts is not None else None,
+            )
+            for k, logits in enumerate(depth_logits)
+        ]
+    ).mean()
 
 
 def _shift_left(tokens: torch.Tensor, k: int) -> torch.Tensor:

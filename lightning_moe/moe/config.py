@@ -84,7 +84,9 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         self._check_layer()
-        check_routing(self.num_experts, self.top_k, self.score_func, self.num_groups, self.group_topk, self.bias_update_rate)
+        check_routing(
+            self.num_experts, self.top_k, self.score_func, self.num_groups, self.group_topk, self.bias_update_rate
+        )
         check_node_limit(self.num_nodes, self.max_nodes_per_token, self.num_experts, self.top_k)
         check_dispatcher(self.dispatcher, self.dispatch_dtype)
         if isinstance(self.dispatcher, DispatcherKind):  # kept as the plain string Hydra and YAML take
@@ -109,9 +111,7 @@ class MoEConfig:
         if self.drop_policy not in DROP_POLICIES:
             raise ValueError(f"drop_policy={self.drop_policy!r} is unknown: choose one of {DROP_POLICIES}")
         if self.shared_expert_hidden_size is not None and self.shared_expert_hidden_size < 1:
-            raise ValueError(
-                f"shared_expert_hidden_size must be >= 1 (or None), got {self.shared_expert_hidden_size}"
-            )
+            raise ValueError(f"shared_expert_hidden_size must be >= 1 (or None), got {self.shared_expert_hidden_size}")
         if self.shared_expert_gate and self.shared_expert_hidden_size is None:
             raise ValueError("shared_expert_gate=True gates the shared expert: set shared_expert_hidden_size as well")
         if self.activation not in ACTIVATIONS:
@@ -134,7 +134,9 @@ class MoEConfig:
                 ("load_balancing='sinkhorn'", self.load_balancing == "sinkhorn"),
             ) if on]  # fmt: skip
             if clashes:
-                raise ValueError(f"routing='expert_choice' (experts pick tokens) cannot take {clashes}: use routing='topk'")
+                raise ValueError(
+                    f"routing='expert_choice' (experts pick tokens) cannot take {clashes}: use routing='topk'"
+                )
 
     def replace(self, **changes: Any) -> MoEConfig:
         """A copy with ``changes`` applied, checked again (``dataclasses.replace``)."""

@@ -36,6 +36,7 @@ __all__ = [
     "unpermute_and_combine",
 ]
 
+
 @dataclass
 class DispatchContext:
     """What ``combine`` needs to undo a ``dispatch``."""
@@ -66,7 +67,9 @@ class Dispatcher(Protocol):
     num_local_experts: int  # experts whose rows this rank computes
     pad_rows: bool | int | None
 
-    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> DispatchContext: ...
+    def dispatch(
+        self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None
+    ) -> DispatchContext: ...
 
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: Any) -> torch.Tensor: ...
 
@@ -253,7 +256,9 @@ def gather_expert_rows(
     return gather_rows(rows, source), counts, positions
 
 
-def scatter_expert_rows(expert_output: torch.Tensor, order: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+def scatter_expert_rows(
+    expert_output: torch.Tensor, order: torch.Tensor, positions: torch.Tensor | None
+) -> torch.Tensor:
     """Inverse of ``expert_input = rows[order]`` (:func:`gather_expert_rows` with a permutation ``order``).
 
     Row ``order[n]`` of the result is the expert output at ``positions[n]`` (or ``n``); padding rows
@@ -264,7 +269,11 @@ def scatter_expert_rows(expert_output: torch.Tensor, order: torch.Tensor, positi
 
 
 def permute_to_experts(
-    hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None, num_experts: int, pad_rows: bool | None
+    hidden: torch.Tensor,
+    topk_idx: torch.Tensor,
+    keep_mask: torch.Tensor | None,
+    num_experts: int,
+    pad_rows: bool | None,
 ) -> DispatchContext:
     """The context of a dispatch whose experts are all here: kept slots' rows grouped by expert.
 
@@ -345,4 +354,3 @@ class LocalDispatcher:
 
     def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: DispatchContext) -> torch.Tensor:
         return unpermute_and_combine(expert_output, topk_weights, ctx)
-

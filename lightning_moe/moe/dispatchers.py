@@ -34,8 +34,15 @@ from lightning_moe.moe.exchange import check_wire
 from lightning_moe.moe.hierarchical import HierarchicalDispatcher
 
 __all__ = [
-    "CAPABILITIES", "DEFAULT_DISPATCHER", "DISPATCHERS", "DispatcherCapabilities", "DispatcherKind", "ExpertGroups", "build_dispatcher",
-    "check_dispatcher", "dispatcher_kind",
+    "CAPABILITIES",
+    "DEFAULT_DISPATCHER",
+    "DISPATCHERS",
+    "DispatcherCapabilities",
+    "DispatcherKind",
+    "ExpertGroups",
+    "build_dispatcher",
+    "check_dispatcher",
+    "dispatcher_kind",
 ]
 
 
@@ -163,7 +170,9 @@ def check_dispatcher(kind: str, wire: str | None) -> None:
     check_wire(wire)
     if not caps.wire and wire is not None:
         # the default first, then the others in order: 'alltoall_dedup', 'alltoall' or 'hierarchical'
-        takes = [repr(k.value) for k in sorted(DispatcherKind, key=lambda k: k != DEFAULT_DISPATCHER) if k.capabilities.wire]
+        takes = [
+            repr(k.value) for k in sorted(DispatcherKind, key=lambda k: k != DEFAULT_DISPATCHER) if k.capabilities.wire
+        ]
         raise ValueError(
             f"dispatch_dtype={wire!r} applies to the all-to-all dispatchers: use dispatcher={', '.join(takes[:-1])}"
             f" or {takes[-1]}, or dispatch_dtype=None"

@@ -65,8 +65,12 @@ def _check(document_ids: torch.Tensor | None) -> None:
     """Cheap checks only (no device sync): an integer ``[B, S]`` tensor, or None."""
     if document_ids is None:
         return
-    if not isinstance(document_ids, torch.Tensor) or document_ids.dim() != 2 or document_ids.is_floating_point() \
-            or document_ids.dtype == torch.bool:
+    if (
+        not isinstance(document_ids, torch.Tensor)
+        or document_ids.dim() != 2
+        or document_ids.is_floating_point()
+        or document_ids.dtype == torch.bool
+    ):
         shape = tuple(document_ids.shape) if isinstance(document_ids, torch.Tensor) else type(document_ids).__name__
         raise ValueError(f"routing documents must be an integer [batch, seq] tensor, got {shape}")
 

@@ -68,7 +68,9 @@ class _ExpertParallelDispatcher:
         self.group = ep_group
         self.ep_size = dist.get_world_size(ep_group)
         if num_experts % self.ep_size:
-            raise ValueError(f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts")
+            raise ValueError(
+                f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts"
+            )
         self.num_local_experts = num_experts // self.ep_size
         self.first_expert = dist.get_rank(ep_group) * self.num_local_experts
 
@@ -126,7 +128,9 @@ class AllToAllDispatcher(_ExpertParallelDispatcher, OverlappingDispatcher):
         """Mark which ep peers sit on another node (``node_ids[r]``: the node of ep rank r)."""
         self.remote = remote_peers(node_ids, self.group)
 
-    def dispatch_start(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> _PendingDispatch:
+    def dispatch_start(
+        self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None
+    ) -> _PendingDispatch:
         permuted, sorted_slots, counts = permute_by_expert(hidden, topk_idx, keep_mask, self.num_experts)
         # recv_counts[s, l]: tokens that source rank s sends to my local expert l.
         recv_counts, input_splits, output_splits = exchange_splits(
@@ -222,7 +226,9 @@ class PerRankAllToAllDispatcher(OverlappingDispatcher):
         self.group = ep_group
         self.ep_size = dist.get_world_size(ep_group)
         if num_experts % self.ep_size:
-            raise ValueError(f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts")
+            raise ValueError(
+                f"num_experts {num_experts} is not divisible by ep {self.ep_size}: choose ep dividing num_experts"
+            )
         self.num_experts = num_experts
         self.experts_per_rank = num_experts // self.ep_size
         self.inner = inner if inner is not None else LocalDispatcher(self.experts_per_rank, pad_rows)
@@ -238,7 +244,9 @@ class PerRankAllToAllDispatcher(OverlappingDispatcher):
     def pad_rows(self, value: bool | int | None) -> None:
         self.inner.pad_rows = value
 
-    def dispatch_start(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> _PendingPerRank:
+    def dispatch_start(
+        self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None
+    ) -> _PendingPerRank:
         num_tokens, top_k = topk_idx.shape
         slot_rank = topk_idx // self.experts_per_rank  # [T, k]
         kept = torch.ones_like(topk_idx, dtype=torch.bool) if keep_mask is None else keep_mask
@@ -300,7 +308,6 @@ class AllGatherDispatcher(_ExpertParallelDispatcher):
     Every rank of the group must hold the same number of tokens (same micro-batch shape).
     """
 
-
     def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> DispatchContext:
         all_hidden = comm.all_gather_autograd(hidden, self.group, "ep")
         all_idx = comm.all_gather_autograd(topk_idx, self.group, "ep")
@@ -344,7 +351,9 @@ class ExpertTensorParallelDispatcher:
         self.num_experts = inner.num_experts
         self.num_local_experts = inner.num_local_experts
 
-    def dispatch(self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None) -> ExpertTensorParallelContext:
+    def dispatch(
+        self, hidden: torch.Tensor, topk_idx: torch.Tensor, keep_mask: torch.Tensor | None
+    ) -> ExpertTensorParallelContext:
         inner = self.inner.dispatch(hidden, topk_idx, keep_mask)
         tp, local = self.tp_size, self.num_local_experts
         counts = inner.tokens_per_local_expert.to(torch.int64)
@@ -370,7 +379,9 @@ class ExpertTensorParallelDispatcher:
             expert_rows=positions,
         )
 
-    def combine(self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: ExpertTensorParallelContext) -> torch.Tensor:
+    def combine(
+        self, expert_output: torch.Tensor, topk_weights: torch.Tensor, ctx: ExpertTensorParallelContext
+    ) -> torch.Tensor:
         by_rank = scatter_expert_rows(expert_output, ctx.regroup, ctx.expert_rows)
         mine = comm.reduce_scatter_uneven_autograd(by_rank, ctx.rows_per_rank, self.group, "tp")
         return self.inner.combine(mine, topk_weights, ctx.inner)

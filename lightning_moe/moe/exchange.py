@@ -32,7 +32,16 @@ import torch.distributed as dist
 from lightning_moe import comm
 from lightning_moe.comm.interleave import hand_off
 
-__all__ = ["WIRES", "INTERNODE", "Exchange", "check_wire", "exchange", "exchange_splits", "exchange_start", "exchange_wait"]
+__all__ = [
+    "WIRES",
+    "INTERNODE",
+    "Exchange",
+    "check_wire",
+    "exchange",
+    "exchange_splits",
+    "exchange_start",
+    "exchange_wait",
+]
 
 WIRES: tuple[str | None, ...] = (None, "bf16", "fp8")
 INTERNODE = "ep_internode"  # the comm counter of bytes sent to ranks on other nodes
@@ -89,7 +98,9 @@ class Exchange:
     result: torch.Tensor | None = field(default=None, repr=False)
 
 
-def _issue(payload: torch.Tensor, recv_splits: list[int], send_splits: list[int], handle: Exchange) -> tuple[Any, torch.Tensor]:
+def _issue(
+    payload: torch.Tensor, recv_splits: list[int], send_splits: list[int], handle: Exchange
+) -> tuple[Any, torch.Tensor]:
     """Start the all-to-all of ``payload`` over ``handle.group`` and count the bytes it sends to other ranks.
 
     Returns ``(work, receive buffer)``; the caller keeps ``payload`` alive until the work is done.

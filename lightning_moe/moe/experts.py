@@ -11,7 +11,14 @@ from torch.distributed.tensor import DTensor
 
 from lightning_moe._compat import grouped_mm, torch_has_grouped_mm
 
-__all__ = ["ACTIVATIONS", "GroupedExperts", "SharedExpert", "compute_dtype", "expert_activation", "grouped_mm_available"]
+__all__ = [
+    "ACTIVATIONS",
+    "GroupedExperts",
+    "SharedExpert",
+    "compute_dtype",
+    "expert_activation",
+    "grouped_mm_available",
+]
 
 ACTIVATIONS: tuple[str, ...] = ("swiglu", "gpt_oss")
 
@@ -87,9 +94,16 @@ def _row_bias(bias: torch.Tensor | None, tokens_per_expert: torch.Tensor, num_ro
 
 
 def _grouped_ffn(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tokens_per_expert: torch.Tensor,
-    b1: torch.Tensor | None = None, b3: torch.Tensor | None = None, activation: str = "swiglu",
-    alpha: float = 1.702, limit: float = 7.0,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b3: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     # Separate gate and up GEMMs: a fused [w1 | w3] GEMM is no faster on CPU once its halves feed
     # the elementwise SwiGLU as strided views, which are much slower than contiguous ones in bf16.
@@ -109,9 +123,16 @@ def _grouped_ffn(
 
 
 def _padded_ffn(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, tokens_per_expert: torch.Tensor,
-    b1: torch.Tensor | None = None, b3: torch.Tensor | None = None, activation: str = "swiglu",
-    alpha: float = 1.702, limit: float = 7.0,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    b1: torch.Tensor | None = None,
+    b3: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """Fallback without ``_grouped_mm``: scatter rows into ``[E, max_count, H]`` and use ``bmm``.
 

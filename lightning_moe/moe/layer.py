@@ -25,9 +25,17 @@ from lightning_moe.moe.losses import MoEAuxLossAutoScaler, load_balancing_loss
 from lightning_moe.moe.router import RouterOutput, TopKRouter
 
 __all__ = [
-    "DISPATCHERS", "LOAD_BALANCING", "ROUTINGS", "ExpertOutputBias", "MoEConfig", "MoELayer", "RoutingHook",
-    "build_dispatcher", "update_expert_biases",
+    "DISPATCHERS",
+    "LOAD_BALANCING",
+    "ROUTINGS",
+    "ExpertOutputBias",
+    "MoEConfig",
+    "MoELayer",
+    "RoutingHook",
+    "build_dispatcher",
+    "update_expert_biases",
 ]
+
 
 class RoutingHook(Protocol):
     """What :attr:`MoELayer.routing_hook` provides (routing record and replay, :mod:`lightning_moe.moe.replay`)."""
@@ -158,11 +166,18 @@ class MoELayer(nn.Module):
             num_nodes=c.num_nodes,
         )
         self.experts = GroupedExperts(
-            c.num_experts, c.hidden_size, c.ffn_hidden_size, activation=c.activation, bias=c.expert_linear_bias,
-            alpha=c.swiglu_alpha, limit=c.swiglu_limit,
+            c.num_experts,
+            c.hidden_size,
+            c.ffn_hidden_size,
+            activation=c.activation,
+            bias=c.expert_linear_bias,
+            alpha=c.swiglu_alpha,
+            limit=c.swiglu_limit,
         )
         self.shared_expert = (
-            SharedExpert(c.hidden_size, c.shared_expert_hidden_size) if c.shared_expert_hidden_size is not None else None
+            SharedExpert(c.hidden_size, c.shared_expert_hidden_size)
+            if c.shared_expert_hidden_size is not None
+            else None
         )
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if c.shared_expert_gate else None
         self.expert_output_bias = ExpertOutputBias(c.num_experts, c.hidden_size) if c.expert_linear_bias else None
@@ -348,9 +363,7 @@ class MoELayer(nn.Module):
             offset = dist.get_rank(group) * num_tokens if group is not None else 0
             keep = chosen[offset : offset + num_tokens]
             experts = torch.arange(num_experts, device=scores.device).expand(num_tokens, num_experts)
-        routed = RouterOutput(
-            routing.logits, scores, routing.probs, experts, scores, keep.sum(0)
-        )
+        routed = RouterOutput(routing.logits, scores, routing.probs, experts, scores, keep.sum(0))
         return routed, keep
 
     def update_expert_bias(self) -> None:
@@ -360,7 +373,9 @@ class MoELayer(nn.Module):
         """
         self.router.update_expert_bias(self.data_group)
 
-    def _losses_and_stats(self, routing: RouterOutput, keep: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    def _losses_and_stats(
+        self, routing: RouterOutput, keep: torch.Tensor | None, shape: torch.Size
+    ) -> torch.Tensor | None:
         """Record ``stats`` and return the differentiable sum of the aux and z losses (None if unused).
 
         Under a ``sequence_group`` the counts and token totals are all-reduced (no gradient) and each
@@ -393,12 +408,14 @@ class MoELayer(nn.Module):
                 [
                     routing.tokens_per_expert.float(),
                     prob_sum.detach(),
-                    torch.stack([
-                        probs.new_tensor(float(num_tokens)),
-                        torch.as_tensor(kept, dtype=torch.float32, device=probs.device),
-                        entropy,
-                        lse_sq_sum.detach() if lse_sq_sum is not None else zero,
-                    ]),
+                    torch.stack(
+                        [
+                            probs.new_tensor(float(num_tokens)),
+                            torch.as_tensor(kept, dtype=torch.float32, device=probs.device),
+                            entropy,
+                            lse_sq_sum.detach() if lse_sq_sum is not None else zero,
+                        ]
+                    ),
                 ]
             )
             comm.all_reduce_(totals, self.sequence_group, "cp")
@@ -454,7 +471,11 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             counts = torch.bincount((topk_idx + offsets).reshape(-1), minlength=batch * num_experts)
             totals = torch.cat(
-                [counts.view(batch, num_experts).float(), prob_sum.detach(), probs.new_full((batch, 1), float(seq_len))],
+                [
+                    counts.view(batch, num_experts).float(),
+                    prob_sum.detach(),
+                    probs.new_full((batch, 1), float(seq_len)),
+                ],
                 dim=1,
             )
             comm.all_reduce_(totals, self.sequence_group, "cp")

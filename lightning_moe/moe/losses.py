@@ -170,7 +170,9 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         (aux_loss,) = ctx.saved_tensors
         scale = MoEAuxLossAutoScaler.main_loss_backward_scale
         return grad_output, torch.full_like(aux_loss, scale)

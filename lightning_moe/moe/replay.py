@@ -123,7 +123,9 @@ def _token_keys_of(layer: MoELayer, x: torch.Tensor, name: str) -> tuple[torch.T
         raise ValueError(f"{name}: sample_index holds {samples.numel()} entries for a batch of {batch} samples")
     if positions is None:
         if layer.sequence_group is not None:
-            raise ValueError(f"{name}: under tp/cp sharding routing record/replay needs position_ids (the global positions)")
+            raise ValueError(
+                f"{name}: under tp/cp sharding routing record/replay needs position_ids (the global positions)"
+            )
         positions = torch.arange(seq, device=x.device)
     positions = positions.to(device=x.device, dtype=torch.int64)
     if positions.dim() == 1:
@@ -226,11 +228,15 @@ class RoutingTrace:
         if tuple(self.sample_index.shape) != (n,):
             raise ValueError(f"sample_index of shape {tuple(self.sample_index.shape)} does not fit {n} samples")
         if len(self.layer_names) != num_layers or len(self.num_experts) != num_layers:
-            raise ValueError(f"{len(self.layer_names)} layer names / {len(self.num_experts)} expert counts for {num_layers} layers")
+            raise ValueError(
+                f"{len(self.layer_names)} layer names / {len(self.num_experts)} expert counts for {num_layers} layers"
+            )
         if n > 1 and not bool((self.sample_index[1:] > self.sample_index[:-1]).all()):
             raise ValueError("sample_index must be strictly increasing")
         if self.weights is not None and self.weights.shape != self.experts.shape:
-            raise ValueError(f"weights of shape {tuple(self.weights.shape)} differ from experts {tuple(self.experts.shape)}")
+            raise ValueError(
+                f"weights of shape {tuple(self.weights.shape)} differ from experts {tuple(self.experts.shape)}"
+            )
 
     @property
     def num_samples(self) -> int:
@@ -261,7 +267,9 @@ class RoutingTrace:
             _check_replayable(name, layer)
             index = self.layer(name)
             if self.num_experts[index] != layer.num_experts:
-                raise ValueError(f"{name}: the trace recorded {self.num_experts[index]} experts, the layer has {layer.num_experts}")
+                raise ValueError(
+                    f"{name}: the trace recorded {self.num_experts[index]} experts, the layer has {layer.num_experts}"
+                )
             if self.top_k != layer.top_k:
                 raise ValueError(f"{name}: the trace recorded top_k={self.top_k}, the layer has top_k={layer.top_k}")
 
@@ -301,7 +309,10 @@ class RoutingTrace:
         metadata ``format``, ``schema_version``, ``layer_names`` and ``num_experts`` (JSON)."""
         from safetensors.torch import save_file
 
-        tensors = {"sample_index": self.sample_index.to(torch.int64).contiguous(), "experts": self.experts.to(torch.int32).contiguous()}
+        tensors = {
+            "sample_index": self.sample_index.to(torch.int64).contiguous(),
+            "experts": self.experts.to(torch.int32).contiguous(),
+        }
         if self.weights is not None:
             tensors["weights"] = self.weights.to(torch.float32).contiguous()
         metadata = {
@@ -323,7 +334,9 @@ class RoutingTrace:
                 raise ValueError(f"{path} is not a routing trace (metadata format={metadata.get('format')!r})")
             version = metadata.get("schema_version")
             if version != str(SCHEMA_VERSION):
-                raise ValueError(f"{path} has routing-trace schema version {version}; this version reads {SCHEMA_VERSION}")
+                raise ValueError(
+                    f"{path} has routing-trace schema version {version}; this version reads {SCHEMA_VERSION}"
+                )
             tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
         return cls(
             sample_index=tensors["sample_index"].to(torch.int64),
@@ -375,7 +388,9 @@ class RoutingRecorder(_ChainedHook):
         self._inner_observe(layer, x, routing)
         samples, positions = _token_keys_of(layer, x, self._names[id(layer)])
         weights = routing.topk_weights.detach().float().cpu() if self.with_weights else None
-        self.records.append((self._index[id(layer)], samples.cpu(), positions.cpu(), routing.topk_idx.detach().cpu(), weights))
+        self.records.append(
+            (self._index[id(layer)], samples.cpu(), positions.cpu(), routing.topk_idx.detach().cpu(), weights)
+        )
 
     def trace(self, group: dist.ProcessGroup | None = None) -> RoutingTrace:
         """The :class:`RoutingTrace` of everything recorded; with ``group`` (a collective), of every rank's records.

@@ -182,7 +182,11 @@ class TopKRouter(Fp32BuffersModule):
             choice = choice + self.expert_bias
         if self.num_groups is not None:
             choice = self._keep_best_groups(choice)
-        if self.max_nodes_per_token is not None and self.num_nodes is not None and self.max_nodes_per_token < self.num_nodes:
+        if (
+            self.max_nodes_per_token is not None
+            and self.num_nodes is not None
+            and self.max_nodes_per_token < self.num_nodes
+        ):
             choice = self._keep_best_nodes(choice)
         return choice.topk(self.top_k, dim=-1).indices
 
@@ -265,7 +269,12 @@ def check_node_limit(num_nodes: int | None, max_nodes_per_token: int | None, num
 
 
 def check_routing(
-    num_experts: int, top_k: int, score_func: str, num_groups: int | None, group_topk: int | None, bias_update_rate: float
+    num_experts: int,
+    top_k: int,
+    score_func: str,
+    num_groups: int | None,
+    group_topk: int | None,
+    bias_update_rate: float,
 ) -> None:
     """``ValueError`` for routing settings a :class:`TopKRouter` cannot take (each names the argument and the fix)."""
     if num_experts < 1:

@@ -99,7 +99,9 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"ns_dtype={ns_dtype!r} must be one of {NS_DTYPES}")
         if ns_steps < 1:
             raise ValueError(f"ns_steps={ns_steps} must be a positive integer")
-        groups = [dict(g) for g in param_groups] if param_groups is not None else muon_parameter_groups(module, weight_decay)
+        groups = (
+            [dict(g) for g in param_groups] if param_groups is not None else muon_parameter_groups(module, weight_decay)
+        )
         names = {id(p): name for name, p in module.named_parameters()}
         self._expert_stacks = expert_stacks(module)
         for index, group in enumerate(groups):
@@ -166,8 +168,22 @@ class Muon(torch.optim.Optimizer):
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
-        adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, amsgrad=False, beta1=beta1,
-              beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=False,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
     def _muon_step(self, group: dict[str, Any]) -> None:
         momentum, lr = group["momentum"], group["lr"]
@@ -205,4 +221,8 @@ class Muon(torch.optim.Optimizer):
                 MatrixShards.of(param, expert_stack, self._owners) if isinstance(param, DTensor) else None
             )
         shards = self._shards[id(param)]
-        return orthogonalize(update) if shards is None else shards.apply(update, orthogonalize, getattr(torch, group["ns_dtype"]))
+        return (
+            orthogonalize(update)
+            if shards is None
+            else shards.apply(update, orthogonalize, getattr(torch, group["ns_dtype"]))
+        )

@@ -106,7 +106,9 @@ class MatrixShards:
         self.region_start = tuple(starts)
         self.region_shape = tuple(b - a for a, b in zip(starts, stops))
         if sum(_numel(block) for block in self.blocks) != torch.Size(self.region_shape).numel():
-            raise RuntimeError(f"the blocks {self.blocks} of ranks {self.ranks} do not tile one region: a placement Muon cannot gather")
+            raise RuntimeError(
+                f"the blocks {self.blocks} of ranks {self.ranks} do not tile one region: a placement Muon cannot gather"
+            )
         # gather and scatter move equal-sized buffers: uneven blocks are padded to the largest.
         self.wire_numel = max(_numel(block) for block in self.blocks)
 
@@ -138,7 +140,9 @@ class MatrixShards:
         flat = values.reshape(-1).to(dtype)
         return torch.nn.functional.pad(flat, (0, self.wire_numel - flat.numel()))
 
-    def apply(self, local_update: torch.Tensor, transform: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    def apply(
+        self, local_update: torch.Tensor, transform: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype
+    ) -> torch.Tensor:
         """``transform`` of the whole region on the owner, each rank's block of it returned. Blocks travel
         in ``dtype``, the one Newton-Schulz computes in: the owner gets what a single process computes."""
         sent = self._padded(local_update, dtype)
@@ -159,4 +163,3 @@ class MatrixShards:
 
 def _numel(block: tuple[slice, ...]) -> int:
     return int(torch.Size(s.stop - s.start for s in block).numel())
-

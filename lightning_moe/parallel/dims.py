@@ -99,7 +99,9 @@ class ParallelDims:
         self.etp = default_etp(self.tp, self.etp, self.fold_ep)
         self._raise_size_problems()
         if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be an integer >= 1 (or None: devices per node)")
+            raise ValueError(
+                f"ranks_per_node={self.ranks_per_node!r} must be an integer >= 1 (or None: devices per node)"
+            )
 
     @property
     def mesh_ep(self) -> int:
@@ -136,8 +138,16 @@ class ParallelDims:
     def requested(self) -> dict[str, Any]:
         """These sizes as :func:`~lightning_moe.layout.resolve_layout` takes them."""
         replicate = {"dp_replicate": self.dp_replicate} if self.dp_replicate > 1 else {}
-        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "pp": self.pp, "etp": self.etp,
-                "fold_ep": self.fold_ep, **replicate}
+        return {
+            "tp": self.tp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "dp": self.dp,
+            "pp": self.pp,
+            "etp": self.etp,
+            "fold_ep": self.fold_ep,
+            **replicate,
+        }
 
     def apply(self, layout: ResolvedLayout) -> None:
         """Take the sizes of a resolved layout (dp inferred, HSDP's replica groups)."""
@@ -285,8 +295,17 @@ class ParallelDims:
                 f"ParallelDims {MESH_DIM_NAMES} = {self.shape}"
             )
         self._mesh = mesh
-        for name in ("dp_ep_mesh", "dense_grad_mesh", "token_mesh", "sequence_mesh", "expert_root_mesh", "ep_node_mesh",
-                     "edp_mesh", "dense_fsdp_mesh", "token_fsdp_mesh"):
+        for name in (
+            "dp_ep_mesh",
+            "dense_grad_mesh",
+            "token_mesh",
+            "sequence_mesh",
+            "expert_root_mesh",
+            "ep_node_mesh",
+            "edp_mesh",
+            "dense_fsdp_mesh",
+            "token_fsdp_mesh",
+        ):
             self.__dict__.pop(name, None)
         self._hsdp_root = None
 

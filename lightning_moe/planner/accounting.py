@@ -37,7 +37,12 @@ def _accounted_dim(rec: CommRecord, layout: Layout) -> str:
 
 
 def accounted_comm_bytes(
-    model: ModelShape, layout: Layout, seq_len: int, precision: str = "32-true", *, ep_ranks_per_token: float | None = None
+    model: ModelShape,
+    layout: Layout,
+    seq_len: int,
+    precision: str = "32-true",
+    *,
+    ep_ranks_per_token: float | None = None,
 ) -> dict[str, float]:
     """Bytes per optimizer step and rank, per dim, as ``comm/<dim>_bytes`` of
     :class:`~lightning_moe.callbacks.CommAccountingCallback` records them (mean over ranks);
@@ -51,4 +56,3 @@ def accounted_comm_bytes(
     for rec in comm_records(model, layout, seq_len, precision, ep_ranks_per_token=ep_ranks_per_token):
         out[_accounted_dim(rec, layout)] += rec.bytes
     return out
-

@@ -70,13 +70,17 @@ class Measurement:
 def read_bench(path: Path) -> dict[str, Any]:
     """The JSON ``experiments/bench/gpu.py`` wrote; ``ValueError`` naming the fix if it is not one."""
     if not path.is_file():
-        raise ValueError(f"bench JSON {path} does not exist: run `make bench-gpu` (it writes bench_gpu.json) and pass that file")
+        raise ValueError(
+            f"bench JSON {path} does not exist: run `make bench-gpu` (it writes bench_gpu.json) and pass that file"
+        )
     try:
         bench = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"bench JSON {path} is not JSON ({err}): pass the file `make bench-gpu` wrote") from err
     if not isinstance(bench, dict) or not isinstance(bench.get("environment"), dict):
-        raise ValueError(f"bench JSON {path} has no 'environment': pass the file `make bench-gpu` (experiments/bench/gpu.py) wrote")
+        raise ValueError(
+            f"bench JSON {path} has no 'environment': pass the file `make bench-gpu` (experiments/bench/gpu.py) wrote"
+        )
     return bench
 
 
@@ -88,13 +92,17 @@ def _device_matches(gpu: str, device_name: str) -> bool:
 def bench_problems(bench: Mapping[str, Any], cluster: Cluster) -> list[str]:
     """Why ``bench`` cannot calibrate ``cluster`` (empty: it can), each with its fix."""
     if cluster.device_name is None:
-        return [f"cluster {cluster.name} names no device_name, so no GPU bench can calibrate it: calibrate a GPU preset"
-                " (h100_sxm, h200_sxm, b200) or add `device_name:` to its YAML"]
+        return [
+            f"cluster {cluster.name} names no device_name, so no GPU bench can calibrate it: calibrate a GPU preset"
+            " (h100_sxm, h200_sxm, b200) or add `device_name:` to its YAML"
+        ]
     env = bench.get("environment", {})
     gpu = env.get("gpu")
     want = f"run `make bench-gpu` on a machine with {cluster.device_name} GPUs and calibrate from its bench_gpu.json"
     if bench.get("smoke"):
-        return [f"the bench JSON is a --smoke run (tiny shapes on {env.get('device', 'cpu')}), not the machine's figures: {want}"]
+        return [
+            f"the bench JSON is a --smoke run (tiny shapes on {env.get('device', 'cpu')}), not the machine's figures: {want}"
+        ]
     if not str(env.get("device", "")).startswith("cuda") or not gpu:
         return [f"the bench JSON ran on {env.get('device')!r}, not a GPU: {want}"]
     problems = []
@@ -188,7 +196,9 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def calibrate(bench_path: Path | str, cluster: str, *, out: Path | str | None = None, conf_dir: Path | None = None) -> Path:
+def calibrate(
+    bench_path: Path | str, cluster: str, *, out: Path | str | None = None, conf_dir: Path | None = None
+) -> Path:
     """Calibrate preset ``cluster`` (a ``conf_dir/<cluster>.yaml``, by default the package's
     ``conf/cluster``) from the bench JSON at ``bench_path``;
     writes ``out`` (default ``conf_dir/<cluster>_calibrated.yaml``) and returns its path.
@@ -205,7 +215,9 @@ def calibrate(bench_path: Path | str, cluster: str, *, out: Path | str | None = 
     conf_dir = CLUSTER_DIR if conf_dir is None else conf_dir
     presets = sorted(p.stem for p in conf_dir.glob("*.yaml") if not p.stem.endswith(CALIBRATED_SUFFIX))
     if cluster.endswith(CALIBRATED_SUFFIX):
-        raise ValueError(f"--cluster {cluster} is a calibrated preset: calibrate its base, --cluster {cluster.removesuffix(CALIBRATED_SUFFIX)}")
+        raise ValueError(
+            f"--cluster {cluster} is a calibrated preset: calibrate its base, --cluster {cluster.removesuffix(CALIBRATED_SUFFIX)}"
+        )
     if cluster not in presets:
         raise ValueError(f"--cluster {cluster!r} is not a preset in {conf_dir}: choose one of {presets}")
     base_path = conf_dir / f"{cluster}.yaml"
@@ -233,7 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lightning_moe.planner.calibrate BENCH_JSON --cluster PRESET [--out PATH]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("bench_json", help="the JSON `make bench-gpu` wrote (bench_gpu.json)")
-    parser.add_argument("--cluster", required=True, help="the preset of the GPU it ran on (conf/cluster/<name>.yaml), e.g. h200_sxm")
+    parser.add_argument(
+        "--cluster", required=True, help="the preset of the GPU it ran on (conf/cluster/<name>.yaml), e.g. h200_sxm"
+    )
     parser.add_argument("--out", default=None, help="where to write (default: conf/cluster/<cluster>_calibrated.yaml)")
     args = parser.parse_args(argv)
     try:

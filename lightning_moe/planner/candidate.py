@@ -21,7 +21,6 @@ from lightning_moe.planner.model_shape import ModelShape
 _RING = CpComm.RING.value  # read per layout
 
 
-
 @dataclass(frozen=True)
 class Layout:
     """One candidate: the five sizes, expert tensor parallel, micro-batch and pipeline schedule.
@@ -186,7 +185,11 @@ class Layout:
         if self.hsdp:
             kwargs.update(data_parallel="hsdp", dp_replicate=self.dp_replicate)
         if self.pp > 1:
-            kwargs.update(pp_schedule=self.pp_schedule, pp_microbatches=self.pipeline_microbatches, pp_stages_per_rank=self.pp_stages_per_rank)
+            kwargs.update(
+                pp_schedule=self.pp_schedule,
+                pp_microbatches=self.pipeline_microbatches,
+                pp_stages_per_rank=self.pp_stages_per_rank,
+            )
         if self.gather_once_per_step:
             kwargs["gather_once_per_step"] = True
         if self.overlap_ep_comm:

@@ -86,11 +86,20 @@ class Cluster:
                 except (TypeError, ValueError) as err:
                     raise ValueError(f"cluster.{key}={values[key]!r} must be a number") from err
         cluster = cls(**values)
-        for key in ("gpus_per_node", "memory_bytes", "peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"):
+        for key in (
+            "gpus_per_node",
+            "memory_bytes",
+            "peak_flops",
+            "hbm_bandwidth",
+            "intra_node_bandwidth",
+            "inter_node_bandwidth",
+        ):
             if not getattr(cluster, key) > 0:
                 raise ValueError(f"cluster.{key}={getattr(cluster, key)} must be > 0")
         if not 0 <= cluster.overlap_slowdown < 1:
-            raise ValueError(f"cluster.overlap_slowdown={cluster.overlap_slowdown} must be in [0, 1): the fraction compute slows while a collective overlaps it")
+            raise ValueError(
+                f"cluster.overlap_slowdown={cluster.overlap_slowdown} must be in [0, 1): the fraction compute slows while a collective overlaps it"
+            )
         for key in ("elementwise_efficiency", "fp8_gemm_efficiency"):
             value = getattr(cluster, key)
             if value is not None and not 0 < value <= 1:
@@ -126,7 +135,6 @@ class Cluster:
         return self.memory_bytes - self.memory_reserve_bytes
 
 
-
 def _measured_pairs(measured: Any) -> tuple[tuple[str, str], ...]:
     """The ``measured:`` mapping of a cluster config (constant -> source) as sorted pairs, checked."""
     if measured is None or isinstance(measured, tuple):
@@ -135,5 +143,7 @@ def _measured_pairs(measured: Any) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"cluster.measured must map constants to their source, got {type(measured).__name__}")
     unknown = sorted(set(measured) - set(MODEL_CONSTANTS))
     if unknown:
-        raise ValueError(f"cluster.measured names {unknown}, which are not measurable constants: use {list(MODEL_CONSTANTS)}")
+        raise ValueError(
+            f"cluster.measured names {unknown}, which are not measurable constants: use {list(MODEL_CONSTANTS)}"
+        )
     return tuple(sorted((str(k), str(v)) for k, v in measured.items()))

@@ -15,7 +15,9 @@ from lightning_moe.planner.mtp import mtp_flops_per_microbatch
 RECOMPUTE_FORWARDS = {"none": 0.0, "selective": 0.08, "full": 1.0}
 
 
-def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers: Iterable[int], last: bool) -> dict[str, float]:
+def flops_per_microbatch(
+    model: ModelShape, layout: Layout, seq_len: int, layers: Iterable[int], last: bool
+) -> dict[str, float]:
     """Forward FLOPs one rank runs for one micro-batch, by op kind (``dense``, ``shared_expert``,
     ``expert``, ``attention``); the shared expert is a dense GEMM chain, apart because it is what
     hides the dispatch all-to-all (:func:`lightning_moe.planner.step_time.hidden_ep_seconds`).
@@ -53,4 +55,3 @@ def flops_per_microbatch(model: ModelShape, layout: Layout, seq_len: int, layers
             for kind, value in mtp_flops_per_microbatch(model, layout, seq_len, block).items():
                 out[kind] += value
     return out
-

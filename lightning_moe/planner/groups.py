@@ -139,7 +139,6 @@ def group_index(layout: Layout, group: str, coords: Mapping[str, int]) -> int:
     return index
 
 
-
 @lru_cache(maxsize=4096)
 def nodes_spanned(layout: Layout, group: str, gpus_per_node: int) -> int:
     """How many nodes of ``gpus_per_node`` ranks rank 0's ``group`` spans (the hierarchical

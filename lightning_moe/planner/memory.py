@@ -28,7 +28,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_moe.layout import experts_split_over_tp
-from lightning_moe.planner.dtypes import ACTIVATION_BYTES, ADAM_STATE_BYTES, FP32_BYTES, FSDP_GATHER_BYTES, FSDP_REDUCE_BYTES
+from lightning_moe.planner.dtypes import (
+    ACTIVATION_BYTES,
+    ADAM_STATE_BYTES,
+    FP32_BYTES,
+    FSDP_GATHER_BYTES,
+    FSDP_REDUCE_BYTES,
+)
 from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.mtp import mtp_activation_bytes, mtp_units
@@ -38,7 +44,9 @@ from lightning_moe.planner.v_schedules import v_schedule_timeline
 CHECKPOINT_MODES: tuple[str, ...] = ("none", "selective", "full")
 
 
-def activation_bytes_per_layer(model: ModelShape, layout: Layout, seq_len: int, layer: int, mode: str, precision: str) -> float:
+def activation_bytes_per_layer(
+    model: ModelShape, layout: Layout, seq_len: int, layer: int, mode: str, precision: str
+) -> float:
     """Activations one layer keeps for backward, for one micro-batch, on one rank.
 
     Counted tensor by tensor for this model (Korthikanti et al. 2022, arXiv 2205.05198, §4, for the
@@ -54,7 +62,9 @@ def activation_bytes_per_layer(model: ModelShape, layout: Layout, seq_len: int, 
     if mode == "full":
         return tokens * h * a
     heads_local = model.num_heads / layout.tp
-    attention = tokens * a * (2 * h) + tokens * layout.tp * a * (h + (model.q_dim + 2 * model.kv_dim) / layout.tp + model.q_dim / layout.tp)
+    attention = tokens * a * (2 * h) + tokens * layout.tp * a * (
+        h + (model.q_dim + 2 * model.kv_dim) / layout.tp + model.q_dim / layout.tp
+    )
     attention += tokens * layout.tp * heads_local * FP32_BYTES  # log-sum-exp
     if mode == "selective":
         attention = tokens * a * (2 * h) + tokens * layout.tp * a * (h + (model.q_dim + 2 * model.kv_dim) / layout.tp)
@@ -89,10 +99,14 @@ class Memory:
     logits: float
 
     def total(self, mode: str) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.fsdp_buffers + self.activations[mode] + self.logits
+        return (
+            self.parameters + self.gradients + self.optimizer + self.fsdp_buffers + self.activations[mode] + self.logits
+        )
 
 
-def fsdp_buffer_bytes(unit_sizes: dict[str, float], unit_counts: dict[str, int], gathered: float, layout: Layout, precision: str) -> float:
+def fsdp_buffer_bytes(
+    unit_sizes: dict[str, float], unit_counts: dict[str, int], gathered: float, layout: Layout, precision: str
+) -> float:
     """FSDP2's unsharded buffers at the peak of backward, from ``unit_sizes`` (elements of each unit's
     unsharded parameters on this rank: ``"first"`` the embedding, ``"last"`` the final norm and
     output, ``"layer<i>"`` a block's own parameters, ``"layer<i>.experts"``/``".router"`` units nested
@@ -174,13 +188,17 @@ def memory_per_rank(
             in_flight = float(min(m, p - pp_rank))
             if layout.pp_schedule == "Interleaved1F1B":
                 in_flight *= 1 + (p - 1) / (p * v)
-        examples = {"moe": next((i for i in layers if model.is_moe(i)), None), "dense": next((i for i in layers if not model.is_moe(i)), None)}
+        examples = {
+            "moe": next((i for i in layers if model.is_moe(i)), None),
+            "dense": next((i for i in layers if not model.is_moe(i)), None),
+        }
         per_layer = {
             (kind, mode): activation_bytes_per_layer(model, layout, seq_len, i, mode, precision)
             for kind, i in examples.items() if i is not None for mode in CHECKPOINT_MODES
         }  # fmt: skip
         acts = {
-            mode: in_flight * sum(counts[kind] * per_layer[(kind, mode)] for kind, i in examples.items() if i is not None)
+            mode: in_flight
+            * sum(counts[kind] * per_layer[(kind, mode)] for kind, i in examples.items() if i is not None)
             for mode in CHECKPOINT_MODES
         }
         if last_stage and model.mtp_depth:  # the MTP depths run after the last layer, on every micro-batch in flight
@@ -201,4 +219,3 @@ def memory_per_rank(
             best = (mem, pp_rank)
     assert best is not None
     return best
-

@@ -85,7 +85,9 @@ class ModelShape:
     mtp_depth: int = 0  # multi-token prediction depths on the last stage: lightning_moe.planner.mtp
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], name: str | None = None, architecture: Mapping[str, Any] | None = None) -> ModelShape:
+    def from_config(
+        cls, cfg: Mapping[str, Any], name: str | None = None, architecture: Mapping[str, Any] | None = None
+    ) -> ModelShape:
         """From an MoEGPT config (``conf/model/*.yaml`` or ``MoEGPT.hparams``), with MoEGPT's defaults;
         ``architecture``: the published model's :data:`ARCHITECTURE_FIELDS` the planner estimates in
         its place (``{"first_dense_layers": 3, "qk_head_dim": 192, "v_head_dim": 128}``)."""
@@ -153,10 +155,14 @@ class ModelShape:
         if self.dispatch_chunks < 1:
             raise ValueError(f"model.moe.dispatch_chunks={self.dispatch_chunks} must be >= 1 (1: no chunking)")
         if not 0 <= self.first_dense_layers <= self.num_layers:
-            raise ValueError(f"architecture.first_dense_layers={self.first_dense_layers} must be between 0 and num_layers={self.num_layers}")
+            raise ValueError(
+                f"architecture.first_dense_layers={self.first_dense_layers} must be between 0 and num_layers={self.num_layers}"
+            )
         for key in ("qk_head_dim", "v_head_dim"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ValueError(f"architecture.{key}={getattr(self, key)} must be >= 1 (or null: hidden_size / num_heads)")
+                raise ValueError(
+                    f"architecture.{key}={getattr(self, key)} must be >= 1 (or null: hidden_size / num_heads)"
+                )
         if self.num_moe_layers and not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"model.moe.top_k={self.top_k} must be between 1 and num_experts={self.num_experts}")
 
@@ -212,7 +218,11 @@ class ModelShape:
         total = 2 * self.vocab_size * h + h
         for i in range(self.num_layers):
             total += self.attention_parameters()
-            total += self.expert_parameters() + self.moe_dense_parameters() if self.is_moe(i) else 3 * h * self.ffn_hidden_size
+            total += (
+                self.expert_parameters() + self.moe_dense_parameters()
+                if self.is_moe(i)
+                else 3 * h * self.ffn_hidden_size
+            )
         return total
 
     def active_parameters(self) -> float:
@@ -246,4 +256,3 @@ class ModelShape:
         attention = 6.0 * (self.num_layers + self.mtp_depth) * self.attention_core_dim * seq_len
         head_again = self.mtp_depth * self.vocab_size * self.hidden_size
         return 6.0 * (self.active_parameters() + head_again) + (attention / 2 if causal else attention)
-

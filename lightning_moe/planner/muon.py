@@ -26,8 +26,13 @@ from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import expert_fsdp_dim
 
 __all__ = [
-    "MuonMatrix", "muon_comm_bytes", "muon_comm_records", "muon_matrices", "newton_schulz_flops",
-    "newton_schulz_flops_per_rank", "newton_schulz_seconds",
+    "MuonMatrix",
+    "muon_comm_bytes",
+    "muon_comm_records",
+    "muon_matrices",
+    "newton_schulz_flops",
+    "newton_schulz_flops_per_rank",
+    "newton_schulz_seconds",
 ]
 
 NS_STEPS = 5  # lightning_moe.optim.Muon's default

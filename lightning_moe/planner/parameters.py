@@ -100,17 +100,43 @@ def parameter_specs_for(model: ModelShape, tp_on: bool, etp_is_tp: bool) -> tupl
             if model.shared_expert_hidden_size:
                 fs = model.shared_expert_hidden_size
                 for name, shape in (("w1", (fs, h)), ("w3", (fs, h)), ("w2", (h, fs))):
-                    specs.append(ParamSpec(p + f"feed_forward.shared_expert.{name}.weight", shape, None, False, side_unit, side_group, part))
+                    specs.append(
+                        ParamSpec(
+                            p + f"feed_forward.shared_expert.{name}.weight",
+                            shape,
+                            None,
+                            False,
+                            side_unit,
+                            side_group,
+                            part,
+                        )
+                    )
             for name, shape, ffn_dim in (("w1", (e, h, f), 2), ("w3", (e, h, f), 2), ("w2", (e, f, h), 1)):
-                specs.append(ParamSpec(p + f"feed_forward.experts.{name}", shape, ffn_dim if etp else None, True, f"layer{i}.experts", "edp", part))
+                specs.append(
+                    ParamSpec(
+                        p + f"feed_forward.experts.{name}",
+                        shape,
+                        ffn_dim if etp else None,
+                        True,
+                        f"layer{i}.experts",
+                        "edp",
+                        part,
+                    )
+                )
         else:
             f = model.ffn_hidden_size
             for name, shape, dim in (("w1", (f, h), 0), ("w3", (f, h), 0), ("w2", (h, f), 1)):
-                specs.append(ParamSpec(p + f"feed_forward.{name}.weight", shape, dim if tp_on else None, False, block, "dense", part))
+                specs.append(
+                    ParamSpec(
+                        p + f"feed_forward.{name}.weight", shape, dim if tp_on else None, False, block, "dense", part
+                    )
+                )
     return tuple(specs)
 
 
-def local_shape(spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True, padded: bool = False) -> tuple[int, ...]:
+def local_shape(
+    spec: ParamSpec, layout: Layout, rank: int, *, fsdp: bool = True, padded: bool = False
+) -> tuple[int, ...]:
     """The shape of ``spec`` on ``rank``: ep and tp splits (DTensor chunks), then FSDP2's chunk: of dim 0,
     or for experts fewer per rank than their edp group, of :func:`expert_fsdp_dim` (an even split).
     Under HSDP FSDP2 shards over the group's shard part (:func:`~lightning_moe.planner.groups.fsdp_shard_group`).
@@ -160,7 +186,12 @@ def representative_numels(model: ModelShape, layout: Layout, rank: int) -> tuple
 @lru_cache(maxsize=2**16)
 def _representative_numels(model: ModelShape, mesh: Layout, rank: int) -> tuple[tuple[ParamSpec, str, int, int], ...]:
     return tuple(
-        (spec, kind_of(model, spec), math.prod(local_shape(spec, mesh, rank, padded=True)), math.prod(local_shape(spec, mesh, rank, fsdp=False)))
+        (
+            spec,
+            kind_of(model, spec),
+            math.prod(local_shape(spec, mesh, rank, padded=True)),
+            math.prod(local_shape(spec, mesh, rank, fsdp=False)),
+        )
         for spec in _representative_specs(model, mesh.tp > 1, mesh.etp == mesh.tp)
     )
 
@@ -175,7 +206,12 @@ def kind_of(model: ModelShape, spec: ParamSpec) -> str:
 def kind_counts(model: ModelShape, layout: Layout, pp_rank: int) -> dict[str, int]:
     """How many of each :func:`kind_of` pipeline rank ``pp_rank`` holds."""
     moe, dense = _layer_kinds(model, rank_layers(model, layout, pp_rank))
-    return {"first": int(holds_first_stage(layout, pp_rank)), "last": int(holds_last_stage(layout, pp_rank)), "moe": moe, "dense": dense}
+    return {
+        "first": int(holds_first_stage(layout, pp_rank)),
+        "last": int(holds_last_stage(layout, pp_rank)),
+        "moe": moe,
+        "dense": dense,
+    }
 
 
 @lru_cache(maxsize=4096)  # asked for each layout's edge ranks: few distinct pipelines

@@ -99,4 +99,3 @@ def fsdp_units(model: ModelShape, layout: Layout) -> list[FsdpUnit]:
             continue
         units.append(FsdpUnit(name, group, "." not in name, shard, 1.0 / layout.pp, count))
     return units
-

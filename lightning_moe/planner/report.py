@@ -15,7 +15,17 @@ from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.search import Plan
 from lightning_moe.planner.step_time import Estimate
 
-__all__ = ["GIB", "MFU_CONVENTION", "format_bounds", "format_constants", "format_rejected", "format_same_sizes", "format_table", "plan_json", "plot_plan"]
+__all__ = [
+    "GIB",
+    "MFU_CONVENTION",
+    "format_bounds",
+    "format_constants",
+    "format_rejected",
+    "format_same_sizes",
+    "format_table",
+    "plan_json",
+    "plot_plan",
+]
 
 GIB = 2**30
 MFU_CONVENTION = (
@@ -57,7 +67,9 @@ def format_table(estimates: Sequence[Estimate], checkpointing: str = "none") -> 
     rows.append(comm_head)
     for i, e in enumerate(estimates, 1):
         cells = [
-            _gb(e.ep_internode_bytes) if c == "ep inter-node" else f"{_gb(e.comm[c]['intra'])} / {_gb(e.comm[c]['inter'])}"
+            _gb(e.ep_internode_bytes)
+            if c == "ep inter-node"
+            else f"{_gb(e.comm[c]['intra'])} / {_gb(e.comm[c]['inter'])}"
             for c in columns
         ]
         rows.append(f"| {i} | {e.layout.label()} | " + " | ".join(cells) + " |")
@@ -106,8 +118,10 @@ def format_constants(cluster: Cluster) -> str:
     lines = [f"Constants of {cluster.name}: measured {listed(measured)}; assumed {listed(constants['assumed'])}"]
     lines += [f"  {k} measured: {entry['source']}" for k, entry in constants["measured"].items()]
     if cluster.device_name and not measured:
-        lines.append("  (calibrate them: `make bench-gpu` on the machine, then"
-                     f" `python -m lightning_moe.planner.calibrate bench_gpu.json --cluster {cluster.name}`)")
+        lines.append(
+            "  (calibrate them: `make bench-gpu` on the machine, then"
+            f" `python -m lightning_moe.planner.calibrate bench_gpu.json --cluster {cluster.name}`)"
+        )
     return "\n".join(lines)
 
 
@@ -132,10 +146,24 @@ def plot_plan(result: Plan, path: Path, checkpointing: str = "none") -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for group, color, label in ((result.ranked, "tab:blue", "fits"), (result.rejected, "tab:gray", "does not fit")):
         if group:
-            ax.scatter([e.memory.total(checkpointing) / GIB for e in group], [e.step_time for e in group], s=10, c=color, label=label, alpha=0.6)
+            ax.scatter(
+                [e.memory.total(checkpointing) / GIB for e in group],
+                [e.step_time for e in group],
+                s=10,
+                c=color,
+                label=label,
+                alpha=0.6,
+            )
     if result.ranked:
         best = result.ranked[0]
-        ax.scatter([best.memory.total(checkpointing) / GIB], [best.step_time], s=120, marker="*", c="tab:red", label=f"chosen: {best.layout.label()}")
+        ax.scatter(
+            [best.memory.total(checkpointing) / GIB],
+            [best.step_time],
+            s=120,
+            marker="*",
+            c="tab:red",
+            label=f"chosen: {best.layout.label()}",
+        )
     ax.axvline(result.cluster.memory_budget / GIB, color="tab:red", linestyle=":", linewidth=1, label="memory budget")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -175,7 +203,10 @@ def format_same_sizes(requested: Estimate, result: Plan) -> str:
         if lay.pipeline_microbatches != req.pipeline_microbatches:
             settings.append(f"parallel.pp_microbatches={lay.pipeline_microbatches}")
         if (lay.pp_schedule, lay.pp_stages_per_rank) != (req.pp_schedule, req.pp_stages_per_rank):
-            settings += [f"parallel.pp_schedule={lay.pp_schedule}", f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}"]
+            settings += [
+                f"parallel.pp_schedule={lay.pp_schedule}",
+                f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}",
+            ]
     return (
         f"Not ranked as requested; the ranking's fastest with these sizes is #{i}, {lay.label()}:"
         f" {best.step_time:.3g} s, {best.mfu:.1%} MFU (requested: {requested.step_time:.3g} s, {requested.mfu:.1%})."
@@ -189,6 +220,7 @@ def plan_json(out: Mapping[str, Any]) -> str:
     ``json.dumps(indent=...)`` runs the pure-Python encoder, seconds for the tens of thousands of
     layouts of a large world; without an indent the C encoder writes each line.
     """
+
     def value(v: Any) -> str:
         return "[\n" + ",\n".join(json.dumps(x) for x in v) + "\n]" if isinstance(v, list) and v else json.dumps(v)
 

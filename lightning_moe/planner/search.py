@@ -34,7 +34,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batch_size: int, checkpointing: str = "none") -> list[str]:
+def layout_problems(
+    model: ModelShape, layout: Layout, seq_len: int, global_batch_size: int, checkpointing: str = "none"
+) -> list[str]:
     """Why the code would refuse ``layout`` (empty: valid): the layout rules
     (:func:`lightning_moe.layout.size_problems`) for this model and batch, then what only a shape
     tells (sequence parallel shards, experts without MoE layers, the heads all-to-all context
@@ -69,7 +71,9 @@ def layout_problems(model: ModelShape, layout: Layout, seq_len: int, global_batc
     if pp > 1 and layout.pp_schedule in ("1F1B", "Interleaved1F1B") and mp < pp:
         problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches per pipeline step, got {mp}")
     if layout.v_schedule and (layout.pp_stages_per_rank != 2 or mp < 2 * pp):
-        problems.append(f"{layout.pp_schedule} needs pp_stages_per_rank=2 and at least 2*pp={2 * pp} micro-batches per pipeline step")
+        problems.append(
+            f"{layout.pp_schedule} needs pp_stages_per_rank=2 and at least 2*pp={2 * pp} micro-batches per pipeline step"
+        )
     if layout.pp_schedule == "Interleaved1F1B" and pp > 1 and (layout.pp_stages_per_rank < 2 or mp % pp):
         problems.append("Interleaved1F1B needs pp_stages_per_rank >= 2 and micro-batches divisible by pp")
     return problems
@@ -83,7 +87,9 @@ def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: s
     if layout.ep == 1:
         problems.append("overlap_ep_comm=True needs ep > 1")
     if layout.pp > 1 and layout.pp_schedule != "DualPipeV":
-        problems.append(f"overlap_ep_comm=True with pp={layout.pp} needs pp_schedule='DualPipeV' (got {layout.pp_schedule!r}) or use pp=1")
+        problems.append(
+            f"overlap_ep_comm=True with pp={layout.pp} needs pp_schedule='DualPipeV' (got {layout.pp_schedule!r}) or use pp=1"
+        )
     # DualPipeV pairs passes of the rank's two stages, never of one FSDP unit: any data parallelism does
     if layout.pp == 1 and (layout.hsdp or not layout.gather_once_per_step):
         problems.append("overlap_ep_comm=True needs data_parallel='fsdp' with gather_once_per_step=True")
@@ -91,7 +97,9 @@ def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: s
         problems.append(f"overlap_ep_comm=True needs activation_checkpointing='none', got {checkpointing!r}")
     kind = dispatcher_kind(model.dispatcher)
     if not kind.capabilities.token_all_to_all:
-        problems.append(f"overlap_ep_comm=True hands over at token all-to-alls, which dispatcher={kind.value!r} does not issue")
+        problems.append(
+            f"overlap_ep_comm=True hands over at token all-to-alls, which dispatcher={kind.value!r} does not issue"
+        )
     return problems
 
 
@@ -128,13 +136,21 @@ def cp_comm_options(model: ModelShape, layout: Layout, kinds: Iterable[str] = CP
     if layout.cp == 1:
         return ring
     wanted = set(kinds)
-    options = tuple(k for k in CP_COMM_KINDS if k in wanted and (k == CpComm.RING or a2a_heads_problem(model, layout) is None))
+    options = tuple(
+        k for k in CP_COMM_KINDS if k in wanted and (k == CpComm.RING or a2a_heads_problem(model, layout) is None)
+    )
     return options or ring
 
 
 def estimate_cp_comm(
-    model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int, global_batch_size: int, *,
-    cp_comms: Iterable[str] = CP_COMM_KINDS, **options: Any,
+    model: ModelShape,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    global_batch_size: int,
+    *,
+    cp_comms: Iterable[str] = CP_COMM_KINDS,
+    **options: Any,
 ) -> Estimate:
     """:func:`~lightning_moe.planner.step_time.estimate` of ``layout`` with the fastest of its
     :func:`cp_comm_options` (``options``: the estimate's keyword arguments): under cp > 1 ring and,
@@ -209,7 +225,11 @@ def enumerate_layouts(
         if global_batch_size % (dp * mesh_ep):
             continue
         per_rank = global_batch_size // (dp * mesh_ep)
-        sizes = [x for x in _divisors(per_rank) if x <= MAX_MICRO_BATCH] if micro_batch_sizes is None else [x for x in micro_batch_sizes if per_rank % x == 0]
+        sizes = (
+            [x for x in _divisors(per_rank) if x <= MAX_MICRO_BATCH]
+            if micro_batch_sizes is None
+            else [x for x in micro_batch_sizes if per_rank % x == 0]
+        )
         for fold in fold_options(tp, cp) if folding else [()]:
             ep = mesh_ep * fold_size(fold, tp, cp)
             if fold and model.num_moe_layers and model.num_experts % ep:
@@ -217,19 +237,30 @@ def enumerate_layouts(
             for etp in [1] if "tp" in fold else sorted({1, tp}):
                 for replicas in hsdp_options(dp, tp * cp * mesh_ep, gpus_per_node):
                     mesh = (tp, cp, ep, dp, pp, etp, fold, replicas)
-                    yield from _schedules(model, seq_len, global_batch_size, mesh, per_rank, sizes, schedules,
-                                          checkpointing)
+                    yield from _schedules(
+                        model, seq_len, global_batch_size, mesh, per_rank, sizes, schedules, checkpointing
+                    )
 
 
 def _schedules(
-    model: ModelShape, seq_len: int, global_batch_size: int, mesh: tuple[Any, ...], per_rank: int, sizes: list[int],
-    schedules: Iterable[str], checkpointing: str,
+    model: ModelShape,
+    seq_len: int,
+    global_batch_size: int,
+    mesh: tuple[Any, ...],
+    per_rank: int,
+    sizes: list[int],
+    schedules: Iterable[str],
+    checkpointing: str,
 ) -> Iterator[Layout]:
     """The valid micro-batch and pipeline variants of one mesh ``(tp, cp, ep, dp, pp, etp, fold_ep, dp_replicate)``."""
     tp, cp, ep, dp, pp, etp, fold, replicas = mesh
     for mb in sizes:
         m = per_rank // mb
-        options = [("1F1B", 1)] if pp == 1 else [(sch, 2 if sch in ("Interleaved1F1B", *V_SCHEDULES) else 1) for sch in schedules]
+        options = (
+            [("1F1B", 1)]
+            if pp == 1
+            else [(sch, 2 if sch in ("Interleaved1F1B", *V_SCHEDULES) else 1) for sch in schedules]
+        )
         for schedule, v in options:
             # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory); the
             # strategy refuses it under HSDP
@@ -238,8 +269,22 @@ def _schedules(
                 # forward while the previous backward still needs it (DualPipeV pairs two stages instead)
                 pairs = once if pp == 1 else schedule == "DualPipeV"
                 for overlap in (False, True) if pairs and ep > 1 else (False,):
-                    layout = Layout(tp, cp, ep, dp, pp, etp, mb, m, schedule, v, gather_once_per_step=once, fold_ep=fold,
-                                    dp_replicate=replicas, overlap_ep_comm=overlap)
+                    layout = Layout(
+                        tp,
+                        cp,
+                        ep,
+                        dp,
+                        pp,
+                        etp,
+                        mb,
+                        m,
+                        schedule,
+                        v,
+                        gather_once_per_step=once,
+                        fold_ep=fold,
+                        dp_replicate=replicas,
+                        overlap_ep_comm=overlap,
+                    )
                     if not layout_problems(model, layout, seq_len, global_batch_size, checkpointing):
                         yield layout
 
@@ -340,8 +385,19 @@ def plan(
             " or global_batch_size"
         )
     estimates = [
-        estimate_cp_comm(model, layout, cluster, seq_len, global_batch_size, cp_comms=cp_comms, precision=precision,
-                         checkpointing=checkpointing, memory_budget=budget, fp8_gemms=fp8_gemms, load_imbalance=load_imbalance)
+        estimate_cp_comm(
+            model,
+            layout,
+            cluster,
+            seq_len,
+            global_batch_size,
+            cp_comms=cp_comms,
+            precision=precision,
+            checkpointing=checkpointing,
+            memory_budget=budget,
+            fp8_gemms=fp8_gemms,
+            load_imbalance=load_imbalance,
+        )
         for layout in layouts
     ]
     ranked = sorted((e for e in estimates if e.fits), key=lambda e: (e.step_time, e.memory.total(checkpointing)))
@@ -385,7 +441,16 @@ def resolve_auto_layout(
         best, runner_up = resolve_auto_layout(4, model=cfg.model, cluster=cpu_local, seq_len=128, global_batch_size=16)
         best.layout.strategy_kwargs()   # {"tp": 1, "cp": 1, "ep": 2, "dp": 2, "pp": 1, "etp": 1}
     """
-    missing = [k for k, v in (("model", model), ("cluster", cluster), ("seq_len", seq_len), ("global_batch_size", global_batch_size)) if v is None]
+    missing = [
+        k
+        for k, v in (
+            ("model", model),
+            ("cluster", cluster),
+            ("seq_len", seq_len),
+            ("global_batch_size", global_batch_size),
+        )
+        if v is None
+    ]
     if missing:
         raise ValueError(
             f"layout='auto' needs layout_options {missing}: pass layout_options=dict(model=<MoEGPT arguments>,"

@@ -174,8 +174,14 @@ def expert_load_imbalance(layout: Layout, imbalance: float | None = None) -> flo
 
 
 def forward_seconds_by_kind(
-    model: ModelShape, layout: Layout, cluster: Cluster, seq_len: int, *, precision: str = "bf16-mixed",
-    fp8_gemms: bool = False, imbalance: float = 1.0,
+    model: ModelShape,
+    layout: Layout,
+    cluster: Cluster,
+    seq_len: int,
+    *,
+    precision: str = "bf16-mixed",
+    fp8_gemms: bool = False,
+    imbalance: float = 1.0,
 ) -> dict[str, float]:
     """Seconds one micro-batch's forward computes on the busiest pipeline rank, by op kind: the GEMM
     kinds at their efficiency of the peak (with ``fp8_gemms`` at the FP8 peak and efficiency; the
@@ -330,8 +336,10 @@ def overlap_budget(
     reductions_last = reductions / fsdp_reduces(layout)
     share_last = last_backward / compute
     return {
-        "before the last backward": (spread * (1 - share_last) + reductions - reductions_last,
-                                     (compute - last_backward) - hidden_ep * (1 - share_last)),
+        "before the last backward": (
+            spread * (1 - share_last) + reductions - reductions_last,
+            (compute - last_backward) - hidden_ep * (1 - share_last),
+        ),
         "last backward": (spread * share_last + reductions_last, last_backward - hidden_ep * share_last),
     }
 
@@ -398,7 +406,9 @@ def estimate(
         else:
             exposed += seconds
     all_comm = exposed + spread + reductions
-    forward = forward_seconds_by_kind(model, layout, cluster, seq_len, precision=precision, fp8_gemms=fp8_gemms, imbalance=imbalance)
+    forward = forward_seconds_by_kind(
+        model, layout, cluster, seq_len, precision=precision, fp8_gemms=fp8_gemms, imbalance=imbalance
+    )
     passes = 3.0 + RECOMPUTE_FORWARDS[checkpointing]
     compute = passes * sum(forward.values()) * layout.microbatches
     last_backward = (passes - 1.0) * sum(forward.values())
@@ -436,11 +446,15 @@ def estimate(
     budget = cluster.memory_budget if memory_budget is None else memory_budget
     total = mem.total(checkpointing)
     fits = total <= budget
-    reason = "" if fits else (
-        f"needs {total / 2**30:.1f} GiB per rank with checkpointing={checkpointing} "
-        f"(parameters+gradients+optimizer {(mem.parameters + mem.gradients + mem.optimizer) / 2**30:.1f} GiB, "
-        f"activations {mem.activations[checkpointing] / 2**30:.1f} GiB, FSDP buffers"
-        f" {mem.fsdp_buffers / 2**30:.1f} GiB, logits {mem.logits / 2**30:.1f} GiB), budget {budget / 2**30:.1f} GiB"
+    reason = (
+        ""
+        if fits
+        else (
+            f"needs {total / 2**30:.1f} GiB per rank with checkpointing={checkpointing} "
+            f"(parameters+gradients+optimizer {(mem.parameters + mem.gradients + mem.optimizer) / 2**30:.1f} GiB, "
+            f"activations {mem.activations[checkpointing] / 2**30:.1f} GiB, FSDP buffers"
+            f" {mem.fsdp_buffers / 2**30:.1f} GiB, logits {mem.logits / 2**30:.1f} GiB), budget {budget / 2**30:.1f} GiB"
+        )
     )
     comm = comm_bytes_by_dim(records, layout, cluster)
     ep_inter = comm["ep"]["inter"]

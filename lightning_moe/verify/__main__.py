@@ -41,7 +41,6 @@ from lightning_moe.verify.runner import (
 )
 
 
-
 def _as_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise VerifyConfigError(f"{what}={value!r}: verification needs a number of processes (an integer)")
@@ -69,8 +68,9 @@ def job_from_config(cfg: DictConfig, out_dir: Path) -> Job:
         notes.append(f"trainer.precision={trainer['precision']} replaced by 32-true: verification compares in fp32")
     model_cfg = OmegaConf.create(config["model"])
     target = model_cfg.get("_target_")
-    dropout = check_deterministic_build(lambda: hydra.utils.instantiate(model_cfg), int(config["seed"]),
-                                        f"the model ({target})")
+    dropout = check_deterministic_build(
+        lambda: hydra.utils.instantiate(model_cfg), int(config["seed"]), f"the model ({target})"
+    )
     if dropout:
         message = f"dropout is not disabled ({', '.join(dropout)}): verification turns it off in both runs"
         print(f"verify: warning: {message}", file=sys.stderr)

@@ -45,7 +45,6 @@ def step_micro_batches(run: RunData, step: int) -> list[list[torch.Tensor]] | No
     return replicas
 
 
-
 def _micro_batches(rank: dict[str, Any]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for ids in rank["batches"].get(0, []):
@@ -65,10 +64,16 @@ def merge_tp(pieces: list[torch.Tensor], expected: tuple[int, ...]) -> tuple[tor
             others_equal = all(local[i] == expected[i] for i in range(len(local)) if i != dim)
             if others_equal and local[dim] * tp == expected[dim]:
                 return torch.cat(pieces, dim=dim + 1), 0.0, ""
-    return None, 0.0, f"per-sample shape {list(local)} on each of {tp} tp ranks, expected {list(expected)} or a 1/{tp} shard of it"
+    return (
+        None,
+        0.0,
+        f"per-sample shape {list(local)} on each of {tp} tp ranks, expected {list(expected)} or a 1/{tp} shard of it",
+    )
 
 
-def assemble_module_tensors(run: RunData, module: str, which: int, expected: dict[str, tuple[int, ...]] | None) -> tuple[dict[tuple[bytes, int, int], torch.Tensor], float, str]:
+def assemble_module_tensors(
+    run: RunData, module: str, which: int, expected: dict[str, tuple[int, ...]] | None
+) -> tuple[dict[tuple[bytes, int, int], torch.Tensor], float, str]:
     """Per-sample full tensors ``{(sample key, occurrence, call in micro-batch): [S, ...]}`` of a module's
     output (``which=0``) or input (``which=1``) at step 1, from every rank's pieces."""
     from lightning_moe.cp import zigzag_unshard
@@ -125,4 +130,3 @@ def assemble_module_tensors(run: RunData, module: str, which: int, expected: dic
                 for (k, occ), sample in zip(keys, full):
                     result[(k, occ, i)] = sample
     return result, disagreement, note
-

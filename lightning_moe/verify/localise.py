@@ -36,7 +36,6 @@ def first_gradient_difference(report: VerifyReport) -> str | None:
     return text
 
 
-
 def compare_module_outputs(single: RunData, layout: RunData, rtol: float) -> list[dict[str, Any]]:
     """One entry per module, in completion order at step 1: output and input rel differences."""
     types = {**layout.types, **single.types}
@@ -68,7 +67,9 @@ def compare_module_outputs(single: RunData, layout: RunData, rtol: float) -> lis
             entry[label] = rel
             if disagreement > rtol:
                 entry[label] = max(rel, disagreement)
-                entry[f"{label}_note"] = f"the tp ranks hold different values (rel {disagreement:.1e}): a partial result not reduced?"
+                entry[f"{label}_note"] = (
+                    f"the tp ranks hold different values (rel {disagreement:.1e}): a partial result not reduced?"
+                )
         entries.append(entry)
     return entries
 
@@ -107,8 +108,13 @@ def localise(single: RunData, layout: RunData, report: VerifyReport) -> None:
             f" its submodule {name} ({first['type']}) differs (rel {fmt_rel(inp)}) while every earlier module output"
             + (" and its own inputs are equal" if p_in is not None and p_in <= rtol else " is equal")
         )
-        report.localisation = {"kind": "forward_code", "module": where, "type": types.get(where, "?"),
-                               "rel": inp, "child": name}
+        report.localisation = {
+            "kind": "forward_code",
+            "module": where,
+            "type": types.get(where, "?"),
+            "rel": inp,
+            "child": name,
+        }
         return
     compared = [e for e in entries if e.get("output") is not None]
     grads = first_gradient_difference(report)
@@ -116,8 +122,14 @@ def localise(single: RunData, layout: RunData, report: VerifyReport) -> None:
     if grads is not None:
         report.first_difference = f"{grads} ({prefix})"
         row = next(p for p in report.parameters if p.diverges(rtol) == 0)
-        report.localisation = {"kind": "gradient", "parameter": row.name, "module": row.module,
-                               "type": row.module_type, "rel": row.grad_rel, "ratio": row.grad_ratio}
+        report.localisation = {
+            "kind": "gradient",
+            "parameter": row.name,
+            "module": row.module,
+            "type": row.module_type,
+            "rel": row.grad_rel,
+            "ratio": row.grad_ratio,
+        }
         return
     if report.losses and not report.losses[0]["rel"] <= rtol:
         report.first_difference = (
@@ -137,6 +149,7 @@ def localise(single: RunData, layout: RunData, report: VerifyReport) -> None:
 
 def describe_error(errors: list[dict[str, Any]]) -> dict[str, Any]:
     """The root failure among the ranks' errors (peers of a failed rank fail later, in communication)."""
+
     def secondary(e: dict[str, Any]) -> bool:
         text = e["message"].lower()
         return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out", "gloo"))
@@ -193,9 +206,13 @@ def compare_micro_batching(single: RunData, layout: RunData) -> dict[str, Any] |
         groups_a = sorted(tuple(sorted(sample_keys(ids))) for m in a for ids in m)
         groups_b = sorted(tuple(sorted(sample_keys(ids))) for m in b for ids in m)
         if groups_a != groups_b:
-            return {"step": step + 1, "single": describe_micro_batching(a), "layout": describe_micro_batching(b),
-                    "single_micro_batch_size": micro_batch_size_of(single),
-                    "layout_micro_batch_size": micro_batch_size_of(layout)}
+            return {
+                "step": step + 1,
+                "single": describe_micro_batching(a),
+                "layout": describe_micro_batching(b),
+                "single_micro_batch_size": micro_batch_size_of(single),
+                "layout_micro_batch_size": micro_batch_size_of(layout),
+            }
     return None
 
 
@@ -225,29 +242,38 @@ def explain_micro_batching(
     mismatch = report.micro_batching
     if mismatch is None:
         return
-    what = (f"the one-process run cut step {mismatch['step']} into {mismatch['single']}, the layout into"
-            f" {mismatch['layout']}")
+    what = (
+        f"the one-process run cut step {mismatch['step']} into {mismatch['single']}, the layout into"
+        f" {mismatch['layout']}"
+    )
     if report.passed:
         report.notes.append(f"micro-batching differs ({what}); the results agree all the same")
         return
     single_size, size = mismatch["single_micro_batch_size"], mismatch["layout_micro_batch_size"]
     if single_size != size and pin is None:
-        fix = ("give the data module a micro_batch_size argument (verification then runs the reference with the"
-               f" layout's, {size}) or a micro-batch size that does not depend on the layout")
+        fix = (
+            "give the data module a micro_batch_size argument (verification then runs the reference with the"
+            f" layout's, {size}) or a micro-batch size that does not depend on the layout"
+        )
     elif single_size != size:
         fix = f"set {setting} to {size} (the same micro-batch size on both runs)"
     else:
-        fix = ("put the same samples in each micro-batch on every layout: micro-batch j of a step on data-parallel"
-               " rank j % (dp*ep), as lightning_moe.data.LayoutInvariantSampler does")
+        fix = (
+            "put the same samples in each micro-batch on every layout: micro-batch j of a step on data-parallel"
+            " rank j % (dp*ep), as lightning_moe.data.LayoutInvariantSampler does"
+        )
     fix += "; or take the load-balancing statistics per sequence (load_balancing='seq_aux_loss'), which micro-batching does not change"
     loc = report.localisation or {}
     # Micro-batching changes only what is computed over the micro-batch: the routing statistics
     # (whose aux-loss gradient reaches the routers in backward) and batch-dependent routing.
     explained = loc.get("kind") in (None, "gradient", "loss", "optimizer") or (
-        loc.get("kind") == "module_output" and loc.get("module") in routing)
+        loc.get("kind") == "module_output" and loc.get("module") in routing
+    )
     lead = "explained by micro-batching" if explained else "micro-batching differs as well (fix it first)"
-    explanation = (f"{lead}: {what}, and statistics of the micro-batch ({_batch_statistics(routing)}) are taken over"
-                   f" other samples. Fix: {fix}")
+    explanation = (
+        f"{lead}: {what}, and statistics of the micro-batch ({_batch_statistics(routing)}) are taken over"
+        f" other samples. Fix: {fix}"
+    )
     report.first_difference = f"{report.first_difference}; {explanation}" if report.first_difference else explanation
     if report.localisation is not None:
         report.localisation["explained_by"] = "micro_batching" if explained else None
@@ -266,16 +292,23 @@ def layout_dependent_statistics(routing: dict[str, dict[str, Any]], layout: dict
     by_reason: dict[str, list[str]] = defaultdict(list)
     for module, settings in routing.items():
         if settings.get("load_balancing") == "global_aux_loss" and settings.get("aux_loss_coeff", 1) and dp_ep > 1:
-            by_reason[f"load_balancing='global_aux_loss' counts the dp x ep = {dp_ep} micro-batches of one micro-step"
-                      " at once (one on one process)"].append(module)
+            by_reason[
+                f"load_balancing='global_aux_loss' counts the dp x ep = {dp_ep} micro-batches of one micro-step"
+                " at once (one on one process)"
+            ].append(module)
         if settings.get("routing") == "expert_choice" and ep > 1:
-            by_reason[f"routing='expert_choice' lets each expert pick among the tokens of the ep = {ep} ranks"
-                      " (of one micro-batch on one process)"].append(module)
+            by_reason[
+                f"routing='expert_choice' lets each expert pick among the tokens of the ep = {ep} ranks"
+                " (of one micro-batch on one process)"
+            ].append(module)
         if settings.get("load_balancing") == "sinkhorn" and shard > 1:
-            by_reason[f"load_balancing='sinkhorn' balances each of the cp x tp = {shard} sequence shards, not the"
-                      " micro-batch"].append(module)
-    return [f"{reason} in {', '.join(m[:3])}{f' and {len(m) - 3} more' if len(m) > 3 else ''}"
-            for reason, m in by_reason.items()]
+            by_reason[
+                f"load_balancing='sinkhorn' balances each of the cp x tp = {shard} sequence shards, not the micro-batch"
+            ].append(module)
+    return [
+        f"{reason} in {', '.join(m[:3])}{f' and {len(m) - 3} more' if len(m) > 3 else ''}"
+        for reason, m in by_reason.items()
+    ]
 
 
 def explain_batch_statistics(report: VerifyReport, routing: dict[str, dict[str, Any]]) -> None:
@@ -285,13 +318,18 @@ def explain_batch_statistics(report: VerifyReport, routing: dict[str, dict[str, 
         return
     reasons = layout_dependent_statistics(routing, report.layout)
     loc = report.localisation or {}
-    if not reasons or not (loc.get("kind") in ("gradient", "loss", "optimizer")
-                           or (loc.get("kind") == "module_output" and loc.get("module") in routing)):
+    if not reasons or not (
+        loc.get("kind") in ("gradient", "loss", "optimizer")
+        or (loc.get("kind") == "module_output" and loc.get("module") in routing)
+    ):
         return
-    explanation = ("explained by batch-level statistics that span several ranks on this layout, by design: "
-                   + "; ".join(reasons) + ". Fix: verify with per-micro-batch statistics (load_balancing='aux_loss'"
-                   " or 'seq_aux_loss', routing='topk'), which one process reproduces; keep these settings only if their"
-                   " layout dependence is wanted")
+    explanation = (
+        "explained by batch-level statistics that span several ranks on this layout, by design: "
+        + "; ".join(reasons)
+        + ". Fix: verify with per-micro-batch statistics (load_balancing='aux_loss'"
+        " or 'seq_aux_loss', routing='topk'), which one process reproduces; keep these settings only if their"
+        " layout dependence is wanted"
+    )
     report.first_difference = f"{report.first_difference}; {explanation}" if report.first_difference else explanation
     if report.localisation is not None:
         report.localisation["explained_by"] = "batch_statistics"
@@ -310,4 +348,3 @@ def check_same_samples(single: RunData, layout: RunData) -> str | None:
                 " the strategy's dp x ep rank, as ByteTextDataModule does, and keep Trainer(use_distributed_sampler=False))"
             )
     return None
-

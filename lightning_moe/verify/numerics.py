@@ -73,8 +73,11 @@ NOISE_GAIN = 2.0
 
 
 def optimizer_noise(
-    final_layout: torch.Tensor, final_single: torch.Tensor, initial: torch.Tensor | None,
-    grad_layout: torch.Tensor | None, grad_single: torch.Tensor | None,
+    final_layout: torch.Tensor,
+    final_single: torch.Tensor,
+    initial: torch.Tensor | None,
+    grad_layout: torch.Tensor | None,
+    grad_single: torch.Tensor | None,
 ) -> float | None:
     """The final-parameter difference that step-1 gradient rounding does not explain (normwise rel).
 
@@ -88,8 +91,11 @@ def optimizer_noise(
     """
     if initial is None or grad_layout is None or grad_single is None:
         return None
-    if not (final_single.is_floating_point() and final_single.shape == final_layout.shape == initial.shape
-            and grad_single.shape == grad_layout.shape == final_single.shape):
+    if not (
+        final_single.is_floating_point()
+        and final_single.shape == final_layout.shape == initial.shape
+        and grad_single.shape == grad_layout.shape == final_single.shape
+    ):
         return None
     single, layout = final_single.double(), final_layout.double()
     grad = grad_single.double()
@@ -130,25 +136,36 @@ def compare_runs(single: RunData, layout: RunData, rtol: float, control: RunData
         problems.append(f"the layout run has {len(extra)} parameters the single run lacks: {extra[:5]}")
     # A tensor's difference is measured against at least GRAD_FLOOR of the model's largest gradient:
     # gradients that are zero in exact arithmetic (e.g. an attention key bias) hold only rounding noise.
-    largest = max((float(g.abs().max()) for g in ref_grads.values() if g is not None and g.numel() and g.is_floating_point()),
-                  default=0.0)
+    largest = max(
+        (float(g.abs().max()) for g in ref_grads.values() if g is not None and g.numel() and g.is_floating_point()),
+        default=0.0,
+    )
     floor = GRAD_FLOOR * largest
     rows = []
     for name in ref_final:
         module = name.rsplit(".", 1)[0] if "." in name else ""
         a, b = lay_grads.get(name), ref_grads.get(name)
         grad_rel = rel_diff(a, b, floor) if name in ref_grads or name in lay_grads else 0.0
-        row = ParameterRow(name, module, types.get(module, "?"), grad_rel, rel_diff(lay_final.get(name), ref_final[name]))
+        row = ParameterRow(
+            name, module, types.get(module, "?"), grad_rel, rel_diff(lay_final.get(name), ref_final[name])
+        )
         if b is not None and b.is_floating_point() and float(b.abs().max() if b.numel() else 0.0) < floor:
             row.zero_grad = grad_rel <= rtol
             if row.zero_grad and not row.final_rel <= rtol:
                 row.note = "gradient ~0 (below the floor): its update is optimizer noise, not counted"
-        elif grad_rel <= rtol and not row.final_rel <= rtol and lay_final.get(name) is not None and ref_final[name] is not None:
+        elif (
+            grad_rel <= rtol
+            and not row.final_rel <= rtol
+            and lay_final.get(name) is not None
+            and ref_final[name] is not None
+        ):
             # Only when the step-1 gradients agree is their difference rounding noise.
             row.final_excess = optimizer_noise(lay_final[name], ref_final[name], ref_initial.get(name), a, b)
             if row.final_excess is not None and row.final_excess <= rtol:
-                row.note = (f"elements with ~0 step-1 gradient move by optimizer noise; the rest agree to"
-                            f" rel {fmt_rel(row.final_excess)}")
+                row.note = (
+                    f"elements with ~0 step-1 gradient move by optimizer noise; the rest agree to"
+                    f" rel {fmt_rel(row.final_excess)}"
+                )
         if not grad_rel <= rtol and a is not None and b is not None:
             row.grad_ratio = uniform_ratio(a, b)
         rows.append(row)
@@ -169,8 +186,11 @@ def compare_runs(single: RunData, layout: RunData, rtol: float, control: RunData
     bad_params = [r for r in rows if r.diverges(rtol) < 2]
     if bad_losses or bad_params or problems:
         report.passed = False
-    report.within_noise_floor = report.passed and control is not None and (
-        any(r.get("within_noise_floor") for r in report.losses) or any(r.noise_floor is not None for r in rows))
+    report.within_noise_floor = (
+        report.passed
+        and control is not None
+        and (any(r.get("within_noise_floor") for r in report.losses) or any(r.noise_floor is not None for r in rows))
+    )
     report.notes.extend(problems)
     if control is not None:
         report.notes.append(noise_control_note(report))
@@ -211,8 +231,12 @@ def apply_noise_floor(report: VerifyReport, control: VerifyReport, factor: float
     control_rel = [row["rel"] for row in control.losses]
     floors = loss_noise_floors(control_rel, factor)
     for row, control_row, floor in zip(report.losses, control.losses, floors):
-        row.update(control=control_row["layout"], control_rel=control_row["rel"], noise_floor=floor,
-                   within_noise_floor=not row["rel"] <= rtol and row["rel"] <= floor)
+        row.update(
+            control=control_row["layout"],
+            control_rel=control_row["rel"],
+            noise_floor=floor,
+            within_noise_floor=not row["rel"] <= rtol and row["rel"] <= floor,
+        )
     control_final = {p.name: p.final_rel for p in control.parameters}
     for row in report.parameters:
         floor = factor * control_final.get(row.name, 0.0)
@@ -237,13 +261,18 @@ def noise_control_note(report: VerifyReport) -> str:
     loss_rel = control.get("loss_rel") or [0.0]
     other = f"one process with {control.get('control', NOISE_CONTROL)}"
     if max(loss_rel) == 0.0 and not any((control.get("final_rel") or {}).values()):
-        text = (f"noise control: {other} computed the same losses and parameters bit for bit, so the noise floor is 0"
-                " and nothing beyond rtol counts as noise")
+        text = (
+            f"noise control: {other} computed the same losses and parameters bit for bit, so the noise floor is 0"
+            " and nothing beyond rtol counts as noise"
+        )
     else:
         first = next((i + 1 for i, rel in enumerate(loss_rel) if not rel <= report.rtol), None)
-        text = (f"noise control: {other} differs from itself by loss rel {fmt_rel(max(loss_rel))} at most"
-                + (f", beyond rtol from step {first}" if first else ", within rtol at every step"))
-    beyond = [row["step"] for row in report.losses if not row["rel"] <= report.rtol and not row.get("within_noise_floor")]
+        text = f"noise control: {other} differs from itself by loss rel {fmt_rel(max(loss_rel))} at most" + (
+            f", beyond rtol from step {first}" if first else ", within rtol at every step"
+        )
+    beyond = [
+        row["step"] for row in report.losses if not row["rel"] <= report.rtol and not row.get("within_noise_floor")
+    ]
     finals = [p.name for p in report.parameters if p.diverges(report.rtol) == 1]
     what = []
     if beyond:

@@ -125,8 +125,12 @@ def format_report(report: VerifyReport) -> str:
     if report.passed and report.within_noise_floor:
         lines.append(pass_within_noise_floor(report))
     elif report.passed:
-        worst = max([p.grad_rel for p in report.parameters] + [p.final_counted for p in report.parameters]
-                    + [r["rel"] for r in report.losses] + [0.0])
+        worst = max(
+            [p.grad_rel for p in report.parameters]
+            + [p.final_counted for p in report.parameters]
+            + [r["rel"] for r in report.losses]
+            + [0.0]
+        )
         lines.append(
             f"PASS: {len(report.losses)} losses, {len(report.parameters)} gradients and final parameters within"
             f" rtol {report.rtol:g} (worst {worst:.1e})"
@@ -138,7 +142,6 @@ def format_report(report: VerifyReport) -> str:
 
 def layout_str(layout: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in layout.items() if v is not None) or "?"
-
 
 
 def noise_floor_note(report: VerifyReport, floor: float) -> str:

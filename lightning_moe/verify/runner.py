@@ -40,8 +40,19 @@ from lightning_moe.verify.worker import SPEC_ENV, disable_dropout, dump_spec
 
 LOCALIZE_MODES = ("on_failure", "always", "never")
 # Set by launchers (torchrun, Lightning, SLURM); a worker that inherits them would wait for ranks that never come.
-_LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK",
-                 "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_ID")
+_LAUNCHER_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+)
 
 
 class VerifyConfigError(ValueError):
@@ -100,8 +111,15 @@ def layout_record(layout: ResolvedLayout) -> dict[str, Any]:
 # Strategy arguments that only shape a layout, and the value each takes in the one-process reference
 # (ep folded over nothing, no HSDP split, no expert all-to-all to overlap, no pipeline schedule).
 ONE_PROCESS_OPTIONS: dict[str, Any] = {
-    **dict.fromkeys(LAYOUT_KEYS, 1), "etp": None, "fold_ep": None, "dp_replicate": None, "dp_shard": None,
-    "overlap_ep_comm": False, "pp_schedule": "1F1B", "pp_microbatches": None, "pp_stages_per_rank": 1,
+    **dict.fromkeys(LAYOUT_KEYS, 1),
+    "etp": None,
+    "fold_ep": None,
+    "dp_replicate": None,
+    "dp_shard": None,
+    "overlap_ep_comm": False,
+    "pp_schedule": "1F1B",
+    "pp_microbatches": None,
+    "pp_stages_per_rank": 1,
 }
 
 
@@ -174,8 +192,10 @@ def check_deterministic_build(build: Callable[[], nn.Module], seed: int, what: s
                 " __init__/configure_model, not from an unseeded generator, time or os.urandom"
             )
     if skipped:
-        warnings.warn(f"verify: configure_model() could not run outside a trainer ({skipped}); checked the constructor only",
-                      stacklevel=2)
+        warnings.warn(
+            f"verify: configure_model() could not run outside a trainer ({skipped}); checked the constructor only",
+            stacklevel=2,
+        )
     return dropout
 
 
@@ -194,26 +214,37 @@ def _worker_env(devices: int) -> dict[str, str]:
     return env
 
 
-def _launch(job: Job, body: dict[str, Any], devices: int, run_dir: Path, steps: int, record: bool,
-            perturb_initial: bool = False) -> RunData:
+def _launch(
+    job: Job, body: dict[str, Any], devices: int, run_dir: Path, steps: int, record: bool, perturb_initial: bool = False
+) -> RunData:
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    header = {"out_dir": str(run_dir), "seed": job.seed, "steps": steps, "record_forward": record,
-              "devices": devices, "main_file": job.main_file, "perturb_initial": perturb_initial}
+    header = {
+        "out_dir": str(run_dir),
+        "seed": job.seed,
+        "steps": steps,
+        "record_forward": record,
+        "devices": devices,
+        "main_file": job.main_file,
+        "perturb_initial": perturb_initial,
+    }
     spec_path = run_dir / "spec.pkl"
     dump_spec(spec_path, header, body)
     cmd = [sys.executable, "-m", "lightning_moe.verify.worker", str(spec_path)]
     with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(devices),
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(devices), start_new_session=True
+        )
         try:
             proc.wait(timeout=job.timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise VerifyConfigError(f"the run in {run_dir} took longer than verify.timeout_s={job.timeout_s:g} s"
-                                    f" (stopped); its output: {run_dir / 'log.txt'}") from None
+            raise VerifyConfigError(
+                f"the run in {run_dir} took longer than verify.timeout_s={job.timeout_s:g} s"
+                f" (stopped); its output: {run_dir / 'log.txt'}"
+            ) from None
     data = RunData.load(run_dir)
     data.returncode = proc.returncode  # type: ignore[attr-defined]
     return data
@@ -333,14 +364,23 @@ def _report(job: Job, single: RunData, layout: RunData, control: RunData | None 
     if control is not None:
         run_dirs["control"] = str(control.path)
     if layout.errors or getattr(layout, "returncode", 0) != 0 or len(layout.ranks) < job.layout_devices:
-        report = VerifyReport(passed=False, layout=job.layout, steps=job.steps, rtol=job.rtol, run_dirs=run_dirs,
-                              model=job.model_name, notes=list(job.notes))
+        report = VerifyReport(
+            passed=False,
+            layout=job.layout,
+            steps=job.steps,
+            rtol=job.rtol,
+            run_dirs=run_dirs,
+            model=job.model_name,
+            notes=list(job.notes),
+        )
         if layout.errors:
             report.error = describe_error(layout.errors)
         else:
-            report.error = {"summary": f"the layout run failed without a Python error (exit code"
-                                       f" {getattr(layout, 'returncode', '?')}); the end of its output:\n"
-                                       f"{_log_tail(layout.path)}"}
+            report.error = {
+                "summary": f"the layout run failed without a Python error (exit code"
+                f" {getattr(layout, 'returncode', '?')}); the end of its output:\n"
+                f"{_log_tail(layout.path)}"
+            }
         report.first_difference = report.error["summary"]
         return report
     report = compare_runs(single, layout, job.rtol, control)
@@ -469,21 +509,38 @@ def verify_layout(
     trainer_kwargs.setdefault("use_distributed_sampler", False)
     single_kwargs = one_process_options(strategy_kwargs, complete=True)
     main_file = None
-    if any(getattr(f, "__module__", None) == "__main__" or getattr(getattr(f, "func", None), "__module__", None) == "__main__"
-           for f in (module_factory, datamodule_factory)):
+    if any(
+        getattr(f, "__module__", None) == "__main__"
+        or getattr(getattr(f, "func", None), "__module__", None) == "__main__"
+        for f in (module_factory, datamodule_factory)
+    ):
         main = sys.modules["__main__"]
         main_file = getattr(main, "__file__", None)
         if main_file is None:
-            raise VerifyConfigError("the factories are defined in an interactive session: define them in an importable module")
-    common = {"kind": "factories", "module_factory": module_factory, "datamodule_factory": datamodule_factory,
-              "trainer_kwargs": trainer_kwargs}
+            raise VerifyConfigError(
+                "the factories are defined in an interactive session: define them in an importable module"
+            )
+    common = {
+        "kind": "factories",
+        "module_factory": module_factory,
+        "datamodule_factory": datamodule_factory,
+        "trainer_kwargs": trainer_kwargs,
+    }
     job = Job(
         single_body={**common, "strategy_kwargs": single_kwargs, "devices": 1},
         layout_body={**common, "strategy_kwargs": dict(strategy_kwargs), "devices": devices},
-        layout_devices=devices, layout=layout_record(resolved), seed=seed, steps=steps, rtol=rtol, localize=localize,
+        layout_devices=devices,
+        layout=layout_record(resolved),
+        seed=seed,
+        steps=steps,
+        rtol=rtol,
+        localize=localize,
         out_dir=Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="lightning_moe_verify_")),
-        cache_dir=Path(cache_dir) if cache_dir is not None else None, timeout_s=timeout_s, main_file=main_file,
-        model_name=_factory_name(module_factory), notes=notes,
+        cache_dir=Path(cache_dir) if cache_dir is not None else None,
+        timeout_s=timeout_s,
+        main_file=main_file,
+        model_name=_factory_name(module_factory),
+        notes=notes,
         fingerprint=fingerprint(module_factory),
         micro_batch_pin="factory" if accepts_micro_batch_size(datamodule_factory) else None,
         data_setting="micro_batch_size of datamodule_factory",
@@ -495,6 +552,17 @@ def verify_layout(
     return report
 
 
-__all__ = ["LOCALIZE_MODES", "ONE_PROCESS_OPTIONS", "VerifyConfigError", "accepts_micro_batch_size", "check_deterministic_build",
-           "check_processes", "layout_record", "one_process_options", "pinned_single_body", "resolved_layout", "run_job",
-           "verify_layout"]
+__all__ = [
+    "LOCALIZE_MODES",
+    "ONE_PROCESS_OPTIONS",
+    "VerifyConfigError",
+    "accepts_micro_batch_size",
+    "check_deterministic_build",
+    "check_processes",
+    "layout_record",
+    "one_process_options",
+    "pinned_single_body",
+    "resolved_layout",
+    "run_job",
+    "verify_layout",
+]

@@ -84,4 +84,3 @@ class RunData:
 
     def dropout(self) -> list[str]:
         return self.ranks[0]["dropout"] if self.ranks else []
-

@@ -125,9 +125,14 @@ def mesh_coordinates(trainer: Any) -> tuple[dict[str, int], dict[str, int]]:
     mesh = getattr(trainer.strategy, "device_mesh", None)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if mesh is None or not set(MESH_DIMS) <= set(names):
-        return dict.fromkeys(MESH_DIMS, 0) | {"dp": trainer.global_rank}, dict.fromkeys(MESH_DIMS, 1) | {"dp": trainer.world_size}
+        return dict.fromkeys(MESH_DIMS, 0) | {"dp": trainer.global_rank}, dict.fromkeys(MESH_DIMS, 1) | {
+            "dp": trainer.world_size
+        }
     coords = mesh.get_coordinate() or [0] * len(names)
-    return ({n: int(coords[names.index(n)]) for n in MESH_DIMS}, {n: int(mesh.shape[names.index(n)]) for n in MESH_DIMS})
+    return (
+        {n: int(coords[names.index(n)]) for n in MESH_DIMS},
+        {n: int(mesh.shape[names.index(n)]) for n in MESH_DIMS},
+    )
 
 
 # -- the recording callback -------------------------------------------------------------------------
@@ -297,8 +302,9 @@ def routing_settings(module: nn.Module) -> dict[str, dict[str, Any]]:
     found = {}
     for name, sub in module.named_modules():
         if isinstance(getattr(sub, "load_balancing", None), str):
-            found[name] = {a: getattr(sub, a) for a in ROUTING_ATTRS
-                           if isinstance(getattr(sub, a, None), (str, int, float))}
+            found[name] = {
+                a: getattr(sub, a) for a in ROUTING_ATTRS if isinstance(getattr(sub, a, None), (str, int, float))
+            }
     return found
 
 
@@ -346,7 +352,9 @@ def _build(spec: dict[str, Any], callbacks: list[Any]) -> tuple[Any, Any, Any]:
         datamodule = hydra.utils.instantiate(cfg.data)
         model = hydra.utils.instantiate(cfg.model)
         strategy = hydra.utils.instantiate(cfg.parallel)
-        extra = [hydra.utils.instantiate(node) for node in (cfg.verify.get("callbacks") or {}).values() if node is not None]
+        extra = [
+            hydra.utils.instantiate(node) for node in (cfg.verify.get("callbacks") or {}).values() if node is not None
+        ]
         trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
         assert isinstance(trainer_cfg, dict)
         target = trainer_cfg.pop("_target_", "lightning.pytorch.Trainer")

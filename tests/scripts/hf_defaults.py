@@ -46,7 +46,11 @@ class LoadRecorder(L.Callback):
         self.loads: list[torch.Tensor] = []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
-        loads = [m.router.expert_load.clone() for m in pl_module.modules() if isinstance(m, MoELayer) and m.router.use_expert_bias]
+        loads = [
+            m.router.expert_load.clone()
+            for m in pl_module.modules()
+            if isinstance(m, MoELayer) and m.router.use_expert_bias
+        ]
         if not loads:
             return
         total = torch.stack(loads)
@@ -65,8 +69,15 @@ def fit(name: str, family: str, strategy: Any, devices: int, out: Path) -> None:
     data = ByteTextDataModule(global_batch_size=8 if family == "deepseek_v3" else 4, seq_len=32)
     recorder, loads = LossRecorder(), LoadRecorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder, loads],
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder, loads],
     )
     trainer.fit(module, datamodule=data)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
@@ -74,15 +85,26 @@ def fit(name: str, family: str, strategy: Any, devices: int, out: Path) -> None:
     with torch.no_grad():
         logits = _full(module(ids))
     biases = {
-        n: _full(m.router.expert_bias) for n, m in module.named_modules() if isinstance(m, MoELayer) and m.router.use_expert_bias
+        n: _full(m.router.expert_bias)
+        for n, m in module.named_modules()
+        if isinstance(m, MoELayer) and m.router.use_expert_bias
     }
     rank_biases = [biases]
     if trainer.world_size > 1:
         rank_biases = [None] * trainer.world_size
         dist.all_gather_object(rank_biases, biases)
     if trainer.is_global_zero:
-        torch.save({"losses": recorder.losses, "ids": ids, "logits": logits, "biases": biases, "rank_biases": rank_biases,
-                    "loads": loads.loads}, out / f"{name}_{family}.pt")
+        torch.save(
+            {
+                "losses": recorder.losses,
+                "ids": ids,
+                "logits": logits,
+                "biases": biases,
+                "rank_biases": rank_biases,
+                "loads": loads.loads,
+            },
+            out / f"{name}_{family}.pt",
+        )
     del module, trainer
     gc.collect()
 

@@ -60,13 +60,27 @@ def train_one(family: str, layout: dict, out: Path, save_hf: bool) -> None:
     L.seed_everything(0)
     config = dict(TINY_CONFIGS[family], max_position_embeddings=SEQ)
     module = HFMoEModule({"model_type": family, **config}, learning_rate=3e-3, warmup_steps=2, max_steps=STEPS)
-    data = ByteTextDataModule(seq_len=SEQ, global_batch_size=4, micro_batch_size=1, max_corpus_bytes=100_000, val_fraction=0.0,
-                              cache_dir=out / "cache")
+    data = ByteTextDataModule(
+        seq_len=SEQ,
+        global_batch_size=4,
+        micro_batch_size=1,
+        max_corpus_bytes=100_000,
+        val_fraction=0.0,
+        cache_dir=out / "cache",
+    )
     recorder = LossRecorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=MoE5DStrategy(**layout), max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, callbacks=[recorder], gradient_clip_val=0.05,
+        accelerator="cpu",
+        devices=world,
+        strategy=MoE5DStrategy(**layout),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[recorder],
+        gradient_clip_val=0.05,
     )
     trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
@@ -80,8 +94,10 @@ def train_one(family: str, layout: dict, out: Path, save_hf: bool) -> None:
         with torch.no_grad():
             logits = module(ids)
         if trainer.is_global_zero:
-            torch.save({"ids": ids, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits},
-                       out / f"{family}_logits.pt")
+            torch.save(
+                {"ids": ids, "logits": logits.full_tensor() if hasattr(logits, "full_tensor") else logits},
+                out / f"{family}_logits.pt",
+            )
 
 
 if __name__ == "__main__":

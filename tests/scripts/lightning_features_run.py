@@ -59,6 +59,7 @@ class FeatureLM(UserMoELM):
             os.kill(os.getpid(), signal.SIGKILL)
         loss = super().training_step(batch, batch_idx)
         if self._failing_now() and self.fail == "backward":
+
             def fail_in_backward(grad: torch.Tensor) -> torch.Tensor:
                 raise RuntimeError("injected failure in backward")
 
@@ -126,8 +127,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--activation-checkpointing", default="none")
     parser.add_argument("--compile", action="store_true", help="MoE5DStrategy(compile=True)")
     parser.add_argument("--deterministic", action="store_true", help="MoE5DStrategy(deterministic=True)")
-    parser.add_argument("--callbacks", action="store_true",
-                        help="validate every step; ModelCheckpoint top-2, EarlyStopping, LearningRateMonitor, CSV logs")
+    parser.add_argument(
+        "--callbacks",
+        action="store_true",
+        help="validate every step; ModelCheckpoint top-2, EarlyStopping, LearningRateMonitor, CSV logs",
+    )
     return parser.parse_args(argv)
 
 
@@ -141,11 +145,21 @@ def main(argv: list[str] | None = None) -> None:
 
     L.seed_everything(0)
     extra = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
-    strategy = MoE5DStrategy(tp=args.tp, cp=args.cp, ep=args.ep, pp=args.pp, dp=args.dp,
-                             activation_checkpointing=args.activation_checkpointing, compile=args.compile,
-                             deterministic=args.deterministic, **extra)
+    strategy = MoE5DStrategy(
+        tp=args.tp,
+        cp=args.cp,
+        ep=args.ep,
+        pp=args.pp,
+        dp=args.dp,
+        activation_checkpointing=args.activation_checkpointing,
+        compile=args.compile,
+        deterministic=args.deterministic,
+        **extra,
+    )
     devices = devices_of(args)
-    data = ByteTextDataModule(seq_len=SEQ, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, max_corpus_bytes=200_000)
+    data = ByteTextDataModule(
+        seq_len=SEQ, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, max_corpus_bytes=200_000
+    )
     callbacks: list[L.Callback] = [CommAccountingCallback(), SummaryCallback()]
     validation: dict = dict(val_check_interval=10**6)
     logger: object = False
@@ -153,8 +167,14 @@ def main(argv: list[str] | None = None) -> None:
         # Validation losses fall step by step: EarlyStopping in "max" mode with patience 2 stops at
         # the third validation; ModelCheckpoint keeps the two lowest of the three by then.
         callbacks += [
-            ModelCheckpoint(dirpath=args.out_dir / "checkpoints", filename="step{step}", monitor="val/loss",
-                            mode="min", save_top_k=2, auto_insert_metric_name=False),
+            ModelCheckpoint(
+                dirpath=args.out_dir / "checkpoints",
+                filename="step{step}",
+                monitor="val/loss",
+                mode="min",
+                save_top_k=2,
+                auto_insert_metric_name=False,
+            ),
             EarlyStopping(monitor="val/loss", mode="max", patience=2),
             LearningRateMonitor(logging_interval="step"),
             StopRecorder(args.out_dir),
@@ -164,11 +184,22 @@ def main(argv: list[str] | None = None) -> None:
         validation = dict(val_check_interval=batches_per_step, limit_val_batches=2)
         logger = CSVLogger(args.out_dir, name="csv", version=0)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=args.steps, logger=logger,
-        precision=args.precision, enable_checkpointing=args.callbacks, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-        check_val_every_n_epoch=None, log_every_n_steps=1, default_root_dir=str(args.out_dir),
-        callbacks=callbacks, **validation,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=logger,
+        precision=args.precision,
+        enable_checkpointing=args.callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=None,
+        log_every_n_steps=1,
+        default_root_dir=str(args.out_dir),
+        callbacks=callbacks,
+        **validation,
     )
     model = FeatureLM(args.fail, args.fail_rank, args.out_dir)
     trainer.fit(model, datamodule=data)
@@ -178,14 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     val = trainer.validate(model, dataloaders=loader, verbose=False)
     test = trainer.test(model, dataloaders=loader, verbose=False)
     predictions = trainer.predict(model, dataloaders=loader)
-    by_index = {
-        int(i): row.tolist()
-        for out in predictions
-        for i, row in zip(out["index"], out["logits"].float())
-    }
+    by_index = {int(i): row.tolist() for out in predictions for i, row in zip(out["index"], out["logits"].float())}
     result = {
         "dp_ep_rank": trainer.strategy.distributed_sampler_kwargs["rank"],
-        "validate": val, "test": test, "predictions": by_index,
+        "validate": val,
+        "test": test,
+        "predictions": by_index,
     }
     (args.out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 

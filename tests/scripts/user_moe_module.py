@@ -61,7 +61,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq = x.shape[0], x.shape[1]
         # -1 heads: under tensor parallelism each rank holds num_heads / tp of them.
-        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for proj in (self.q_proj, self.k_proj, self.v_proj)
+        )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -73,8 +76,14 @@ class Block(nn.Module):
         self.attn = SelfAttention(HIDDEN, HEADS)
         self.ln2 = nn.LayerNorm(HIDDEN)
         self.moe = MoELayer(
-            HIDDEN, 48, num_experts=4, top_k=2, score_func="sigmoid", expert_bias=True,
-            bias_update_rate=BIAS_UPDATE_RATE, shared_expert_hidden_size=32,
+            HIDDEN,
+            48,
+            num_experts=4,
+            top_k=2,
+            score_func="sigmoid",
+            expert_bias=True,
+            bias_update_rate=BIAS_UPDATE_RATE,
+            shared_expert_hidden_size=32,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +132,9 @@ class UserMoELM(L.LightningModule):
 
     def tensor_parallel_plan(self) -> dict[str, ParallelStyle]:
         """Heads split over tp; everything else (norms, embeddings, head, MoE tokens) replicated."""
-        plan: dict[str, ParallelStyle] = {f"blocks.*.attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")}
+        plan: dict[str, ParallelStyle] = {
+            f"blocks.*.attn.{name}": ColwiseParallel() for name in ("q_proj", "k_proj", "v_proj")
+        }
         plan["blocks.*.attn.out_proj"] = RowwiseParallel()
         return plan
 
@@ -135,10 +146,14 @@ class UserMoELMWithSP(UserMoELM):
         if not sequence_parallel:
             return super().tensor_parallel_plan()
         plan: dict[str, ParallelStyle] = {
-            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False),
+            "blocks.0": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=False
+            ),
             "blocks.*.ln1": SequenceParallel(use_local_output=False),
             "blocks.*.ln2": SequenceParallel(use_local_output=False),  # the MoE layer receives sequence shards
-            "blocks.*.attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False),
+            "blocks.*.attn": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
+            ),
             "blocks.*.attn.out_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "ln_f": SequenceParallel(use_local_output=False),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
@@ -160,8 +175,15 @@ class ExpertBiasRecorder(L.Callback):
 
 
 def train(
-    out_dir: str | Path, steps: int = 6, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, etp: int | None = None,
-    sequence_parallel: bool = True, sp_plan: bool = False,
+    out_dir: str | Path,
+    steps: int = 6,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    etp: int | None = None,
+    sequence_parallel: bool = True,
+    sp_plan: bool = False,
 ) -> None:
     """Train the user module on ``tp*cp*ep*pp`` CPU processes (Lightning launches the missing ones,
     or finds them started: ``LOCAL_RANK`` set and the process group initialised)."""
@@ -173,9 +195,18 @@ def train(
     # 8 samples per step in micro-batches of 2: gradient accumulation on every layout.
     data = ByteTextDataModule(seq_len=SEQ, global_batch_size=8, micro_batch_size=2, max_corpus_bytes=200_000)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-        gradient_clip_val=0.5, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, limit_val_batches=0, default_root_dir=str(out_dir),
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        gradient_clip_val=0.5,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+        default_root_dir=str(out_dir),
         callbacks=[SummaryCallback(), ExpertBiasRecorder(out_dir)],
     )
     model = UserMoELMWithSP() if sp_plan else UserMoELM()
@@ -204,8 +235,17 @@ def parse_args(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sp-plan", action="store_true", help="UserMoELMWithSP instead of UserMoELM")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args(argv)
-    return {"out_dir": str(args.out_dir), "steps": args.steps, "tp": args.tp, "cp": args.cp, "ep": args.ep, "pp": args.pp,
-            "etp": args.etp, "sequence_parallel": not args.no_sp, "sp_plan": args.sp_plan}
+    return {
+        "out_dir": str(args.out_dir),
+        "steps": args.steps,
+        "tp": args.tp,
+        "cp": args.cp,
+        "ep": args.ep,
+        "pp": args.pp,
+        "etp": args.etp,
+        "sequence_parallel": not args.no_sp,
+        "sp_plan": args.sp_plan,
+    }
 
 
 def main() -> None:

@@ -61,9 +61,16 @@ def main(cp: int, out: str) -> None:
     loader = torch.utils.data.DataLoader(samples, batch_size=4)
     recorder = LossRecorder()
     trainer = L.Trainer(
-        accelerator="cpu", devices=cp, strategy=MoE5DStrategy(cp=cp), max_steps=6, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=[recorder],
+        accelerator="cpu",
+        devices=cp,
+        strategy=MoE5DStrategy(cp=cp),
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[recorder],
     )
     trainer.fit(TinyAttentionLM(), loader)
     if trainer.is_global_zero:

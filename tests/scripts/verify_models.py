@@ -45,7 +45,9 @@ class LayoutBatchDataModule(ByteTextDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.requested_micro_batch_size is None:
             strategy = self.trainer.strategy
-            replicas = int((getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1})["num_replicas"])
+            replicas = int(
+                (getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1})["num_replicas"]
+            )
             per_step = int(getattr(strategy, "microbatches_per_step", 1))
             self.requested_micro_batch_size = self.global_batch_size // (replicas * per_step)
         super().setup(stage)
@@ -55,9 +57,25 @@ class UnsizedLayoutBatchDataModule(LayoutBatchDataModule):
     """The same without a ``micro_batch_size`` argument: verification cannot give the one-process
     reference the layout's micro-batches."""
 
-    def __init__(self, path: str | None = None, seq_len: int = 128, global_batch_size: int = 16,
-                 max_corpus_bytes: int = 4_000_000, val_fraction: float = 0.05, cache_dir: str | None = None,
-                 seed: int = 1234, num_workers: int = 0) -> None:
-        super().__init__(path=path, seq_len=seq_len, global_batch_size=global_batch_size, micro_batch_size=None,
-                         max_corpus_bytes=max_corpus_bytes, val_fraction=val_fraction, cache_dir=cache_dir, seed=seed,
-                         num_workers=num_workers)
+    def __init__(
+        self,
+        path: str | None = None,
+        seq_len: int = 128,
+        global_batch_size: int = 16,
+        max_corpus_bytes: int = 4_000_000,
+        val_fraction: float = 0.05,
+        cache_dir: str | None = None,
+        seed: int = 1234,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(
+            path=path,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            micro_batch_size=None,
+            max_corpus_bytes=max_corpus_bytes,
+            val_fraction=val_fraction,
+            cache_dir=cache_dir,
+            seed=seed,
+            num_workers=num_workers,
+        )

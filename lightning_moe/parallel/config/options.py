@@ -105,8 +105,16 @@ class ParallelConfig:
     def parallel_dims(self) -> ParallelDims:
         """A new :class:`~lightning_moe.ParallelDims` of these sizes (``dp="auto"``: -1, inferred at
         launch); ``ValueError`` naming the fix for sizes that fit no world size."""
-        return ParallelDims(tp=self.tp, cp=self.cp, ep=self.ep, dp=-1 if self.dp == "auto" else self.dp, pp=self.pp,
-                            etp=self.etp, ranks_per_node=self.ranks_per_node, fold_ep=self.fold_ep)
+        return ParallelDims(
+            tp=self.tp,
+            cp=self.cp,
+            ep=self.ep,
+            dp=-1 if self.dp == "auto" else self.dp,
+            pp=self.pp,
+            etp=self.etp,
+            ranks_per_node=self.ranks_per_node,
+            fold_ep=self.fold_ep,
+        )
 
     @property
     def microbatches(self) -> int:
@@ -116,7 +124,9 @@ class ParallelConfig:
     def _check_arguments(self) -> None:
         """The checks of single options and of options across the layout (the sizes: ``ParallelDims``)."""
         if self.layout not in ("manual", "auto"):
-            raise MisconfigurationException(f"layout={self.layout!r} must be 'manual' (the sizes given) or 'auto' (the planner's)")
+            raise MisconfigurationException(
+                f"layout={self.layout!r} must be 'manual' (the sizes given) or 'auto' (the planner's)"
+            )
         data_parallel = self.data_parallel
         if data_parallel not in DATA_PARALLEL_KINDS:
             raise MisconfigurationException(f"data_parallel={data_parallel!r} must be one of {DATA_PARALLEL_KINDS}")
@@ -172,7 +182,9 @@ class ParallelConfig:
         if not overlap:
             return
         if self.ep == 1 and self.layout != "auto":
-            raise MisconfigurationException("overlap_ep_comm=True hides expert-parallel all-to-alls, but ep=1 has none: set ep > 1")
+            raise MisconfigurationException(
+                "overlap_ep_comm=True hides expert-parallel all-to-alls, but ep=1 has none: set ep > 1"
+            )
         if pp > 1 and self.pp_schedule != "DualPipeV":
             raise MisconfigurationException(
                 f"overlap_ep_comm=True with pp={pp} needs pp_schedule='DualPipeV' (its paired forward and backward of two"
@@ -192,7 +204,11 @@ class ParallelConfig:
             )
         # Under DualPipeV the paired forward and backward run on the rank's two stages, never on one FSDP unit.
         if pp == 1 and data_parallel in ("fsdp", "hsdp") and not self.gather_once_per_step:
-            fix = "gather_once_per_step=True" if data_parallel == "fsdp" else "data_parallel='fsdp' and gather_once_per_step=True"
+            fix = (
+                "gather_once_per_step=True"
+                if data_parallel == "fsdp"
+                else "data_parallel='fsdp' and gather_once_per_step=True"
+            )
             raise MisconfigurationException(
                 f"overlap_ep_comm=True with data_parallel={data_parallel!r} needs {fix}: FSDP2 would reshard a block"
                 " after the next micro-batch's forward while the previous one's backward still needs it"

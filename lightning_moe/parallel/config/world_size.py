@@ -38,4 +38,3 @@ def check_unreduced_replicas(dims: ParallelDims, data_parallel: str) -> None:
             " use data_parallel='fsdp' or 'ddp', or reduce gradients yourself with lightning_moe.parallelize in"
             " configure_model"
         )
-

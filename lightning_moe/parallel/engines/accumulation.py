@@ -54,8 +54,15 @@ class AccumulationEngine(StepEngine):
         if self.gather_once_per_step:
             self.gather_once = GatherOncePerStep(model)
 
-    def training_step(self, step: Callable[[], Any], batch: Any, trainer: Any, optimizers: list[torch.optim.Optimizer],
-                      module: Any, step_context: Callable[[], contextlib.AbstractContextManager]) -> Any:
+    def training_step(
+        self,
+        step: Callable[[], Any],
+        batch: Any,
+        trainer: Any,
+        optimizers: list[torch.optim.Optimizer],
+        module: Any,
+        step_context: Callable[[], contextlib.AbstractContextManager],
+    ) -> Any:
         # Lightning divides the task loss by the accumulation count; the MoE aux losses follow. Each
         # cp rank holds a partial aux loss (the cp ranks' parts sum to the micro-batch's) while
         # gradients are averaged over cp, hence the factor cp.
@@ -73,8 +80,9 @@ class AccumulationEngine(StepEngine):
             self.gather_once.begin_micro_batch(steps_optimizer)
         return step()
 
-    def backward(self, backward: Callable[[], Any], closure_loss: torch.Tensor, trainer: Any, precision_plugin: Any,
-                 module: Any) -> torch.Tensor:
+    def backward(
+        self, backward: Callable[[], Any], closure_loss: torch.Tensor, trainer: Any, precision_plugin: Any, module: Any
+    ) -> torch.Tensor:
         self._backward(self._with_gather_once(backward), optimizer_steps_after_this_batch(trainer))
         return closure_loss
 

@@ -142,8 +142,15 @@ class PipelineEngine(StepEngine):
         return GroupedBatchLoader(dataloader, self.microbatches)
 
     # -- steps -------------------------------------------------------------------------------------
-    def training_step(self, step: Callable[[], Any], batch: Any, trainer: Any, optimizers: list[torch.optim.Optimizer],
-                      module: Any, step_context: Callable[[], contextlib.AbstractContextManager]) -> Any:
+    def training_step(
+        self,
+        step: Callable[[], Any],
+        batch: Any,
+        trainer: Any,
+        optimizers: list[torch.optim.Optimizer],
+        module: Any,
+        step_context: Callable[[], contextlib.AbstractContextManager],
+    ) -> Any:
         """Forward and backward of every micro-batch of ``batch`` by the schedule (the module's own
         ``step`` does not run): the mean loss on every rank, logged as ``train/loss`` (with several
         loss terms, ``loss_term_names``, each term ``train/<name>``, and the objective returned).
@@ -156,7 +163,9 @@ class PipelineEngine(StepEngine):
         terms = {"loss": loss}
         if self._term_names != ("loss",):
             runner = self._built()
-            means = runner.broadcast_mean(self._step_terms if runner.holds_last_stage else None, (len(self._term_names),))
+            means = runner.broadcast_mean(
+                self._step_terms if runner.holds_last_stage else None, (len(self._term_names),)
+            )
             terms = dict(zip(self._term_names, means.unbind()))
         for name, value in terms.items():
             module.log(f"train/{name}", value, prog_bar=name == "loss", on_step=True, on_epoch=False, batch_size=size)
@@ -190,8 +199,9 @@ class PipelineEngine(StepEngine):
             param.grad = grad
         return loss, inputs[0].shape[0]
 
-    def backward(self, backward: Callable[[], Any], closure_loss: torch.Tensor, trainer: Any, precision_plugin: Any,
-                 module: Any) -> torch.Tensor:
+    def backward(
+        self, backward: Callable[[], Any], closure_loss: torch.Tensor, trainer: Any, precision_plugin: Any, module: Any
+    ) -> torch.Tensor:
         """The schedule already ran backward inside ``training_step``: only the precision hooks run, and
         the stashed gradients go back in place."""
         closure_loss = precision_plugin.pre_backward(closure_loss, module)

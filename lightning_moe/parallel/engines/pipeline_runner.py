@@ -247,8 +247,9 @@ class PipelineRunner:
             ]
             for stage in stages:
                 stage.reduce_after_step = self.v_shape
-            kwargs = dict(n_microbatches=self.microbatches, loss_fn=None if kind == "forward" else self._loss,
-                          scale_grads=False)
+            kwargs = dict(
+                n_microbatches=self.microbatches, loss_fn=None if kind == "forward" else self._loss, scale_grads=False
+            )
             if self.v_shape and kind == "train":
                 v_schedule = ScheduleDualPipeV if self.schedule_name == "DualPipeV" else ScheduleZBVZeroBubble
                 schedule = v_schedule(stages, **kwargs)
@@ -383,9 +384,11 @@ def broadcast_from_last_stage(output: Any, runner: PipelineRunner) -> Any:
     if runner.holds_last_stage:
         holder[0] = _structure(output)
     dist.broadcast_object_list(holder, group=runner.group, group_src=src)
-    tensors = _leaves(output) if runner.holds_last_stage else [
-        torch.empty(shape, dtype=dtype, device=runner.device) for shape, dtype in _leaf_meta(holder[0])
-    ]
+    tensors = (
+        _leaves(output)
+        if runner.holds_last_stage
+        else [torch.empty(shape, dtype=dtype, device=runner.device) for shape, dtype in _leaf_meta(holder[0])]
+    )
     for tensor in tensors:
         dist.broadcast(tensor, group=runner.group, group_src=src)
     return _rebuild(holder[0], iter(tensors))

@@ -62,7 +62,9 @@ class StepEngine:
         micro-batches of one optimizer step (:func:`~lightning_moe.layout.resolve_batch_layout`);
         ``trainer`` (None: none attached) then accumulates that many. A ``Trainer(accumulate_grad_batches=...)``
         that disagrees is refused, naming the fix."""
-        micro, accumulation = resolve_batch_layout(global_batch_size, micro_batch_size, num_replicas, self.loader_batches_per_step)
+        micro, accumulation = resolve_batch_layout(
+            global_batch_size, micro_batch_size, num_replicas, self.loader_batches_per_step
+        )
         if trainer is not None:
             requested = self._user_value(trainer)
             if requested not in (1, accumulation):
@@ -105,13 +107,21 @@ class StepEngine:
         """The training loader as Lightning iterates it: one Lightning batch per training step."""
         return dataloader
 
-    def training_step(self, step: Callable[[], Any], batch: Any, trainer: Any, optimizers: list[torch.optim.Optimizer],
-                      module: Any, step_context: Callable[[], contextlib.AbstractContextManager]) -> Any:
+    def training_step(
+        self,
+        step: Callable[[], Any],
+        batch: Any,
+        trainer: Any,
+        optimizers: list[torch.optim.Optimizer],
+        module: Any,
+        step_context: Callable[[], contextlib.AbstractContextManager],
+    ) -> Any:
         """One Lightning batch's training step: ``step()`` is the module's own (inside ``step_context()``)."""
         raise NotImplementedError
 
-    def backward(self, backward: Callable[[], Any], closure_loss: torch.Tensor, trainer: Any, precision_plugin: Any,
-                 module: Any) -> torch.Tensor:
+    def backward(
+        self, backward: Callable[[], Any], closure_loss: torch.Tensor, trainer: Any, precision_plugin: Any, module: Any
+    ) -> torch.Tensor:
         """Lightning's backward of the step's loss: ``backward()`` is the strategy's own."""
         raise NotImplementedError
 

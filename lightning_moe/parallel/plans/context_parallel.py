@@ -16,7 +16,14 @@ from lightning_moe.parallel.dims import ParallelDims
 # whole rows by the module's `before_sequence_sharding` (lightning_moe.models.mtp) so that shifted
 # tokens cross shard borders.
 SEQUENCE_KEYS: tuple[str, ...] = (
-    "input_ids", "labels", "loss_mask", "position_ids", "document_ids", "mtp_input_ids", "mtp_labels", "mtp_loss_mask"
+    "input_ids",
+    "labels",
+    "loss_mask",
+    "position_ids",
+    "document_ids",
+    "mtp_input_ids",
+    "mtp_labels",
+    "mtp_loss_mask",
 )
 LOSS_TOKEN_COUNT_KEY = "loss_token_count"
 MTP_LOSS_TOKEN_COUNT_KEY = "mtp_loss_token_count"
@@ -49,13 +56,17 @@ def shard_batch_for_context_parallel(batch: Any, dims: ParallelDims, extra_keys:
         value = batch.get(key)
         if isinstance(value, torch.Tensor):
             if value.dim() < 2 or value.shape[1] != seq_len:
-                raise ValueError(f"batch[{key!r}] of shape {tuple(value.shape)} is not [batch, {seq_len}, ...]: cannot shard it for cp")
+                raise ValueError(
+                    f"batch[{key!r}] of shape {tuple(value.shape)} is not [batch, {seq_len}, ...]: cannot shard it for cp"
+                )
             batch[key] = zigzag_shard(value, cp_rank, dims.cp, dim=1)
     batch[LOSS_TOKEN_COUNT_KEY] = count / dims.cp
     return batch
 
 
-def check_context_parallel_support(module: torch.nn.Module, dims: ParallelDims, cp_comm: str = CpComm.RING.value) -> None:
+def check_context_parallel_support(
+    module: torch.nn.Module, dims: ParallelDims, cp_comm: str = CpComm.RING.value
+) -> None:
     """Reject what context parallelism cannot reproduce exactly (before any work starts): token dropping
     decided per shard, and under ``cp_comm="a2a"`` query heads per tp rank that do not split over cp
     (modules exposing ``num_heads``)."""

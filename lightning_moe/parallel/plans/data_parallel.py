@@ -120,7 +120,11 @@ def _expert_placement(group_size: int) -> Callable[[nn.Parameter], Shard]:
 
 
 def wrap_averaged(
-    wrap: Callable[..., Any], modules: nn.Module | list[nn.Module], mesh: DeviceMesh, divisor: float, kind: str,
+    wrap: Callable[..., Any],
+    modules: nn.Module | list[nn.Module],
+    mesh: DeviceMesh,
+    divisor: float,
+    kind: str,
     **options: Any,
 ) -> None:
     """``wrap(modules, mesh=mesh, **options)`` (``fully_shard`` or ``replicate``) with the reduced gradient

@@ -70,9 +70,7 @@ def check_expert_layout(module: nn.Module, dims: ParallelDims) -> None:
     topology options fit the nodes (``ValueError`` naming the fix, before any work)."""
     for layer in (m for m in module.modules() if isinstance(m, MoELayer)):
         node_stages = layer.dispatcher_kind.capabilities.node_stages
-        needs_nodes = node_stages or (
-            layer.num_nodes is None and layer.max_nodes_per_token is not None
-        )
+        needs_nodes = node_stages or (layer.num_nodes is None and layer.max_nodes_per_token is not None)
         if dims.ep > 1 and dims.dp != -1 and needs_nodes:  # the node layout needs the world size
             nodes = dims.ep_num_nodes  # ValueError for an uneven split over nodes
             if node_stages and nodes < 2:

@@ -425,5 +425,6 @@ def unpack_target_loss(
     if target.dtype != torch.float64:  # plain labels
         return loss_from_logits(output, target)
     entries = unpack_target(target, cp)
-    return loss_from_logits(output, entries["labels"], loss_mask=entries.get("loss_mask"),
-                            loss_token_count=entries["loss_token_count"])
+    return loss_from_logits(
+        output, entries["labels"], loss_mask=entries.get("loss_mask"), loss_token_count=entries["loss_token_count"]
+    )

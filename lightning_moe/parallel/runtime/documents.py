@@ -44,8 +44,9 @@ def _tokens_routed_here(document_ids: torch.Tensor, tp_rank: int, tp: int) -> to
 
 
 @contextlib.contextmanager
-def packed_documents(attention_mode: contextlib.AbstractContextManager, document_ids: torch.Tensor | None,
-                     tp_rank: int = 0, tp: int = 1) -> Iterator[None]:
+def packed_documents(
+    attention_mode: contextlib.AbstractContextManager, document_ids: torch.Tensor | None, tp_rank: int = 0, tp: int = 1
+) -> Iterator[None]:
     """``attention_mode`` (which already holds ``document_ids``) and, while it is active, the MoE layers'
     view of the same documents."""
     routed = None if document_ids is None else _tokens_routed_here(document_ids, tp_rank, tp)
@@ -65,6 +66,8 @@ def take_document_ids(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     kwargs = dict(kwargs)
     documents = kwargs.pop("document_ids")
     if not _TP_SLICES or not set_document_ids(documents):
-        raise RuntimeError("document_ids reached a pipeline stage outside the strategy's step (no attention mode active)")
+        raise RuntimeError(
+            "document_ids reached a pipeline stage outside the strategy's step (no attention mode active)"
+        )
     set_routing_documents(_tokens_routed_here(documents, *_TP_SLICES[-1]))
     return args, kwargs

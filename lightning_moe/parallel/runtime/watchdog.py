@@ -160,9 +160,14 @@ class HangWatchdog:
             if remaining > 0:
                 self._stopped.wait(remaining)
                 continue
-            print(self.report(f"no collective issued for {time.time() - progress:.1f} s "
-                              f"({FIRES_AT:.0%} of the process-group timeout, {self.timeout:g} s)"),
-                  file=sys.stderr, flush=True)
+            print(
+                self.report(
+                    f"no collective issued for {time.time() - progress:.1f} s "
+                    f"({FIRES_AT:.0%} of the process-group timeout, {self.timeout:g} s)"
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)  # the main thread may be blocked in C++ (a collective) and never see an exception
 
 

@@ -16,7 +16,14 @@ _RING, _A2A = CpComm.RING.value, CpComm.A2A.value
 
 
 def ulysses_attention_bytes(
-    batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int, cp: int, dtype_bytes: int, *,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_len: int,
+    head_dim: int,
+    cp: int,
+    dtype_bytes: int,
+    *,
     backward: bool = True,
 ) -> int:
     """Bytes one rank sends to its cp peers in the all-to-alls of one attention call under

@@ -39,7 +39,13 @@ class StepCounts:
 
     @classmethod
     def of(
-        cls, model: ModelShape, layout: Layout, seq_len: int, precision: str, *, gpus_per_node: int | None = None,
+        cls,
+        model: ModelShape,
+        layout: Layout,
+        seq_len: int,
+        precision: str,
+        *,
+        gpus_per_node: int | None = None,
         ep_ranks_per_token: float | None = None,
     ) -> StepCounts:
         """The counts of ``model`` under ``layout``, the blocks averaged over the pipeline ranks."""
