@@ -3,7 +3,7 @@
 ``import lightning_moe`` registers the ``"moe5d"`` strategy, so ``Trainer(strategy="moe5d")`` works.
 """
 
-from lightning_moe import optim  # lightning_moe.optim.Muon without an import of its own
+from lightning_moe import optim  # noqa: F401 - lightning_moe.optim.Muon without an import of its own
 from lightning_moe.parallel.config import ParallelConfig, ParallelHooks
 from lightning_moe.parallel.dims import ParallelDims, parallel_dims_of
 from lightning_moe.parallel.plans.parallelize import parallelize

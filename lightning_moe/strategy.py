@@ -6,8 +6,8 @@ import os
 import sys
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from functools import partial
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 

@@ -8,12 +8,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl

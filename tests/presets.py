@@ -15,8 +15,8 @@ NEEDS_V_SCHEDULE_TORCH = pytest.mark.skipif(TORCH_RELEASE < (2, 13), reason="the
 def presets_this_torch_builds(options: list[str]) -> list:
     """Config options (``name`` or ``group=name``) as pytest params, a parallel preset that runs a V
     schedule marked to skip where this torch refuses it."""
-    from lightning_moe.layout import V_SCHEDULES
     from lightning_moe.conf import CONF_DIR
+    from lightning_moe.layout import V_SCHEDULES
 
     def runs_v_schedule(option: str) -> bool:
         path = CONF_DIR / "parallel" / f"{option.split('=')[-1]}.yaml"

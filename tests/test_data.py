@@ -16,9 +16,9 @@ from lightning_moe.data import (
     ByteWindowDataset,
     LayoutInvariantSampler,
     build_corpus,
+    byte_text,
     stdlib_source_files,
 )
-from lightning_moe.data import byte_text
 
 
 def _fake_trainer(num_replicas: int, rank: int, accumulate: int = 1) -> SimpleNamespace:

@@ -11,10 +11,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.dist_pool import get_pool
-from tests.dist_pool import layout
+from tests.dist_pool import get_pool, layout
 
 ATOL = 2e-6
 

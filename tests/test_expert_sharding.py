@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_pool import get_pool
-from tests.dist_pool import layout
+from tests.dist_pool import get_pool, layout
 
 REL = 1e-5
 CLIP = 0.05

@@ -12,10 +12,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.conf import CONF_DIR
-from lightning_moe.planner.presets import layout_from_parallel
+from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner import ModelShape, accounted_comm_bytes, comm_records
+from lightning_moe.planner.presets import layout_from_parallel
 from tests.cli import TINY_RUN, train_in_pool
 
 # The model of TINY_RUN (as tests/test_planner.py spells it for the planner).

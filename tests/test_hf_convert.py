@@ -8,7 +8,6 @@ transformers layout).
 from __future__ import annotations
 
 import copy
-import json
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ from lightning_moe.hf import (  # noqa: E402
     build_config,
     convert_moe_blocks,
     hf_state_dict,
-    save_hf,
 )
 from lightning_moe.moe import MoELayer  # noqa: E402
 

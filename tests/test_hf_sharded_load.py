@@ -9,8 +9,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from tests.dist_pool import get_pool  # noqa: E402
-from tests.dist_pool import layout  # noqa: E402
+from tests.dist_pool import (
+    get_pool,  # noqa: E402
+    layout,  # noqa: E402
+)
 
 QWEN3 = {
     "model_type": "qwen3_moe",

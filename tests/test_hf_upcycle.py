@@ -13,8 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.dist_pool import get_pool  # noqa: E402
-from tests.dist_pool import layout  # noqa: E402
+from tests.dist_pool import get_pool, layout  # noqa: E402
 
 REL = 1e-5
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -273,7 +272,7 @@ def test_cli_trains_an_upcycled_model(folders, tmp_path):
         "trainer.devices=1",
         base=CLI_RUN,
     )
-    assert len(summary["losses"]) == 4 and all(l == l for l in summary["losses"])
+    assert len(summary["losses"]) == 4 and all(loss == loss for loss in summary["losses"])
     assert len(summary["expert_load"]) == 2
 
 

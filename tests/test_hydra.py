@@ -23,11 +23,11 @@ from omegaconf.errors import MissingMandatoryValue
 
 from lightning_moe import MoE5DStrategy
 from lightning_moe.callbacks import MoEMetricsCallback, SummaryCallback
+from lightning_moe.conf import CONF_DIR
 from lightning_moe.data import ByteTextDataModule
 from lightning_moe.hf import HFMoEModule
 from lightning_moe.models import MoEGPT
 from lightning_moe.moe import MoELayer
-from lightning_moe.conf import CONF_DIR
 from lightning_moe.train import build
 from tests.dist_pool import close_pools
 from tests.presets import presets_this_torch_builds

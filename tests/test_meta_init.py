@@ -7,8 +7,7 @@ import itertools
 import pytest
 import torch
 
-from tests.dist_pool import get_pool
-from tests.dist_pool import layout
+from tests.dist_pool import get_pool, layout
 
 MODEL = dict(
     hidden_size=32,

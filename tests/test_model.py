@@ -18,10 +18,10 @@ from lightning_moe.models import (
     FeedForward,
     MoEGPT,
     apply_rotary,
+    causal_lm,
     rotary_cos_sin,
     warmup_cosine_factor,
 )
-from lightning_moe.models import causal_lm
 from lightning_moe.moe import MoELayer
 
 SMALL_MOE = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}

@@ -7,8 +7,7 @@ import torch
 from torch import nn
 
 from lightning_moe.moe import LocalDispatcher, MoELayer, TopKRouter, update_expert_biases
-from tests.reference_moe import ATOL, E, FFN, H, assert_layer_matches_reference, make_layer, reference_forward
-
+from tests.reference_moe import ATOL, FFN, E, H, assert_layer_matches_reference, make_layer, reference_forward
 
 ROUTING_CASES = {
     "softmax": dict(),

@@ -15,12 +15,11 @@ import torch
 import torch.distributed as dist
 
 from lightning_moe.moe import LocalDispatcher, MoELayer
-from tests.dist_pool import get_pool
-from tests.dist_pool import layout
+from tests.dist_pool import get_pool, layout
 from tests.reference_moe import (
     ATOL,
-    E,
     FFN,
+    E,
     H,
     assert_layer_matches_reference,
     expert_grad_block,

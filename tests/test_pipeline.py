@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.dist_pool import get_pool
-from tests.dist_pool import layout
+from tests.dist_pool import get_pool, layout
 
 ATOL = 2e-6
 

@@ -20,7 +20,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lightning_moe.conf import CONF_DIR
 from lightning_moe.layout import LAYOUT_KEYS, PARALLEL_DIMS, default_etp, normalize_fold_ep, size_problems, unfolded_ep
+from lightning_moe.plan import dry_run, model_shape, run_plan
 from lightning_moe.planner import (
     Cluster,
     Layout,
@@ -37,14 +39,12 @@ from lightning_moe.planner import (
     plan,
     rank_parameters,
 )
-from lightning_moe.conf import CONF_DIR
-from lightning_moe.plan import dry_run, model_shape, run_plan
 from lightning_moe.planner.presets import layout_from_parallel
 from lightning_moe.planner.report import plan_json
 from tests.cli import train_in_pool
-from tests.test_dispatch_dedup import routing_trace_by_position
 from tests.dist_pool import get_pool
 from tests.dist_pool import layout as pool_layout
+from tests.test_dispatch_dedup import routing_trace_by_position
 
 
 def compose_plan(*overrides: str):

@@ -14,6 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_moe.conf import CONF_DIR
+from lightning_moe.layout import ulysses_kv_heads
 from lightning_moe.planner import (
     Cluster,
     Layout,
@@ -27,7 +28,6 @@ from lightning_moe.planner import (
     plan,
     ulysses_attention_bytes,
 )
-from lightning_moe.layout import ulysses_kv_heads
 from lightning_moe.planner.presets import layout_from_parallel
 from lightning_moe.planner.report import format_same_sizes
 from lightning_moe.planner.step_time import record_seconds

@@ -14,8 +14,8 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from experiments.sweeps.layouts import sweep_override, valid_layouts
-from lightning_moe.report import load_jobs, main, write_report
 from lightning_moe.conf import CONF_DIR
+from lightning_moe.report import load_jobs, main, write_report
 from tests.cli import TINY_RUN
 from tests.dist_pool import close_pools
 

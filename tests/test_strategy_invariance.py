@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from omegaconf import OmegaConf
 
 from lightning_moe.conf import devices_per_node
@@ -73,8 +72,7 @@ def _preset_processes(preset: str) -> int:
     import yaml
     from omegaconf import OmegaConf
 
-    from lightning_moe.conf import CONF_DIR
-    from lightning_moe.conf import devices_per_node
+    from lightning_moe.conf import CONF_DIR, devices_per_node
 
     return devices_per_node(OmegaConf.create(yaml.safe_load((CONF_DIR / "parallel" / f"{preset}.yaml").read_text())))
 

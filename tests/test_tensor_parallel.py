@@ -13,8 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_pool import get_pool
-from tests.dist_pool import layout
+from tests.dist_pool import get_pool, layout
 from tests.reference_moe import expert_grad_block, reference_step
 
 H, F, E, K, SEQ = 16, 24, 8, 2, 8

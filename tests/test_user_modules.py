@@ -20,8 +20,8 @@ from hydra.errors import InstantiationException
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_moe import MoE5DStrategy
-from lightning_moe.parallel.plans.tensor_parallel import call_plan
 from lightning_moe.conf import CONF_DIR
+from lightning_moe.parallel.plans.tensor_parallel import call_plan
 from lightning_moe.train import check_config
 from tests.cli import TINY_RUN, compose_train_config, fit_on_this_rank
 from tests.dist_pool import sole_pool

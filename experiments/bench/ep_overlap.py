@@ -114,7 +114,10 @@ def _training_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], ov
 
     schedule = MicroBatchOverlap() if overlap else None
     for i, ids in enumerate(micro_batches):
-        step: Callable[[], torch.Tensor] = lambda ids=ids: model.loss({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+
+        def step(ids: torch.Tensor = ids) -> torch.Tensor:
+            return model.loss({"input_ids": ids[:, :-1], "labels": ids[:, 1:]})
+
         if schedule is None:
             step().backward()
         else:
@@ -283,11 +286,11 @@ def planner_hidden(moe_options: dict, num_layers: int, **layout_options: object)
 
         planner_hidden({"dispatch_chunks": 2}, 2)   # 0.5: the first dispatch and last combine stay exposed
     """
-    from lightning_moe.planner import Cluster, Layout, ModelShape, comm_records, estimate
-    from lightning_moe.planner.step_time import forward_seconds_by_kind, record_seconds
     from omegaconf import OmegaConf
 
     from experiments.bench.cli import ROOT
+    from lightning_moe.planner import Cluster, Layout, ModelShape, comm_records, estimate
+    from lightning_moe.planner.step_time import forward_seconds_by_kind, record_seconds
 
     cpu_local = Cluster.from_config(
         OmegaConf.to_container(OmegaConf.load(ROOT / "lightning_moe/conf/cluster/cpu_local.yaml"))

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import platform
 import statistics
@@ -126,44 +125,49 @@ def _torchtitan_layer(hidden: int, ffn: int, experts: int, top_k: int, device: t
 
 def bench_moe_layer(device: torch.device, shapes: tuple, warmup: int, iters: int) -> list[dict]:
     rows = []
-    for tokens, hidden, ffn, experts, top_k in shapes:
-        torch.manual_seed(0)
-        dtype = torch.bfloat16
-        layer = MoELayer(hidden, ffn, experts, top_k=top_k).to(device=device, dtype=dtype)
-        dense = [
-            (torch.randn(o, i, device=device, dtype=dtype) * 0.02).requires_grad_(True)
-            for o, i in ((top_k * ffn, hidden), (top_k * ffn, hidden), (hidden, top_k * ffn))
-        ]
-        x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
-        grad = torch.randn(tokens, hidden, device=device, dtype=dtype)
-
-        def moe_step(module: Any = layer) -> None:
-            out = module(x)
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(grad)
-
-        def dense_step() -> None:
-            h = F.silu(F.linear(x, dense[0])) * F.linear(x, dense[1])
-            F.linear(h, dense[2]).backward(grad)
-
-        fns: dict[str, Callable[[], Any]] = {"moe": moe_step, "dense": dense_step}
-        titan = _torchtitan_layer(hidden, ffn, experts, top_k, device) if device.type == "cuda" else None
-        if titan is not None:
-            fns["torchtitan"] = lambda: moe_step(titan)
-        seconds = _time(fns, device, warmup, iters)
-        flops = 18 * tokens * top_k * hidden * ffn
-        row: dict[str, Any] = dict(
-            tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, expert_gemm_flops=flops
-        )
-        for name, s in seconds.items():
-            row[f"{name}_ms"] = 1e3 * s
-            row[f"{name}_tflops"] = flops / s / 1e12
-        row["moe_over_dense"] = seconds["dense"] / seconds["moe"]
-        rows.append(row)
-        del layer, dense, x, grad, fns
-        if device.type == "cuda":
+    for shape in shapes:
+        rows.append(_bench_moe_shape(device, *shape, warmup=warmup, iters=iters))
+        if device.type == "cuda":  # the shape's tensors went with its function's frame
             torch.cuda.empty_cache()
     return rows
+
+
+def _bench_moe_shape(
+    device: torch.device, tokens: int, hidden: int, ffn: int, experts: int, top_k: int, *, warmup: int, iters: int
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    layer = MoELayer(hidden, ffn, experts, top_k=top_k).to(device=device, dtype=dtype)
+    dense = [
+        (torch.randn(o, i, device=device, dtype=dtype) * 0.02).requires_grad_(True)
+        for o, i in ((top_k * ffn, hidden), (top_k * ffn, hidden), (hidden, top_k * ffn))
+    ]
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, hidden, device=device, dtype=dtype)
+
+    def moe_step(module: Any = layer) -> None:
+        out = module(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad)
+
+    def dense_step() -> None:
+        h = F.silu(F.linear(x, dense[0])) * F.linear(x, dense[1])
+        F.linear(h, dense[2]).backward(grad)
+
+    fns: dict[str, Callable[[], Any]] = {"moe": moe_step, "dense": dense_step}
+    titan = _torchtitan_layer(hidden, ffn, experts, top_k, device) if device.type == "cuda" else None
+    if titan is not None:
+        fns["torchtitan"] = lambda: moe_step(titan)
+    seconds = _time(fns, device, warmup, iters)
+    flops = 18 * tokens * top_k * hidden * ffn
+    row: dict[str, Any] = dict(
+        tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, expert_gemm_flops=flops
+    )
+    for name, s in seconds.items():
+        row[f"{name}_ms"] = 1e3 * s
+        row[f"{name}_tflops"] = flops / s / 1e12
+    row["moe_over_dense"] = seconds["dense"] / seconds["moe"]
+    return row
 
 
 # -- 2. Ring attention (cp=1) vs SDPA -----------------------------------------------------------------

@@ -93,10 +93,10 @@ def planned_bytes(parallel: str, overrides: Sequence[str], world_size: int) -> f
     layout ``parallel=<parallel>`` trains with these overrides."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_moe.plan import model_shape
-    from lightning_moe.planner.presets import layout_from_parallel
-    from lightning_moe.planner import memory_per_rank
     from lightning_moe.conf import CONF_DIR
+    from lightning_moe.plan import model_shape
+    from lightning_moe.planner import memory_per_rank
+    from lightning_moe.planner.presets import layout_from_parallel
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"parallel={parallel}", "trainer.default_root_dir=/tmp/unused"])

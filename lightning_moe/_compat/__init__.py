@@ -30,8 +30,8 @@ package imports neither transformers nor Hydra.
 from __future__ import annotations
 
 # The modules the single-file _compat had at top level stay reachable here (``_compat.torch``, ...).
-import torch
-import torch.distributed as dist
+import torch  # noqa: F401
+import torch.distributed as dist  # noqa: F401
 from lightning.pytorch.callbacks import RichProgressBar  # noqa: F401
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy  # noqa: F401
 from torch import nn  # noqa: F401

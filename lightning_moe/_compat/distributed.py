@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_moe._compat.pipelining import pipeline_p2p_batcher
 
+# isort: split
 # Differentiable functional collectives (all_to_all_single_autograd, ...): private module, the
 # autograd-aware collectives torch's own TP/EP code uses. Present in torch 2.9-2.13, run on 2.13.
 import torch.distributed._functional_collectives as funcol  # noqa: E402  (re-exported)

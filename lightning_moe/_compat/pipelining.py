@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-
 PIPELINE_MIN_TORCH = (2, 11)
 """The oldest torch whose pipeline-stage internals :func:`pipeline_stage_class` was written against (the pipeline tests ran on 2.11 and 2.13). Checked on: torch 2.11-2.13."""
 

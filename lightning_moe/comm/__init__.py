@@ -21,6 +21,7 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
 from lightning_moe._compat import funcol
 
 COUNTERS: defaultdict[str, dict[str, int]] = defaultdict(lambda: {"bytes": 0, "calls": 0})

@@ -62,7 +62,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_moe._compat import funcol, wrap_distributed_functions
+from lightning_moe._compat import wrap_distributed_functions
 from lightning_moe.comm.traffic import (
     C10D_SENT_BYTES,
     FUNCOL_SENT_BYTES,

@@ -23,7 +23,6 @@ from lightning_moe.cp.documents import (
 )
 from lightning_moe.cp.ring_attention import AttentionTrace, BlockRecord, ring_attention, trace_ring_attention
 from lightning_moe.cp.sdpa_dispatch import RingAttentionMode, context_parallel_attention
-from lightning_moe.cp.ulysses import UlyssesAttentionMode, all_to_all_attention, ulysses_attention
 from lightning_moe.cp.sharding import (
     LAYOUTS,
     Layout,
@@ -38,6 +37,7 @@ from lightning_moe.cp.sharding import (
     zigzag_shard,
     zigzag_unshard,
 )
+from lightning_moe.cp.ulysses import UlyssesAttentionMode, all_to_all_attention, ulysses_attention
 
 __all__ = [
     "CP_COMM_KINDS",

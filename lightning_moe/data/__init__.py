@@ -1,6 +1,7 @@
 """Data: prepared token corpora (Megatron indexed, litdata) blended, a byte-level corpus, text through
 a tokenizer, and the layout-invariant sampler they share."""
 
+from lightning_moe.data.blend import blend_schedule, parse_blend
 from lightning_moe.data.byte_text import (
     ByteTextDataModule,
     ByteWindowDataset,
@@ -8,7 +9,6 @@ from lightning_moe.data.byte_text import (
     default_cache_dir,
     stdlib_source_files,
 )
-from lightning_moe.data.blend import blend_schedule, parse_blend
 from lightning_moe.data.indexed import IndexedCorpusWriter, IndexedTokens
 from lightning_moe.data.module import LayoutInvariantDataModule
 from lightning_moe.data.sampler import LayoutInvariantSampler, ResumableDataLoader, resolve_batch_layout

@@ -54,6 +54,7 @@ Example::
 
 from lightning_moe.layout import PARALLEL_DIMS
 from lightning_moe.planner.accounting import accounted_comm_bytes
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.comm import comm_records
 from lightning_moe.planner.comm.cp import ulysses_attention_bytes
@@ -61,7 +62,6 @@ from lightning_moe.planner.comm.record import CommRecord, comm_bytes_by_dim
 from lightning_moe.planner.dtypes import PRECISIONS
 from lightning_moe.planner.flops import flops_per_microbatch
 from lightning_moe.planner.groups import group_ranks, peer_split, ring_split
-from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.parameters import chunk_size, local_shape, parameter_specs

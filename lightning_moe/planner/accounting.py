@@ -4,10 +4,10 @@ bytes mapped onto the dims under which the callback counts them, for checks agai
 from __future__ import annotations
 
 from lightning_moe.layout import ACCOUNTED_GROUPS, MESH_DIMS, PARALLEL_DIMS, accounted_dim, accounted_shared_dim
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.comm import comm_records
 from lightning_moe.planner.comm.record import CommRecord
 from lightning_moe.planner.groups import group_spans
-from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.model_shape import ModelShape
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_moe.layout import experts_split_over_tp
+from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.dtypes import (
     ACTIVATION_BYTES,
     ADAM_STATE_BYTES,
@@ -35,7 +36,6 @@ from lightning_moe.planner.dtypes import (
     FSDP_GATHER_BYTES,
     FSDP_REDUCE_BYTES,
 )
-from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.model_shape import ModelShape
 from lightning_moe.planner.mtp import mtp_activation_bytes, mtp_units
 from lightning_moe.planner.parameters import kind_counts, representative_numels

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lightning_moe.planner.groups import fsdp_shard_group, group_index, group_size
 from lightning_moe.planner.candidate import Layout, holds_first_stage, holds_last_stage, rank_layers
+from lightning_moe.planner.groups import fsdp_shard_group, group_index, group_size
 from lightning_moe.planner.model_shape import ModelShape
 
 

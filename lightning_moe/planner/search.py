@@ -18,9 +18,9 @@ from lightning_moe.layout import (
     ulysses_heads_problem,
 )
 from lightning_moe.moe.dispatchers import dispatcher_kind
+from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES, PRECISIONS
-from lightning_moe.planner.candidate import Layout
 from lightning_moe.planner.groups import nodes_spanned
 from lightning_moe.planner.memory import CHECKPOINT_MODES
 from lightning_moe.planner.model_shape import ModelShape

@@ -22,17 +22,17 @@ from typing import Any
 
 from lightning_moe.cp.comm import CpComm
 from lightning_moe.moe.dispatchers import dispatcher_kind
+from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.cluster import Cluster
 from lightning_moe.planner.comm import comm_records
 from lightning_moe.planner.comm.record import CommRecord, comm_bytes_by_dim, record_split
 from lightning_moe.planner.comm.step import fsdp_reduces
-from lightning_moe.planner.muon import muon_comm_records, newton_schulz_seconds
 from lightning_moe.planner.dtypes import ADAM_STATE_BYTES, FP32_BYTES
 from lightning_moe.planner.elementwise import elementwise_bytes_per_microbatch
 from lightning_moe.planner.flops import RECOMPUTE_FORWARDS, flops_per_microbatch
-from lightning_moe.planner.candidate import Layout, edge_pp_ranks, holds_last_stage, rank_layers
 from lightning_moe.planner.memory import CHECKPOINT_MODES, Memory, memory_per_rank
 from lightning_moe.planner.model_shape import ModelShape
+from lightning_moe.planner.muon import muon_comm_records, newton_schulz_seconds
 from lightning_moe.planner.v_schedules import v_schedule_timeline
 
 _RING = CpComm.RING.value  # ring attention's CommRecord.pattern, read per record

@@ -26,14 +26,13 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from hf_train import LossRecorder  # the script's folder is on sys.path (run as a script or by torchrun)
 from torch.distributed.tensor import DTensor
 
 from lightning_moe import MoE5DStrategy
 from lightning_moe.data import ByteTextDataModule
 from lightning_moe.hf import TINY_CONFIGS, HFMoEModule
 from lightning_moe.moe import MoELayer
-
-from hf_train import LossRecorder  # the script's folder is on sys.path (run as a script or by torchrun)
 
 STEPS = 3
 

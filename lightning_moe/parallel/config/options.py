@@ -28,7 +28,6 @@ from lightning_moe.parallel.plans.activation_checkpoint import check_activation_
 from lightning_moe.parallel.plans.parallelize import DATA_PARALLEL_KINDS
 from lightning_moe.parallel.plans.pipeline import check_pipeline_config
 
-
 # The fields ``layout="auto"`` takes from the planner (:func:`lightning_moe.planner.resolve_auto_layout`):
 # those its choice names get its value, the others their default (``ParallelConfig.with_planned``).
 PLANNED_FIELDS: tuple[str, ...] = (

@@ -19,8 +19,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_moe._compat import optimizer_steps_after_this_batch
-from lightning_moe.moe import set_aux_loss_scale
 from lightning_moe.comm.interleave import run_interleaved
+from lightning_moe.moe import set_aux_loss_scale
 from lightning_moe.parallel.engines.fsdp_accumulation import GatherOncePerStep
 from lightning_moe.parallel.engines.step_engine import StepEngine
 

@@ -27,6 +27,8 @@ from torch import nn
 
 from lightning_moe.moe import set_aux_loss_scale
 from lightning_moe.parallel.dims import ParallelDims
+from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
+from lightning_moe.parallel.engines.step_engine import StepEngine
 from lightning_moe.parallel.plans.pipeline import (
     GroupedBatchLoader,
     check_pipeline_config,
@@ -35,8 +37,6 @@ from lightning_moe.parallel.plans.pipeline import (
     unpack_target,
     unpack_target_loss,
 )
-from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
-from lightning_moe.parallel.engines.step_engine import StepEngine
 
 __all__ = ["PipelineEngine", "forward_through_pipeline"]
 

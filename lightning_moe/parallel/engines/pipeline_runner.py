@@ -26,9 +26,9 @@ from lightning_moe._compat import (
     run_schedule_forward_only,
     skip_backward_actions,
 )
+from lightning_moe.comm.interleave import run_interleaved
 from lightning_moe.cp.documents import current_document_ids
 from lightning_moe.layout import V_SCHEDULES
-from lightning_moe.comm.interleave import run_interleaved
 from lightning_moe.parallel.plans.pipeline import stage_rank, tied_end_modules
 from lightning_moe.parallel.runtime.documents import take_document_ids
 from lightning_moe.parallel.runtime.grad_norm import count_norm_elsewhere

@@ -11,7 +11,6 @@ from lightning_moe.layout import expert_ffn_problem, experts_problem, experts_sp
 from lightning_moe.moe import ExpertGroups, MoELayer
 from lightning_moe.parallel.dims import ParallelDims
 
-
 # The FFN dim of each expert weight, sharded over tp under expert tensor parallelism.
 _FFN_DIM = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
 

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-
 _COUNTED_ELSEWHERE = "_lightning_moe_norm_counted_elsewhere"
 
 
