@@ -155,6 +155,8 @@ def make_train_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]
         close_pools()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env.pop("WANDB_MODE", None)  # the default must be offline
+        for name in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES"):
+            env.pop(name, None)  # under `make test` the inner make would print "Entering directory" lines
         proc = subprocess.run(
             ["make", "train", f"ARGS={' '.join(args)}"],
             cwd=ROOT,
