@@ -16,6 +16,16 @@ from tests.launched_rank import launched_rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Rendering the PNG plots at a run's end takes about a fifth of a tiny 2-rank run and changes no number:
+# the runs of train_in_pool and run_cli leave them out unless a test asks for them (plots=True).
+NO_PLOTS = "~callbacks.expert_load_plots"
+
+
+def _without_plots(overrides: Sequence[str], plots: bool) -> list[str]:
+    overrides = list(overrides)
+    return overrides if plots or NO_PLOTS in overrides else [*overrides, NO_PLOTS]
+
+
 # A tiny model on a small corpus; the data layout's micro-batch is left at its default.
 TINY_MODEL = [
     "data.seq_len=32",
@@ -47,18 +57,19 @@ def run_cli(
     timeout: int = 600,
     torchrun_procs: int | None = None,
     base: Sequence[str] = TINY_RUN,
+    plots: bool = False,
 ) -> dict:
     """Run ``python -m lightning_moe.train`` with ``base`` and ``overrides``; return its summary.json.
 
     ``torchrun_procs``: start the processes with ``torchrun --nproc_per_node`` instead of
-    Lightning's own launcher.
+    Lightning's own launcher. ``plots``: keep the expert-load plots (:data:`NO_PLOTS`).
     """
     close_pools()  # the run's processes get the cores to themselves
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
     launcher = [sys.executable, "-m"]
     if torchrun_procs is not None:
         launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun_procs}", "-m"]
-    cmd = [*launcher, "lightning_moe.train", *base, *overrides, f"hydra.run.dir={run_dir}"]
+    cmd = [*launcher, "lightning_moe.train", *_without_plots([*base, *overrides], plots), f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
@@ -77,14 +88,15 @@ def run_cli_error(run_dir: Path, *overrides: str, timeout: int = 300) -> str:
     return proc.stdout + proc.stderr
 
 
-def train_in_pool(run_dir: Path, *overrides: str, base: Sequence[str] = TINY_RUN) -> dict:
+def train_in_pool(run_dir: Path, *overrides: str, base: Sequence[str] = TINY_RUN, plots: bool = False) -> dict:
     """What :func:`run_cli` runs, on the ranks of a test pool instead of new processes; returns summary.json.
 
     The config is composed and checked and the training run exactly as the CLI does
     (:func:`lightning_moe.train.fit`); only the start-up of the processes and their imports (about
     10 s a run on 2 cores) are paid once per pool. For tests that are not about the launcher.
+    ``plots``: keep the expert-load plots (:data:`NO_PLOTS`).
     """
-    cfg = compose_train_config(run_dir, [*base, *overrides])
+    cfg = compose_train_config(run_dir, _without_plots([*base, *overrides], plots))
     # Composed once here and sent: composing again on every rank costs a Hydra defaults walk (about 0.9 s
     # a rank on 2 loaded cores) and gives the same config.
     sole_pool(cfg.trainer.devices * cfg.trainer.num_nodes).run(_fit_config_on_this_rank, cfg=cfg)

@@ -23,7 +23,7 @@ TINY = {"vocab_size": 256, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "
         "moe": {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 32}}  # fmt: skip
 SEQ, GLOBAL_BATCH, MICRO_BATCH = 32, 16, 2  # dp2: 4 micro-batches per optimizer step and rank
 RUN = [*TINY_RUN, f"data.global_batch_size={GLOBAL_BATCH}", "trainer.max_steps=3", "logger=csv",
-       "trainer.log_every_n_steps=1", "~callbacks.progress_bar", "~callbacks.expert_load_plots"]  # fmt: skip
+       "trainer.log_every_n_steps=1", "~callbacks.progress_bar"]  # fmt: skip
 
 
 def _dp2_layout(gather_once: bool, global_batch: int = GLOBAL_BATCH):

@@ -283,7 +283,7 @@ def _wandb_records(path: Path) -> list:
 @pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics_and_heatmaps(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
-    run_cli(tmp_path / "run", "logger=wandb", "trainer.max_steps=4", *OBSERVED)
+    run_cli(tmp_path / "run", "logger=wandb", "trainer.max_steps=4", *OBSERVED, plots=True)
     (run_dir,) = (tmp_path / "wandb_home" / "wandb").glob("offline-run-*")
     keys: set[str] = set()
     for record in _wandb_records(next(run_dir.glob("run-*.wandb"))):
@@ -311,7 +311,6 @@ def test_router_metrics_under_ep2_dp2_and_pp2_equal_the_single_process_ones(tmp_
         "trainer.max_steps=4",
         "trainer.log_every_n_steps=1",
         "~callbacks.progress_bar",
-        "~callbacks.expert_load_plots",
     ]
     single = train_in_pool(tmp_path / "single", *overrides)
     # pp2: each stage holds one of the two MoE layers; every rank still logs both.

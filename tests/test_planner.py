@@ -627,7 +627,6 @@ def _measured_comm(run_dir: Path, parallel: str, *extra: str) -> dict[str, float
         "logger=csv",
         "trainer.log_every_n_steps=1",
         "~callbacks.progress_bar",
-        "~callbacks.expert_load_plots",
         f"parallel={parallel}",
         *extra,
     )

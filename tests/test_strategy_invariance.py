@@ -154,7 +154,6 @@ def cp_overrides(steps: int) -> list[str]:
         "~callbacks.moe_metrics",
         "~callbacks.comm_accounting",
         "~callbacks.throughput",
-        "~callbacks.expert_load_plots",
         "~callbacks.model_summary",
     ]
 

@@ -2,10 +2,12 @@
 FAIL on deliberate bugs (injected from outside the library by tests/scripts/verify_bugs.py), clear
 errors on bad input.
 
-Every case runs real multi-process Lightning runs in subprocesses (the CLI's own work, composing and
-checking the config and launching the runs, is done in the test process but for two cases that start
-the CLI and check its exit codes); one single-process reference per
-model is shared through `verify.cache_dir`, and most cases record module outputs in the main runs
+Every case runs real multi-process Lightning runs. The verification worker (`lightning_moe.verify.worker`,
+which the runner starts as a new process through `run_worker`) runs on the ranks of the test pool instead,
+as under torchrun, so that its processes' start-up and imports are paid once per pool; the case that starts
+the CLI itself (a refusal, exit code 2) and the README's verify command (a PASS, exit code 0,
+tests/test_readme.py) start the CLI and its workers as a user's run does. The CLI's own work, composing and
+checking the config, is done in the test process; one single-process reference per model is shared through `verify.cache_dir`, and most cases record module outputs in the main runs
 (`verify.localize=always`) so that a failure needs no re-run. The data config is the default one
 (global batch 16, `micro_batch_size` unset) with shorter sequences and a smaller corpus: a correct
 module must PASS with what a user gets without setting anything.
@@ -27,7 +29,8 @@ import pytest
 import torch
 
 from tests.cli import ROOT
-from tests.dist_pool import close_pools
+from tests.dist_pool import close_pools, sole_pool
+from tests.launched_rank import launched_rank
 
 # The default data config (global_batch_size 16, micro_batch_size unset), shorter and smaller. Clipping
 # is active at this size: a mis-scaled gradient changes the steps after the first.
@@ -51,6 +54,31 @@ def cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("verify_cache")
 
 
+@pytest.fixture(autouse=True)
+def workers_in_the_pool(monkeypatch):
+    monkeypatch.setattr("lightning_moe.verify.runner.run_worker", worker_in_pool)
+
+
+def worker_in_pool(spec_path: Path, devices: int, timeout_s: float) -> int:
+    """What ``run_worker`` starts, on the ``devices`` ranks of a test pool: the same exit code (1 when a rank
+    raised) and ``log.txt`` (every rank's output, or the failed rank's traceback)."""
+    try:
+        outputs = sole_pool(devices).run(_verify_worker_on_this_rank, spec_path=str(spec_path))
+    except AssertionError as failure:  # the pool's report of a rank that raised
+        (spec_path.parent / "log.txt").write_text(str(failure))
+        return 1
+    (spec_path.parent / "log.txt").write_text("".join(outputs))
+    return 0
+
+
+def _verify_worker_on_this_rank(spec_path: str) -> str:
+    from lightning_moe.verify.worker import SPEC_ENV, main
+
+    with launched_rank(env={SPEC_ENV: "1"}, capture=True) as output:
+        main(spec_path)
+    return output.text
+
+
 def run_verify(
     run_dir: Path, cache: Path, *overrides: str, timeout: int = 600, data: list[str] = DATA, cli: bool = False
 ) -> tuple[int, str, dict | None]:
@@ -58,14 +86,14 @@ def run_verify(
     stderr, verify.json or None).
 
     By default the CLI's work runs in this process (:func:`_verify_in_process`): the config composed from
-    the same overrides, ``verify_config`` called, its exit code mapped as ``main`` maps it; the two runs it
-    launches are subprocesses either way. ``cli=True`` starts the CLI itself (its import of torch and
-    Lightning costs 5-10 s on 2 loaded cores).
+    the same overrides, ``verify_config`` called, its exit code mapped as ``main`` maps it; its runs go to the
+    test pool (:func:`worker_in_pool`). ``cli=True`` starts the CLI itself, which starts its runs' processes
+    (their imports of torch and Lightning cost 5-10 s on 2 loaded cores).
     """
-    close_pools()
     overrides = (*data, *overrides, f"verify.cache_dir={cache}")
     if not cli:
         return _verify_in_process(run_dir, overrides)
+    close_pools()  # the CLI's processes get the cores to themselves
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "lightning_moe.verify", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -217,11 +245,9 @@ def test_micro_batching_that_cannot_be_matched_explains_the_fail_and_names_the_f
 # -- FAIL, localised -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_expert_gradient_times_two_names_the_experts_and_the_ratio(tmp_path, cache):
-    # The default localisation (on_failure): step 1 is re-run with forward hooks.
-    # Through the CLI process itself: a FAIL is exit code 1 (the README's command checks that a PASS is 0).
-    code, out, report = run_verify(
-        tmp_path / "x2", cache, *MOEGPT, "parallel=ep2", BUG + "ExpertGradientTimesTwo", cli=True
-    )
+    # The default localisation (on_failure): step 1 is re-run with forward hooks. A FAIL is exit code 1 (the
+    # README's command checks through the CLI process that a PASS is 0).
+    code, out, report = run_verify(tmp_path / "x2", cache, *MOEGPT, "parallel=ep2", BUG + "ExpertGradientTimesTwo")
     assert code == 1, out[-4000:]
     assert "FAIL" in out
     loc = report["localisation"]
@@ -274,7 +300,6 @@ def test_verify_layout_api_passes_with_the_layouts_micro_batches_and_turns_dropo
     import lightning_moe
     from tests.scripts.verify_models import DropoutGPT, LayoutBatchDataModule
 
-    close_pools()
     model = partial(
         DropoutGPT,
         hidden_size=32,
@@ -320,7 +345,6 @@ def test_verify_layout_takes_every_layout_the_strategy_takes(tmp_path):
     from lightning_moe.data import ByteTextDataModule
     from lightning_moe.models import MoEGPT
 
-    close_pools()
     model = partial(
         MoEGPT,
         hidden_size=32,

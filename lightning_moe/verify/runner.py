@@ -231,23 +231,30 @@ def _launch(
     }
     spec_path = run_dir / "spec.pkl"
     dump_spec(spec_path, header, body)
+    returncode = run_worker(spec_path, devices, job.timeout_s)
+    data = RunData.load(run_dir)
+    data.returncode = returncode  # type: ignore[attr-defined]
+    return data
+
+
+def run_worker(spec_path: Path, devices: int, timeout_s: float) -> int:
+    """Start ``python -m lightning_moe.verify.worker spec_path`` (it starts the other ``devices - 1`` ranks
+    itself), its output into ``log.txt`` beside the spec; returns its exit code. Stopped after ``timeout_s``."""
+    run_dir = spec_path.parent
     cmd = [sys.executable, "-m", "lightning_moe.verify.worker", str(spec_path)]
     with open(run_dir / "log.txt", "w") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(devices), start_new_session=True
         )
         try:
-            proc.wait(timeout=job.timeout_s)
+            return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise VerifyConfigError(
-                f"the run in {run_dir} took longer than verify.timeout_s={job.timeout_s:g} s"
+                f"the run in {run_dir} took longer than verify.timeout_s={timeout_s:g} s"
                 f" (stopped); its output: {run_dir / 'log.txt'}"
             ) from None
-    data = RunData.load(run_dir)
-    data.returncode = proc.returncode  # type: ignore[attr-defined]
-    return data
 
 
 def _log_tail(run_dir: Path, chars: int = 3000) -> str:
