@@ -286,3 +286,26 @@ def test_resolve_layout_names_the_fix(world_size, requested, message):
     with pytest.raises(ValueError) as err:
         layout.resolve_layout(world_size, **requested)
     assert message in str(err.value)
+
+
+def test_a_second_build_of_a_layout_in_one_world_takes_the_same_process_groups() -> None:
+    """A later Trainer of the same layout in the same process creates no new process group (each keeps
+    gloo threads for the life of the process); another layout, or a new world, builds its own."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without a process group")
+    meshes = []
+    for rank in (0, 7):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=8)
+        try:
+            first, second = ParallelDims(tp=2, ep=2), ParallelDims(tp=2, ep=2)
+            assert first.build_mesh("cpu") is second.build_mesh("cpu")
+            assert second.edp_mesh is first.edp_mesh and second.dp_ep_mesh is first.dp_ep_mesh
+            other = ParallelDims(tp=2, ep=2, etp=1)
+            assert other.build_mesh("cpu") is not first.mesh and other.edp_mesh is not first.edp_mesh
+            meshes.append(first.mesh)
+            assert list(first.mesh.get_coordinate()) == ([0, 0, 0, 0, 0] if rank == 0 else [0, 1, 1, 0, 1])
+        finally:
+            dist.destroy_process_group()
+    assert meshes[0] is not meshes[1]

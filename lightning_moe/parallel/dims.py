@@ -37,6 +37,25 @@ if TYPE_CHECKING:
 
 MESH_DIM_NAMES: tuple[str, ...] = MESH_DIMS  # the public name (lightning_moe.parallel) of the full mesh's dims
 
+# The meshes this process built, by layout, with the default process group they were built in. A later
+# Trainer or fit of the same layout in the same process (a notebook, fit then test, a sweep's jobs in one
+# process) takes them again: every new process group keeps gloo threads for the life of the process, and a
+# layout creates about thirty.
+_BUILT_MESHES: dict[str, tuple[Any, dict[str, Any]]] = {}
+# What build_mesh leaves on a ParallelDims: the full mesh, the HSDP root, the flattened sub-meshes (cached).
+_MESH_STATE = ("_mesh", "_hsdp_root")
+_SUB_MESHES = (
+    "dp_ep_mesh",
+    "dense_grad_mesh",
+    "token_mesh",
+    "sequence_mesh",
+    "expert_root_mesh",
+    "ep_node_mesh",
+    "edp_mesh",
+    "dense_fsdp_mesh",
+    "token_fsdp_mesh",
+)
+
 
 @dataclass
 class ParallelDims:
@@ -267,6 +286,12 @@ class ParallelDims:
 
         if self.dp == -1:
             self.validate(dist.get_world_size())
+        key = repr((device_type, dist.get_world_size(), self.node_size, self.tp, self.cp, self.ep, self.dp, self.pp,
+                    self.etp, normalize_fold_ep(self.fold_ep), self.dp_replicate))  # fmt: skip
+        built = _BUILT_MESHES.get(key)
+        if built is not None and built[0] is dist.group.WORLD:
+            self.__dict__.update(built[1])
+            return self.mesh
         if self.dp_replicate > 1:
             # One root for the full mesh and the HSDP meshes: FSDP2 needs it with tensor parallelism.
             shape = tuple(self.mesh_size(d) for d in HSDP_MESH_DIMS)
@@ -285,6 +310,8 @@ class ParallelDims:
             names += ["dense_fsdp_mesh", "token_fsdp_mesh"]
         for name in names + (["ep_node_mesh"] if self.ep_num_nodes > 1 else []):
             getattr(self, name)
+        meshes = {name: value for name, value in self.__dict__.items() if name in (*_MESH_STATE, *_SUB_MESHES)}
+        _BUILT_MESHES[key] = (dist.group.WORLD, meshes)
         return mesh
 
     def attach(self, mesh: DeviceMesh) -> None:
@@ -295,17 +322,7 @@ class ParallelDims:
                 f"ParallelDims {MESH_DIM_NAMES} = {self.shape}"
             )
         self._mesh = mesh
-        for name in (
-            "dp_ep_mesh",
-            "dense_grad_mesh",
-            "token_mesh",
-            "sequence_mesh",
-            "expert_root_mesh",
-            "ep_node_mesh",
-            "edp_mesh",
-            "dense_fsdp_mesh",
-            "token_fsdp_mesh",
-        ):
+        for name in _SUB_MESHES:
             self.__dict__.pop(name, None)
         self._hsdp_root = None
 
