@@ -142,22 +142,14 @@ def sole_pool(world_size: int) -> DistributedPool:
     return get_pool(world_size)
 
 
-_LAYOUTS: dict[tuple, Any] = {}
-
-
 def layout(**sizes: int) -> Any:
-    """This worker's ``ParallelDims`` for ``sizes``, its mesh built once and reused by later tests.
-
-    Process groups are never freed: a mesh per test would pile up gloo threads in the workers.
-    """
+    """This worker's ``ParallelDims`` for ``sizes``, its mesh built (a later call for the same sizes takes the
+    same process groups: ``ParallelDims.build_mesh`` reuses them, so tests do not pile up gloo threads)."""
     import torch.distributed as dist
 
     from lightning_moe import ParallelDims
 
-    key = tuple(sorted(sizes.items()))
-    if key not in _LAYOUTS:
-        dims = ParallelDims(**sizes)
-        dims.validate(dist.get_world_size())
-        dims.build_mesh("cpu")
-        _LAYOUTS[key] = dims
-    return _LAYOUTS[key]
+    dims = ParallelDims(**sizes)
+    dims.validate(dist.get_world_size())
+    dims.build_mesh("cpu")
+    return dims

@@ -7,8 +7,9 @@ which the runner starts as a new process through `run_worker`) runs on the ranks
 as under torchrun, so that its processes' start-up and imports are paid once per pool; the case that starts
 the CLI itself (a refusal, exit code 2) and the README's verify command (a PASS, exit code 0,
 tests/test_readme.py) start the CLI and its workers as a user's run does. The CLI's own work, composing and
-checking the config, is done in the test process; one single-process reference per model is shared through `verify.cache_dir`, and most cases record module outputs in the main runs
-(`verify.localize=always`) so that a failure needs no re-run. The data config is the default one
+checking the config, is done in the test process; one single-process reference per model is shared through
+`verify.cache_dir`, and most cases record module outputs in the main runs (`verify.localize=always`) so that
+a failure needs no re-run. The data config is the default one
 (global batch 16, `micro_batch_size` unset) with shorter sequences and a smaller corpus: a correct
 module must PASS with what a user gets without setting anything.
 """
@@ -61,7 +62,8 @@ def workers_in_the_pool(monkeypatch):
 
 def worker_in_pool(spec_path: Path, devices: int, timeout_s: float) -> int:
     """What ``run_worker`` starts, on the ``devices`` ranks of a test pool: the same exit code (1 when a rank
-    raised) and ``log.txt`` (every rank's output, or the failed rank's traceback)."""
+    raised) and ``log.txt`` (every rank's output, or the failed rank's traceback). ``timeout_s`` gives way to
+    the pool's own task timeout."""
     try:
         outputs = sole_pool(devices).run(_verify_worker_on_this_rank, spec_path=str(spec_path))
     except AssertionError as failure:  # the pool's report of a rank that raised

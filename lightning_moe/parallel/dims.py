@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -281,13 +281,14 @@ class ParallelDims:
 
     # -- mesh -------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Build the full ``(pp, dp, ep, cp, tp)`` DeviceMesh (process group must be initialised)."""
+        """Build the full ``(pp, dp, ep, cp, tp)`` DeviceMesh (process group must be initialised). A second
+        build of the same sizes in the same process and default group takes the first one's meshes."""
         from torch.distributed.device_mesh import init_device_mesh
 
         if self.dp == -1:
             self.validate(dist.get_world_size())
-        key = repr((device_type, dist.get_world_size(), self.node_size, self.tp, self.cp, self.ep, self.dp, self.pp,
-                    self.etp, normalize_fold_ep(self.fold_ep), self.dp_replicate))  # fmt: skip
+        sizes = tuple(getattr(self, f.name) for f in fields(self) if f.compare)
+        key = repr((device_type, dist.get_world_size(), self.node_size, normalize_fold_ep(self.fold_ep), sizes))
         built = _BUILT_MESHES.get(key)
         if built is not None and built[0] is dist.group.WORLD:
             self.__dict__.update(built[1])
