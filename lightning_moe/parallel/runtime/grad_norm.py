@@ -55,9 +55,22 @@ def clip_grad_norm_(
     total = torch.nn.utils.get_total_norm(norms, norm_type=norm_type) if norms else torch.tensor(0.0)
     if group is not None and dist.get_world_size(group) > 1:
         total = _combine_over(total, norm_type, group)
-    for members in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
+    _scale_grads(groups.values(), max_norm, total)
     return total
+
+
+def _scale_grads(groups: Iterable[list[torch.Tensor]], max_norm: float, total: torch.Tensor) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_``'s scaling (by ``min(max_norm / (total + 1e-6), 1)``), applied
+    to each gradient's local shard: the same numbers, but no DTensor sharding propagation of a foreach op
+    over every gradient, which costs about 2 s of CPU on the first step of each process and layout."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device_and_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for members in groups:
+        for param in members:
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            by_device_and_dtype[(grad.device, grad.dtype)].append(grad)
+    for (device, _), grads in by_device_and_dtype.items():
+        torch._foreach_mul_(grads, coef.to(device))
 
 
 def _combine_over(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
