@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.dist_pool import close_pools, sole_pool
+from tests.dist_pool import pool_of, trim_pools
 from tests.launched_rank import launched_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def run_cli(
     ``torchrun_procs``: start the processes with ``torchrun --nproc_per_node`` instead of
     Lightning's own launcher. ``plots``: keep the expert-load plots (:data:`NO_PLOTS`).
     """
-    close_pools()  # the run's processes get the cores to themselves
+    trim_pools()  # the launched processes get the cores but for a few idle pool ranks
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE=os.environ.get("WANDB_MODE", "offline"))
     launcher = [sys.executable, "-m"]
     if torchrun_procs is not None:
@@ -80,7 +80,7 @@ def run_cli(
 
 def run_cli_error(run_dir: Path, *overrides: str, timeout: int = 300) -> str:
     """Run the CLI expecting a failure; return its combined output."""
-    close_pools()
+    trim_pools()  # the launched processes get the cores but for a few idle pool ranks
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "lightning_moe.train", *TINY_RUN, *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
@@ -99,7 +99,7 @@ def train_in_pool(run_dir: Path, *overrides: str, base: Sequence[str] = TINY_RUN
     cfg = compose_train_config(run_dir, _without_plots([*base, *overrides], plots))
     # Composed once here and sent: composing again on every rank costs a Hydra defaults walk (about 0.9 s
     # a rank on 2 loaded cores) and gives the same config.
-    sole_pool(cfg.trainer.devices * cfg.trainer.num_nodes).run(_fit_config_on_this_rank, cfg=cfg)
+    pool_of(cfg.trainer.devices * cfg.trainer.num_nodes).run(_fit_config_on_this_rank, cfg=cfg)
     return json.loads((run_dir / "summary.json").read_text())
 
 

@@ -5,8 +5,9 @@ in rank order. Workers are forked from a fork server that imported torch, Lightn
 library once for the whole session: a spawned worker imports them itself (about 5 s of CPU each,
 20 s for a pool of 4 on 2 loaded cores), a forked one starts in a tenth of a second.
 
-The session keeps one live pool per world size (:func:`get_pool`); :func:`close_pools` stops the idle
-ones when a test needs the cores, and the session's end (tests/conftest.py) stops them all.
+The session keeps one live pool per world size (:func:`get_pool`). :func:`pool_of` and :func:`trim_pools`
+stop idle pools past :data:`IDLE_RANKS` processes, :func:`close_pools` all of them when a test needs the cores
+to itself (a timed failure, a memory measure), and the session's end (tests/conftest.py) stops them all.
 """
 
 from __future__ import annotations
@@ -136,9 +137,24 @@ def close_pools(keep: int | None = None) -> None:
         _POOLS.pop(world_size).close()
 
 
-def sole_pool(world_size: int) -> DistributedPool:
-    """The pool of ``world_size`` processes, every other one stopped: its run gets the cores to itself."""
-    close_pools(keep=world_size)
+# Idle pools kept alive beside the one in use, up to this many processes: the pools of 1, 2 and 4 ranks that
+# most tests take turns on. An idle rank takes about 1% of a core (its gloo threads wake up), while a pool's
+# restart costs more than a second per run that follows it (its ranks fork, join a new world and pay the
+# first fit's one-time costs again).
+IDLE_RANKS = 3
+
+
+def trim_pools(keep: int | None = None) -> None:
+    """Stop idle pools, largest first, until those other than the one of world size ``keep`` hold at most
+    :data:`IDLE_RANKS` processes."""
+    idle = sorted((size for size in _POOLS if size != keep), reverse=True)
+    while idle and sum(idle) > IDLE_RANKS:
+        _POOLS.pop(idle.pop(0)).close()
+
+
+def pool_of(world_size: int) -> DistributedPool:
+    """The pool of ``world_size`` processes, with no more than :data:`IDLE_RANKS` idle processes beside it."""
+    trim_pools(keep=world_size)
     return get_pool(world_size)
 
 

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from tests.dist_pool import close_pools, sole_pool
+from tests.dist_pool import close_pools, pool_of, trim_pools
 from tests.launched_rank import launched_rank
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +26,7 @@ def run_script(
 ) -> None:
     """``python script *args`` (``world > 1``: under ``torchrun --nproc_per_node=world``), offline, one
     thread per process; ``AssertionError`` with the command and its output tails when it fails."""
-    close_pools()  # the run's processes get the cores to themselves
+    trim_pools()  # the launched processes get the cores but for a few idle pool ranks
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", **(env or {}))
     launcher = [sys.executable]
     if world > 1:
@@ -51,7 +51,7 @@ def train_hf_in_pool(layout: Mapping[str, int], out: Path, save_hf: bool, famili
     world = 1
     for size in layout.values():
         world *= size
-    pool = sole_pool(world)  # the run's processes get the cores to themselves
+    pool = pool_of(world)  # the run's processes get the cores to themselves
     try:
         for family in families:  # one task a family: hf_train.main's loop, each well within the pool's task timeout
             pool.run(_train_hf_on_this_rank, layout=dict(layout), out=str(out), save_hf=save_hf, family=family)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from tests.dist_pool import sole_pool  # noqa: E402
+from tests.dist_pool import pool_of  # noqa: E402
 
 REL = 1e-5
 SEQ = 16
@@ -314,7 +314,7 @@ def one_process(published: Path, tmp_path_factory) -> dict:
     if "report" not in _ONE_PROCESS:
         out = tmp_path_factory.mktemp("mtp_one")
         _ONE_PROCESS["report"] = {
-            **sole_pool(1).run(train_on_this_rank, folder=str(published), out=str(out), layout={})[0],
+            **pool_of(1).run(train_on_this_rank, folder=str(published), out=str(out), layout={})[0],
             "out": out,
         }
     return _ONE_PROCESS["report"]
@@ -326,7 +326,7 @@ def test_trained_in_two_processes_equals_one_and_writes_back(published, tmp_path
     from lightning_moe.checkpoint.to_hf import checkpoint_to_hf
 
     one = one_process(published, tmp_path_factory)
-    ranks = sole_pool(2).run(train_on_this_rank, folder=str(published), out=str(tmp_path), layout=dims)
+    ranks = pool_of(2).run(train_on_this_rank, folder=str(published), out=str(tmp_path), layout=dims)
     assert len(one["steps"]) == STEPS
     for name in ("loss", "mtp_loss"):
         assert [s[name] for s in ranks[0]["steps"]] == pytest.approx([s[name] for s in one["steps"]], rel=REL), name

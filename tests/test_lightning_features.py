@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.cli import ROOT
-from tests.dist_pool import close_pools
+from tests.dist_pool import trim_pools
 from tests.scripts.lightning_features_run import NUM_SAMPLES
 
 SCRIPT = ROOT / "tests/scripts/lightning_features_run.py"
@@ -148,7 +148,7 @@ def test_activation_checkpointing_keeps_gradients_and_selective_keeps_the_dispat
 
 # -- trainer level: one script run per layout serves several assertions -----------------------------
 def run_script(out_dir: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    close_pools()  # the run's processes get the cores to themselves
+    trim_pools()  # the launched processes get the cores but for a few idle pool ranks
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.run(
@@ -172,11 +172,11 @@ def _script_on_this_rank(argv: list[str]) -> None:
 def run_features(out_dir: Path, *args: str) -> dict:
     """The script's run (train 2 steps, validate, test and predict) on the ranks of a test pool; the
     losses and every rank's results."""
-    from tests.dist_pool import sole_pool
+    from tests.dist_pool import pool_of
     from tests.scripts.lightning_features_run import devices_of, parse_args
 
     argv = [str(out_dir), *args]
-    sole_pool(devices_of(parse_args(argv))).run(_script_on_this_rank, argv=argv)
+    pool_of(devices_of(parse_args(argv))).run(_script_on_this_rank, argv=argv)
     ranks = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
     return {"losses": json.loads((out_dir / "summary.json").read_text())["losses"], "ranks": ranks}
 

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from tests.cli import TINY_MODEL
-from tests.dist_pool import close_pools
+from tests.dist_pool import trim_pools
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -99,7 +99,7 @@ PYTHON_BLOCKS = [b for b in README_BLOCKS + DOC_BLOCKS if b.lang == "python"]
 
 
 def _run(cmd: list[str], cwd: Path, timeout: int = TIMEOUT, env: dict | None = None) -> subprocess.CompletedProcess:
-    close_pools()  # the run's processes get the cores to themselves
+    trim_pools()  # the launched processes get the cores but for a few idle pool ranks
     full_env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", **(env or {}))
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -152,7 +152,7 @@ def make_train_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]
             pytest.skip("make train would pip-install first (.venv/.installed is stale); run `make install`")
         run_dir = tmp_path_factory.mktemp("make_train") / "run"
         args = [arg for arg in SHRINK_TRAIN if arg != "logger=none"] + [f"hydra.run.dir={run_dir}"]
-        close_pools()
+        trim_pools()  # the launched processes get the cores but for a few idle pool ranks
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         env.pop("WANDB_MODE", None)  # the default must be offline
         for name in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES"):

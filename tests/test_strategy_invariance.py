@@ -316,9 +316,9 @@ def test_any_sdpa_module_gets_context_parallel(tmp_path):
     import sys
 
     from tests.cli import ROOT
-    from tests.dist_pool import close_pools
+    from tests.dist_pool import trim_pools
 
-    close_pools()
+    trim_pools()  # the launched processes get the cores but for a few idle pool ranks
     losses = {}
     for cp in (1, 2):
         out = tmp_path / f"cp{cp}.json"

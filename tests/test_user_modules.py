@@ -24,7 +24,7 @@ from lightning_moe.conf import CONF_DIR
 from lightning_moe.parallel.plans.tensor_parallel import call_plan
 from lightning_moe.train import check_config
 from tests.cli import TINY_RUN, compose_train_config, fit_on_this_rank
-from tests.dist_pool import sole_pool
+from tests.dist_pool import pool_of
 from tests.presets import presets_this_torch_builds
 from tests.scripts import user_moe_module
 
@@ -38,7 +38,7 @@ def _run_script(out_dir: Path, *args: str) -> dict:
     on the ranks of a test pool (processes started once, not once per run); the single process is a 1-rank pool."""
     options = user_moe_module.parse_args([str(out_dir), "--steps", str(STEPS), *args])
     world_size = options["tp"] * options["cp"] * options["ep"] * options["pp"]
-    logs = sole_pool(world_size).run(user_moe_module.train_on_this_rank, **options)
+    logs = pool_of(world_size).run(user_moe_module.train_on_this_rank, **options)
     biases: dict[str, list[float]] = {}
     for path in out_dir.glob("bias_rank*.json"):
         biases.update(json.loads(path.read_text()))  # pipeline ranks hold different blocks
@@ -204,7 +204,7 @@ def test_pipeline_preset_trains_with_nothing_else_on_the_command_line(tmp_path, 
     overrides = [f"parallel={preset}", "trainer.max_steps=2", "logger=none"]
     run_dir = tmp_path / "run"
     trainer = compose_train_config(run_dir, overrides).trainer
-    pool = sole_pool(trainer.devices * trainer.num_nodes)
+    pool = pool_of(trainer.devices * trainer.num_nodes)
     report = "".join(pool.run(fit_and_report, overrides=overrides, run_dir=str(run_dir)))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert len(summary["losses"]) == 2 and summary["layout"]["pp"] == 2

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from tests.cli import ROOT
-from tests.dist_pool import close_pools, sole_pool
+from tests.dist_pool import pool_of, trim_pools
 from tests.launched_rank import launched_rank
 
 # The default data config (global_batch_size 16, micro_batch_size unset), shorter and smaller. Clipping
@@ -65,7 +65,7 @@ def worker_in_pool(spec_path: Path, devices: int, timeout_s: float) -> int:
     raised) and ``log.txt`` (every rank's output, or the failed rank's traceback). ``timeout_s`` gives way to
     the pool's own task timeout."""
     try:
-        outputs = sole_pool(devices).run(_verify_worker_on_this_rank, spec_path=str(spec_path))
+        outputs = pool_of(devices).run(_verify_worker_on_this_rank, spec_path=str(spec_path))
     except AssertionError as failure:  # the pool's report of a rank that raised
         (spec_path.parent / "log.txt").write_text(str(failure))
         return 1
@@ -95,7 +95,7 @@ def run_verify(
     overrides = (*data, *overrides, f"verify.cache_dir={cache}")
     if not cli:
         return _verify_in_process(run_dir, overrides)
-    close_pools()  # the CLI's processes get the cores to themselves
+    trim_pools()  # the launched processes get the cores but for a few idle pool ranks
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "lightning_moe.verify", *overrides, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
