@@ -87,6 +87,7 @@ def dry_run(
                 dims,
                 data_parallel="hsdp" if layout.hsdp else "fsdp",
                 pp_stages_per_rank=layout.pp_stages_per_rank,
+                pp_stage_layers=layout.pp_stage_layers or None,
             )
             shapes = {}
             numel = nbytes = 0

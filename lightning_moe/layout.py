@@ -468,6 +468,41 @@ def heads_problem(name: str, count: int, tp: int, *, owner: str | None = None) -
     return f"{label}={count} is not divisible by tp={tp}: choose tp dividing {name}"
 
 
+def stage_layers_problem(
+    stage_layers: Sequence[int] | None, num_stages: int, num_layers: int | None = None
+) -> str | None:
+    """What is wrong with ``stage_layers`` (``pp_stage_layers``: blocks per stage, in stage order) for
+    ``num_stages`` (``pp * pp_stages_per_rank``) stages and, when given, ``num_layers`` blocks, with the
+    fix; None when nothing is (or when it is None: an even split). Every stage runs at least one block."""
+    if stage_layers is None:
+        return None
+    counts = list(stage_layers)
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in counts):
+        return f"pp_stage_layers={counts} must list whole numbers of layers, one per pipeline stage"
+    if len(counts) != num_stages:
+        return (
+            f"pp_stage_layers={counts} lists {len(counts)} stages, the pipeline has pp*pp_stages_per_rank ="
+            f" {num_stages}: give one layer count per stage, in stage order"
+        )
+    if min(counts) < 1:
+        return (
+            f"pp_stage_layers={counts} leaves a stage without layers: every stage of the schedule runs at least one"
+            " layer; move a layer to it"
+        )
+    if num_layers is not None and sum(counts) != num_layers:
+        return (
+            f"pp_stage_layers={counts} adds up to {sum(counts)} layers, the model has {num_layers}: make the counts"
+            f" add up to {num_layers}"
+        )
+    return None
+
+
+def stage_slices(stage_layers: Sequence[int]) -> list[slice]:
+    """The blocks of each stage as slices of the block list: ``[1, 3]`` gives ``[0:1]`` and ``[1:4]``."""
+    ends = [sum(stage_layers[: s + 1]) for s in range(len(stage_layers))]
+    return [slice(end - count, end) for end, count in zip(ends, stage_layers)]
+
+
 def ulysses_heads_problem(heads: int, kv_heads: int, cp: int) -> str | None:
     """All-to-all (Ulysses) context parallelism (``cp_comm="a2a"``) gives each of the ``cp`` ranks
     ``heads / cp`` whole query heads of the ``heads`` (and ``kv_heads`` key/value heads) one tp rank

@@ -136,6 +136,9 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             and 2 pp - 1 - r; with ``overlap_ep_comm`` DualPipeV interleaves its paired forward and backward).
         pp_microbatches: micro-batches per pipeline step (default ``pp``); 1F1B needs ``>= pp``.
         pp_stages_per_rank: virtual stages per rank (interleaved schedule; 2 for the V schedules).
+        pp_stage_layers: the transformer layers of each (virtual) stage, in stage order, for uneven stages
+            as Megatron places them (``[3, 5]``: 3 layers on stage 0 with the embedding, 5 on stage 1 with
+            the head); their sum is the model's layer count. Default: an even split.
         data_parallel: ``"fsdp"`` (FSDP2 ``fully_shard``), ``"hsdp"`` (FSDP2 sharding within replica groups,
             all-reducing across them), ``"ddp"`` (replication) or ``"none"``.
         dp_replicate, dp_shard: under ``"hsdp"``, dp = ``dp_replicate * dp_shard`` (give one or both): the
@@ -194,6 +197,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
     overlap_ep_comm = _config_field("overlap_ep_comm")
     pp_schedule = _config_field("pp_schedule")
     pp_stages_per_rank = _config_field("pp_stages_per_rank")
+    pp_stage_layers = _config_field("pp_stage_layers")
     sequence_parallel = _config_field("sequence_parallel")
     context_parallel_keys = _config_field("context_parallel_keys")
     cp_head_chunks = _config_field("cp_head_chunks")
@@ -215,6 +219,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
         pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble"] = "1F1B",
         pp_microbatches: int | None = None,
         pp_stages_per_rank: int = 1,
+        pp_stage_layers: Sequence[int] | None = None,
         data_parallel: Literal["fsdp", "hsdp", "ddp", "none"] = "fsdp",
         dp_replicate: int | None = None,
         dp_shard: int | None = None,
@@ -344,6 +349,7 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
                 sequence_parallel=config.sequence_parallel,
                 pp_stages_per_rank=config.pp_stages_per_rank,
                 pp_schedule=config.pp_schedule,
+                pp_stage_layers=config.pp_stage_layers,
             )
         apply_training_plans(
             self.model,

@@ -201,7 +201,7 @@ def check_config(cfg: DictConfig) -> None:
             model = hydra.utils.instantiate(cfg.model)
     except Exception:  # noqa: BLE001 - a model that reads files at construction cannot be built on meta;
         return  # the strategy runs the same checks (lightning_moe.parallelize) before training
-    check_layout(model, dims, config.pp_stages_per_rank)
+    check_layout(model, dims, config.pp_stages_per_rank, config.pp_stage_layers)
     check_context_parallel_support(model, dims, config.cp_comm)
 
 

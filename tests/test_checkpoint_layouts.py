@@ -57,12 +57,16 @@ A_LAYOUTS = {
     "dp2_tp2_ep2": ["parallel=dp2_tp2_ep2"],  # 8 processes
     "tp2_ep2_folded": ["parallel=tp2_ep2_folded"],  # experts at ep2 over the tp ranks: 2 processes
     "ep2_one_file": ["parallel=ep2", "parallel.save_distributed_checkpoint=false"],  # whole tensors from rank 0
+    "pp2_uneven": ["parallel=pp2", "parallel.pp_stage_layers=[1,3]"],  # stage 0 holds 1 layer, stage 1 three
 }
 # By the target's process count: the runs of one count share a test pool, which starts once.
 PAIRS = [
     ("ep2_to_pp2", "ep2", ["parallel=pp2"]),  # pp 1 -> 2
     ("tp2_to_cp2", "tp2", ["parallel=cp2"]),
     ("interleaved_to_1f1b", "pp2_interleaved", ["parallel=pp2"]),
+    # Uneven stages (pp_stage_layers) to an even split and from one.
+    ("uneven_1_3_to_even_pp2", "pp2_uneven", ["parallel=pp2"]),
+    ("interleaved_to_uneven_3_1", "pp2_interleaved", ["parallel=pp2", "parallel.pp_stage_layers=[3,1]"]),
     ("8_processes_to_ep2", "dp2_tp2_ep2", ["parallel=ep2"]),
     ("ep2_to_ep4", "ep2", ["parallel=ep4"]),
     ("fsdp_to_ddp", "ep2", ["parallel=dp2_ep2", "parallel.data_parallel=ddp"]),

@@ -78,9 +78,7 @@ def test_a_split_without_room_on_the_last_stage_is_refused_or_warned():
         model.check_mtp_pipeline_split(3)
     model.pipeline_stage_layers = [["0", "1"], ["2", "3"]]
     model.check_mtp_pipeline_split(2)  # 2 layers + 1 MTP block vs 2: balanced enough
-    with pytest.warns(
-        UserWarning, match=r"runs 1 layers \+ 1 MTP blocks, the others at most 1 .*pipeline_stage_layers"
-    ):
+    with pytest.warns(UserWarning, match=r"runs 1 layers \+ 1 MTP blocks, the others at most 1 .*pp_stage_layers"):
         _model(num_layers=4).check_mtp_pipeline_split(4)
 
 

@@ -267,6 +267,11 @@ CONFIG_ERRORS = [
     ),
     (["parallel=pp2_interleaved", "model.num_layers=2"], r"2 layers cannot be split evenly .* = 4"),
     (
+        ["parallel=pp2", "parallel.pp_stage_layers=[1,2]"],
+        r"pp_stage_layers=\[1, 2\] adds up to 3 layers, the model has 2",
+    ),
+    (["parallel=pp2", "parallel.pp_stage_layers=[2]"], r"pp_stage_layers=\[2\] lists 1 stages, the pipeline has"),
+    (
         ["parallel=cp4", "parallel.cp_comm=a2a", "model.num_heads=2", "model.num_kv_heads=2"],
         r"num_heads=2: cp_comm='a2a' gives each cp rank whole heads.*or cp_comm='ring'",
     ),
@@ -296,6 +301,8 @@ def test_bad_configuration_fails_before_training(tmp_path, overrides, message):
         "pp_microbatches",
         "pp_global_batch",
         "pp_virtual_stages",
+        "pp_stage_layers_sum",
+        "pp_stage_layers_length",
         "a2a_heads",
         "cp_comm",
     ],

@@ -64,6 +64,7 @@ from lightning_moe._compat.kernels import (
     flash_attention_cpu_backward,
     flash_attention_cuda,
     flash_attention_cuda_backward,
+    foreach_mul_,
     grouped_mm,
     torch_has_grouped_mm,
 )
@@ -131,6 +132,7 @@ __all__ = [
     "flatten_mesh",
     "flight_recorder_entries",
     "force_sum_reduction",
+    "foreach_mul_",
     "fsdp_mixed_precision",
     "funcol",
     "grouped_mm",

@@ -1,4 +1,4 @@
-"""torch's private compute kernels: ``torch._grouped_mm`` and aten's fused attention ops.
+"""torch's private compute kernels: ``torch._grouped_mm``, ``torch._foreach_mul_`` and aten's fused attention ops.
 
 Floors: torch >= 2.11 (every kernel below is present there with the schema used).
 """
@@ -12,6 +12,13 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     """``torch._grouped_mm(a, b, offs=offsets)`` (int32 offsets). Present in torch 2.9-2.13; its CPU
     kernels (fp32/bf16/fp16) run on 2.13. Checked on: torch 2.11-2.13."""
     return torch._grouped_mm(a, b, offsets)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """``torch._foreach_mul_(tensors, scalar)``: every tensor multiplied in place by a one-element tensor,
+    in one kernel per device and dtype (what ``torch.nn.utils.clip_grads_with_norm_`` scales with).
+    Present in torch 2.0-2.13. Checked on: torch 2.11-2.13."""
+    torch._foreach_mul_(tensors, scalar)
 
 
 def torch_has_grouped_mm() -> bool:

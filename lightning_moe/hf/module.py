@@ -20,7 +20,7 @@ from lightning_moe.hf.loading import PADDED_SDPA, load_causal_lm, use_padded_sdp
 from lightning_moe.hf.mtp import add_mtp_layers, main_layers, mtp_forward, mtp_layers, resolve_mtp_depth
 from lightning_moe.hf.plans import split_pipeline_stage, tensor_parallel_plan
 from lightning_moe.hf.sharded_load import PretrainedShards, SafetensorsFolder, load_mtp_layers
-from lightning_moe.layout import size_problems
+from lightning_moe.layout import size_problems, stage_layers_problem
 from lightning_moe.models.causal_lm import CausalLMModule, check_optimizer
 from lightning_moe.models.mtp import add_mtp_targets, mtp_loss
 from lightning_moe.moe import DispatcherKind, MoELayer, TopKRouter
@@ -295,7 +295,8 @@ class HFMoEModule(CausalLMModule):
         trainer = attached_trainer(self)
         dims = parallel_dims_of(trainer)
         if dims is not None:
-            self.check_layout(tp=dims.tp, cp=dims.cp, ep=dims.ep, pp=dims.pp)
+            stage_layers = getattr(trainer.strategy, "pp_stage_layers", None)
+            self.check_layout(tp=dims.tp, cp=dims.cp, ep=dims.ep, pp=dims.pp, pp_stage_layers=stage_layers)
         datamodule = getattr(trainer, "datamodule", None)
         seq_len = getattr(datamodule, "seq_len", None)
         if self.mtp_depth and isinstance(seq_len, int) and self.mtp_depth >= seq_len:
@@ -310,12 +311,14 @@ class HFMoEModule(CausalLMModule):
                 f" use a tokenizer of at most {self.config.vocab_size} tokens or a model with vocab_size >= {data_vocab}"
             )
 
-    def check_layout(self, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1) -> None:
+    def check_layout(
+        self, tp: int = 1, cp: int = 1, ep: int = 1, pp: int = 1, pp_stage_layers: Sequence[int] | None = None
+    ) -> None:
         """``ValueError`` naming the fix when this model cannot be split as asked.
 
         The size rules (heads by tp, experts by ep) are :func:`lightning_moe.layout.size_problems`';
         this adds what only this model says: its family's refusals, its config's sliding window and
-        tied embeddings, and its layer count by pp.
+        tied embeddings, and its layer count by pp (or the sum of ``pp_stage_layers``, layers per stage).
         """
         config = self.config
         unsupported = model_family(self.family).unsupported
@@ -355,8 +358,14 @@ class HFMoEModule(CausalLMModule):
             )
         # Not a size_problems rule (it knows no layer count): each stage must get as many layers.
         layers = config.num_hidden_layers
-        if pp > 1 and layers % pp:
-            problems.append(f"num_hidden_layers={layers} is not divisible by pp={pp}: choose pp dividing {layers}")
+        if pp > 1 and pp_stage_layers is not None:
+            problem = stage_layers_problem(pp_stage_layers, pp, layers)
+            problems += [problem] if problem else []
+        elif pp > 1 and layers % pp:
+            problems.append(
+                f"num_hidden_layers={layers} is not divisible by pp={pp}: choose pp dividing {layers}, or give the"
+                " layers of each stage with pp_stage_layers"
+            )
         if problems:
             raise ValueError(f"{type(self.model).__name__} cannot take this layout: " + "; ".join(problems))
 
@@ -367,11 +376,12 @@ class HFMoEModule(CausalLMModule):
         return tensor_parallel_plan(self.model, sequence_parallel, prefix="model.")
 
     # -- pipeline parallelism --------------------------------------------------------------------------
-    def pipeline_split(self, stage_index: int, num_stages: int) -> nn.Module:
-        """Keep this stage's part of ``model.model.layers`` (original keys), embeddings on the first
+    def pipeline_split(self, stage_index: int, num_stages: int, stage_layers: Sequence[int] | None = None) -> nn.Module:
+        """Keep this stage's part of ``model.model.layers`` (original keys; ``stage_layers`` of them per
+        stage, else an even split), embeddings on the first
         stage and the final norm and ``lm_head`` on the last (:func:`lightning_moe.hf.plans.split_pipeline_stage`);
         returns ``self`` (one stage per rank)."""
-        split_pipeline_stage(self.model, stage_index, num_stages)
+        split_pipeline_stage(self.model, stage_index, num_stages, stage_layers)
         return self
 
     # -- export ----------------------------------------------------------------------------------------

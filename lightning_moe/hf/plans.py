@@ -7,6 +7,7 @@ families comes from :func:`lightning_moe.hf.families.model_family`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_moe._compat import ParallelStyleWithApply, apply_parallel_style, module_parameter_table
 from lightning_moe.hf.families import model_family
+from lightning_moe.layout import stage_slices
 from lightning_moe.moe import MoELayer
+from lightning_moe.parallel.plans.pipeline import check_stage_layers
 
 __all__ = ["ReduceGradOfTrailingColumns", "ShardHeadParameter", "split_pipeline_stage", "tensor_parallel_plan"]
 
@@ -190,9 +193,12 @@ def tensor_parallel_plan(
     return plan
 
 
-def split_pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) -> None:
+def split_pipeline_stage(
+    model: nn.Module, stage_index: int, num_stages: int, stage_layers: Sequence[int] | None = None
+) -> None:
     """Keep, in place, stage ``stage_index`` of ``num_stages``: its part of ``model.model.layers``
-    (original keys), the embeddings on the first stage and the final norm and ``lm_head`` on the last.
+    (original keys; ``stage_layers`` per stage in stage order, else an even split), the embeddings on
+    the first stage and the final norm and ``lm_head`` on the last.
 
     A model keeps one stage: splitting it again (several stages per rank) is refused.
     """
@@ -203,12 +209,15 @@ def split_pipeline_stage(model: nn.Module, stage_index: int, num_stages: int) ->
         raise ValueError(
             "HFMoEModule runs one pipeline stage per rank: use pp_stages_per_rank=1 (schedules GPipe or 1F1B)"
         )
-    if len(keys) % num_stages:
-        raise ValueError(
-            f"{len(keys)} layers cannot be split evenly into {num_stages} pipeline stages: choose pp dividing {len(keys)}"
-        )
-    per = len(keys) // num_stages
-    mine = set(keys[stage_index * per : (stage_index + 1) * per])
+    if stage_layers is None:
+        if len(keys) % num_stages:
+            raise ValueError(
+                f"{len(keys)} layers cannot be split evenly into {num_stages} pipeline stages: choose pp dividing"
+                f" {len(keys)}, or give the layers of each stage with pp_stage_layers"
+            )
+        stage_layers = [len(keys) // num_stages] * num_stages
+    check_stage_layers(stage_layers, num_stages, len(keys))
+    mine = set(keys[stage_slices(stage_layers)[stage_index]])
     for key in keys:
         if key not in mine:
             delattr(inner.layers, key)

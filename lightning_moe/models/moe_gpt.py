@@ -317,15 +317,18 @@ class MoEGPT(CausalLMModule):
             )
         dims = parallel_dims_of(self.trainer)
         if dims is not None and dims.pp > 1:
-            self.check_mtp_pipeline_split(dims.pp * getattr(self.trainer.strategy, "pp_stages_per_rank", 1))
+            strategy = self.trainer.strategy
+            self.check_mtp_pipeline_split(
+                dims.pp * getattr(strategy, "pp_stages_per_rank", 1), getattr(strategy, "pp_stage_layers", None)
+            )
 
-    def check_mtp_pipeline_split(self, num_stages: int) -> None:
+    def check_mtp_pipeline_split(self, num_stages: int, stage_layers: Sequence[int] | None = None) -> None:
         """The MTP blocks run on the last of `num_stages` pipeline stages, after its share of the
-        main layers: refuse a split (`pipeline_stage_layers`) that gives it none, and warn when they
+        main layers (``stage_layers``: the strategy's ``pp_stage_layers``): refuse a split (`pipeline_stage_layers`) that gives it none, and warn when they
         make it at least twice as heavy, in blocks, as the heaviest other stage (the pipeline then
         runs at the last stage's pace), naming the fix for both."""
         depth = self.hparams.mtp_depth
-        stages = stage_layer_keys(self, num_stages)
+        stages = stage_layer_keys(self, num_stages, stage_layers)
         last, heaviest_other = len(stages[-1]), max(len(keys) for keys in stages[:-1])
         if last == 0:
             raise ValueError(
@@ -337,8 +340,8 @@ class MoEGPT(CausalLMModule):
             rank_zero_warn(
                 f"mtp_depth={depth} under pipeline parallelism: the last of {num_stages} stages runs {last} layers"
                 f" + {depth} MTP blocks, the others at most {heaviest_other} layers; to balance the stages give the"
-                " last one fewer layers (model.pipeline_stage_layers = [[...], ...] before fit) or use more layers"
-                " per stage"
+                " last one fewer layers (the strategy's pp_stage_layers, parallel.pp_stage_layers in the CLI) or use"
+                " more layers per stage"
             )
 
     def tensor_parallel_plan(self, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:

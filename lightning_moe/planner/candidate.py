@@ -15,6 +15,7 @@ from lightning_moe.layout import (
     hsdp_problem,
     normalize_fold_ep,
     rank_coordinates,
+    stage_slices,
 )
 from lightning_moe.planner.model_shape import ModelShape
 
@@ -68,8 +69,10 @@ class Layout:
     dp_replicate: int = 1
     overlap_ep_comm: bool = False
     cp_comm: str = CpComm.RING.value
+    pp_stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "pp_stage_layers", tuple(int(n) for n in self.pp_stage_layers))
         # "cp,tp", ["tp", "cp"] and ("cp", "tp") are one layout: one hash, one label
         object.__setattr__(self, "fold_ep", normalize_fold_ep(self.fold_ep))
         check_cp_comm(self.cp_comm)
@@ -158,6 +161,8 @@ class Layout:
             loops = self.pp_stages_per_rank > 1 and not self.v_schedule
             text += f" {self.pp_schedule}" + (f"v{self.pp_stages_per_rank}" if loops else "")
             text += f" pp_microbatches={self.pipeline_microbatches}"
+            if self.pp_stage_layers:
+                text += f" pp_stage_layers={'/'.join(map(str, self.pp_stage_layers))}"
         if self.gather_once_per_step:
             text += " gather_once_per_step"
         if self.overlap_ep_comm:
@@ -190,6 +195,8 @@ class Layout:
                 pp_microbatches=self.pipeline_microbatches,
                 pp_stages_per_rank=self.pp_stages_per_rank,
             )
+            if self.pp_stage_layers:
+                kwargs["pp_stage_layers"] = list(self.pp_stage_layers)
         if self.gather_once_per_step:
             kwargs["gather_once_per_step"] = True
         if self.overlap_ep_comm:
@@ -220,24 +227,28 @@ def _mesh_sizes(tp: int, cp: int, ep: int, dp: int, pp: int, etp: int, fold_ep: 
 
 
 def stage_layers(model: ModelShape, layout: Layout) -> tuple[tuple[int, ...], ...]:
-    """The layers of each pipeline stage, an equal share in order."""
-    return _split_layers(model.num_layers, layout.pp * layout.pp_stages_per_rank)
+    """The layers of each pipeline stage in order: ``layout.pp_stage_layers`` of them, else an equal share."""
+    return _split_layers(model.num_layers, layout.pp * layout.pp_stages_per_rank, layout.pp_stage_layers)
 
 
 @lru_cache(maxsize=1024)
-def _split_layers(num_layers: int, stages: int) -> tuple[tuple[int, ...], ...]:
-    per = num_layers // stages
-    return tuple(tuple(range(s * per, (s + 1) * per)) for s in range(stages))
+def _split_layers(num_layers: int, stages: int, counts: tuple[int, ...] = ()) -> tuple[tuple[int, ...], ...]:
+    layers = tuple(range(num_layers))
+    return tuple(layers[part] for part in stage_slices(counts or (num_layers // stages,) * stages))
 
 
 def rank_layers(model: ModelShape, layout: Layout, pp_rank: int) -> tuple[int, ...]:
     """The layers of every stage pipeline rank ``pp_rank`` runs, stage by stage."""
-    return _rank_layers(model.num_layers, layout.pp, layout.pp_stages_per_rank, layout.v_schedule, pp_rank)
+    return _rank_layers(
+        model.num_layers, layout.pp, layout.pp_stages_per_rank, layout.v_schedule, pp_rank, layout.pp_stage_layers
+    )
 
 
 @lru_cache(maxsize=4096)  # asked for each layout's edge ranks: few distinct pipelines
-def _rank_layers(num_layers: int, pp: int, stages_per_rank: int, v_schedule: bool, pp_rank: int) -> tuple[int, ...]:
-    stages = _split_layers(num_layers, pp * stages_per_rank)
+def _rank_layers(
+    num_layers: int, pp: int, stages_per_rank: int, v_schedule: bool, pp_rank: int, counts: tuple[int, ...] = ()
+) -> tuple[int, ...]:
+    stages = _split_layers(num_layers, pp * stages_per_rank, counts)
     return tuple(i for st in _rank_stages(pp, stages_per_rank, v_schedule, pp_rank) for i in stages[st])
 
 
@@ -256,7 +267,10 @@ def _rank_stages(pp: int, stages_per_rank: int, v_schedule: bool, pp_rank: int) 
 def edge_pp_ranks(layout: Layout) -> list[int]:
     """The first and the last pipeline rank, one of which is the busiest: the first holds the embedding
     and the most micro-batches in flight, the last the output and its logits (under a V schedule the
-    first holds both); middle ranks hold as many layers and neither."""
+    first holds both); middle ranks hold as many layers and neither. Uneven stages (``pp_stage_layers``)
+    can make any rank the busiest: all of them."""
+    if layout.pp_stage_layers:
+        return list(range(layout.pp))
     return sorted({0, layout.pp - 1})
 
 

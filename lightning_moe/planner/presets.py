@@ -40,5 +40,5 @@ def layout_from_parallel(
         pp_schedule=str(parallel.get("pp_schedule") or "1F1B"), pp_stages_per_rank=int(parallel.get("pp_stages_per_rank") or 1),
         pp_microbatches=pp_microbatches, gather_once_per_step=bool(parallel.get("gather_once_per_step") or False),
         fold_ep=resolved.fold_ep, dp_replicate=resolved.dp_replicate, overlap_ep_comm=bool(parallel.get("overlap_ep_comm") or False),
-        cp_comm=str(parallel.get("cp_comm") or CpComm.RING),
+        cp_comm=str(parallel.get("cp_comm") or CpComm.RING), pp_stage_layers=tuple(parallel.get("pp_stage_layers") or ()),
     )  # fmt: skip

@@ -15,6 +15,7 @@ from lightning_moe.layout import (
     mesh_factorizations,
     sequence_split_problem,
     size_problems,
+    stage_layers_problem,
     ulysses_heads_problem,
 )
 from lightning_moe.moe.dispatchers import dispatcher_kind
@@ -66,7 +67,11 @@ def layout_problems(
         if heads:
             problems.append(heads)
     stages = pp * layout.pp_stages_per_rank
-    if model.num_layers % stages:
+    if layout.pp_stage_layers:
+        uneven = stage_layers_problem(layout.pp_stage_layers, stages, model.num_layers)
+        if uneven:
+            problems.append(uneven)
+    elif model.num_layers % stages:
         problems.append(f"num_layers={model.num_layers} is not divisible by pp*stages_per_rank={stages}")
     if pp > 1 and layout.pp_schedule in ("1F1B", "Interleaved1F1B") and mp < pp:
         problems.append(f"{layout.pp_schedule} needs at least pp={pp} micro-batches per pipeline step, got {mp}")

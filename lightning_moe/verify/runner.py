@@ -120,6 +120,7 @@ ONE_PROCESS_OPTIONS: dict[str, Any] = {
     "pp_schedule": "1F1B",
     "pp_microbatches": None,
     "pp_stages_per_rank": 1,
+    "pp_stage_layers": None,
 }
 
 

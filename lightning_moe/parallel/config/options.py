@@ -26,7 +26,7 @@ from lightning_moe.layout import hsdp_problem
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.plans.activation_checkpoint import check_activation_checkpointing
 from lightning_moe.parallel.plans.parallelize import DATA_PARALLEL_KINDS
-from lightning_moe.parallel.plans.pipeline import check_pipeline_config
+from lightning_moe.parallel.plans.pipeline import check_pipeline_config, check_stage_layers
 
 # The fields ``layout="auto"`` takes from the planner (:func:`lightning_moe.planner.resolve_auto_layout`):
 # those its choice names get its value, the others their default (``ParallelConfig.with_planned``).
@@ -49,8 +49,8 @@ class ParallelConfig:
     ``tp*cp*ep*dp*pp`` against the devices, HSDP's split) is checked when the strategy launches. The
     meaning of every field is in :class:`~lightning_moe.MoE5DStrategy`'s docstring and docs/strategy.md.
 
-    Two fields are normalized: ``context_parallel_keys`` becomes a tuple and ``fold_ep``, when a
-    list, a tuple (Hydra passes lists), so that configs built either way compare equal.
+    Three fields are normalized: ``context_parallel_keys`` becomes a tuple, and ``fold_ep`` and
+    ``pp_stage_layers``, when lists, tuples (Hydra passes lists), so that configs built either way compare equal.
     """
 
     # sizes
@@ -65,6 +65,7 @@ class ParallelConfig:
     pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "DualPipeV", "ZBVZeroBubble"] = "1F1B"
     pp_microbatches: int | None = None
     pp_stages_per_rank: int = 1
+    pp_stage_layers: Sequence[int] | None = None
     # data parallel
     data_parallel: Literal["fsdp", "hsdp", "ddp", "none"] = "fsdp"
     dp_replicate: int | None = None
@@ -92,12 +93,15 @@ class ParallelConfig:
         object.__setattr__(self, "context_parallel_keys", tuple(self.context_parallel_keys))
         if self.fold_ep is not None and not isinstance(self.fold_ep, str):
             object.__setattr__(self, "fold_ep", tuple(self.fold_ep))
+        if self.pp_stage_layers is not None:
+            object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
         object.__setattr__(self, "deterministic", bool(self.deterministic))
         self._check_arguments()
         self._check_overlap_ep_comm()
         try:  # the sizes without a world size, and the pipeline schedule, as the strategy builds them
             self.parallel_dims()
             check_pipeline_config(self.pp, self.pp_schedule, self.microbatches, self.pp_stages_per_rank)
+            check_stage_layers(self.pp_stage_layers, self.pp * self.pp_stages_per_rank)
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 from torch import nn
@@ -31,12 +32,15 @@ def is_parallelized(module: nn.Module) -> bool:
     )
 
 
-def check_layout(module: nn.Module, dims: ParallelDims, pp_stages_per_rank: int = 1) -> None:
+def check_layout(
+    module: nn.Module, dims: ParallelDims, pp_stages_per_rank: int = 1, pp_stage_layers: Sequence[int] | None = None
+) -> None:
     """Raise ``ValueError`` naming the fix if ``module`` cannot take the layout ``dims``.
 
     Needs no process group (a module on the meta device will do): heads and KV heads divisible by
     tp (modules exposing ``num_heads``/``num_kv_heads``), experts by ep, expert FFNs by etp, and
-    the pipeline split into ``pp * pp_stages_per_rank`` stages. :func:`parallelize` calls it first.
+    the pipeline split into ``pp * pp_stages_per_rank`` stages (of ``pp_stage_layers`` blocks each, when
+    given). :func:`parallelize` calls it first.
 
     Example::
 
@@ -48,7 +52,7 @@ def check_layout(module: nn.Module, dims: ParallelDims, pp_stages_per_rank: int 
         check_head_counts(module, dims.tp)
     check_expert_layout(module, dims)
     if dims.pp > 1:
-        check_pipeline_split(module, dims.pp * pp_stages_per_rank)
+        check_pipeline_split(module, dims.pp * pp_stages_per_rank, pp_stage_layers)
 
 
 def parallelize(
@@ -59,6 +63,7 @@ def parallelize(
     sequence_parallel: bool = True,
     pp_stages_per_rank: int = 1,
     pp_schedule: str = "1F1B",
+    pp_stage_layers: Sequence[int] | None = None,
 ) -> nn.Module:
     """Parallelize ``module`` in place over the layout ``dims`` (its full ``(pp, dp, ep, cp, tp)``
     mesh built, :meth:`ParallelDims.build_mesh`) and return it.
@@ -66,7 +71,7 @@ def parallelize(
     Order: under pp > 1 the pipeline split first (:func:`lightning_moe.parallel.plans.pipeline.split_module`:
     the module keeps only this rank's ``pp_stages_per_rank`` stages, whose modules
     ``pipeline_stage_modules(module)`` returns; ``pp_schedule`` places them, in a V for
-    ``"DualPipeV"``/``"ZBVZeroBubble"``), then expert parallel for every ``MoELayer`` (over
+    ``"DualPipeV"``/``"ZBVZeroBubble"``; ``pp_stage_layers``: blocks per stage, else an even split), then expert parallel for every ``MoELayer`` (over
     ``dims``' expert view: ``etp``, ``fold_ep``), the module's tensor-parallel plan
     (``tensor_parallel_plan()``, over the layers left), then data parallel last (FSDP2
     ``fully_shard``, DDP-style ``replicate``, or ``"none"``: parameters stay replicated and gradients
@@ -86,10 +91,17 @@ def parallelize(
         )
     if data_parallel not in DATA_PARALLEL_KINDS:
         raise ValueError(f"data_parallel={data_parallel!r} is not one of {DATA_PARALLEL_KINDS}")
-    check_layout(module, dims, pp_stages_per_rank)
+    check_layout(module, dims, pp_stages_per_rank, pp_stage_layers)
     if dims.pp > 1:
         # Split first: only this rank's layers get sharded for ep, tp and dp.
-        split_module(module, dims.pp_mesh.get_local_rank(), dims.pp, pp_stages_per_rank, pp_schedule in V_SCHEDULES)
+        split_module(
+            module,
+            dims.pp_mesh.get_local_rank(),
+            dims.pp,
+            pp_stages_per_rank,
+            pp_schedule in V_SCHEDULES,
+            pp_stage_layers,
+        )
     apply_expert_parallel(module, dims)
     if dims.tp > 1:
         apply_tensor_parallel(module, dims, sequence_parallel)

@@ -7,14 +7,18 @@ A module says how it splits in one of three ways (first match wins):
 2. ``pipeline_stage_layers``: a list with, per stage, the keys of the block container it runs;
 3. the default convention: the block container — ``module.layers``, or the attribute named by
    ``pipeline_layers_attr`` (e.g. ``"blocks"``), an ``nn.ModuleDict`` or ``nn.ModuleList`` — is cut
-   evenly in order; the first stage also keeps ``pipeline_first_stage_modules`` (default
-   ``("tok_embeddings",)``), the last one ``pipeline_last_stage_modules`` (default
-   ``("norm", "output")``); on other stages these attributes are None, so ``forward`` must accept a
+   in order, evenly or by the strategy's ``pp_stage_layers`` (layers per stage); the first stage
+   also keeps ``pipeline_first_stage_modules`` (default ``("tok_embeddings",)``), the last one
+   ``pipeline_last_stage_modules`` (default ``("norm", "output")``); on other stages these attributes are None, so ``forward`` must accept a
    hidden state as input and return one (``MoEGPT`` does). Blocks keep their keys on every stage
    (a ``ModuleList`` stage iterates over its own blocks, named ``blocks.2``, ``blocks.3``, ...).
    A module named in both lists (``MoEGPT``'s ``tok_embeddings`` under multi-token prediction) is
    *tied*: the first and the last stage each hold it under its own name, and
    :class:`~lightning_moe.parallel.engines.pipeline_runner.PipelineRunner` keeps the two copies equal.
+
+``pp_stage_layers`` (``MoE5DStrategy(pp_stage_layers=[1, 3])``, Hydra ``parallel.pp_stage_layers``)
+gives the number of blocks of each stage in stage order, as Megatron's uneven pipeline splits do; a
+``pipeline_split`` hook receives it as ``stage_layers=`` (:func:`check_stage_layers` says what is refused).
 
 Rank ``r`` of the pp group runs the stages ``r, r + pp, r + 2 pp, ...`` (``stages_per_rank`` of them,
 "virtual" stages for the interleaved schedule); under the V schedules (:data:`lightning_moe.layout.V_SCHEDULES`) the two
@@ -25,6 +29,7 @@ rank's parameters, under their names in the whole model (``layers.3.attention.wq
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_moe._compat import module_child_table, require_v_schedule_internals, shallow_copy_module
-from lightning_moe.layout import V_SCHEDULES
+from lightning_moe.layout import V_SCHEDULES, stage_layers_problem, stage_slices
 from lightning_moe.parallel.plans.blocks import block_container, blocks_attr, remove_block, subset
 
 PIPELINE_SCHEDULES: tuple[str, ...] = ("GPipe", "1F1B", "Interleaved1F1B", *V_SCHEDULES)
@@ -46,6 +51,7 @@ __all__ = [
     "GroupedBatchLoader",
     "check_pipeline_config",
     "check_pipeline_split",
+    "check_stage_layers",
     "concat_batches",
     "pipeline_batch",
     "pipeline_stage_modules",
@@ -108,6 +114,13 @@ def check_pipeline_config(pp: int, schedule: str, microbatches: int, stages_per_
         )
 
 
+def check_stage_layers(stage_layers: Sequence[int] | None, num_stages: int, num_layers: int | None = None) -> None:
+    """``ValueError`` with :func:`stage_layers_problem`'s message when there is one."""
+    problem = stage_layers_problem(stage_layers, num_stages, num_layers)
+    if problem:
+        raise ValueError(problem)
+
+
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int = 1, v_shape: bool = False) -> list[int]:
     """The stages rank ``pp_rank`` runs: ``pp_rank + k * pp`` (loop placement of virtual stages), or
     with ``v_shape`` (two stages per rank) ``pp_rank`` and ``2 * pp - 1 - pp_rank``."""
@@ -123,7 +136,12 @@ def stage_rank(stage: int, pp: int, v_shape: bool = False) -> int:
 
 # -- splitting -------------------------------------------------------------------------------------
 def split_module(
-    module: nn.Module, pp_rank: int, pp: int, stages_per_rank: int = 1, v_shape: bool = False
+    module: nn.Module,
+    pp_rank: int,
+    pp: int,
+    stages_per_rank: int = 1,
+    v_shape: bool = False,
+    stage_layers: Sequence[int] | None = None,
 ) -> list[tuple[int, nn.Module]]:
     """Build this rank's stage modules and remove every part of ``module`` they do not use (in place).
 
@@ -131,18 +149,22 @@ def split_module(
     their parameters with ``module``. With one stage per rank and the default convention, the stage
     module is ``module`` itself. The result is also kept on the module (:func:`pipeline_stage_modules`).
     ``v_shape``: the V placement of two stages per rank (``lightning_moe.layout.V_SCHEDULES``).
+    ``stage_layers``: blocks per stage in stage order (``pp_stage_layers``); None splits evenly.
 
     Example::
 
         stages = split_module(model, pp_rank=1, pp=2)   # model keeps layers 2, 3, norm and output
+        stages = split_module(model, pp_rank=1, pp=2, stage_layers=[1, 3])   # layers 1, 2, 3, norm, output
     """
     num_stages = pp * stages_per_rank
+    check_pipeline_split(module, num_stages, stage_layers)
     ids = stage_ids(pp_rank, pp, stages_per_rank, v_shape)
     hook = getattr(module, "pipeline_split", None)
     if callable(hook):
-        stages = [(i, hook(i, num_stages)) for i in ids]
+        extra = {} if stage_layers is None else {"stage_layers": list(stage_layers)}
+        stages = [(i, hook(i, num_stages, **extra)) for i in ids]
     else:
-        per_stage = _layer_keys_per_stage(module, num_stages)
+        per_stage = _layer_keys_per_stage(module, num_stages, stage_layers)
         if len(ids) == 1:
             stages = [(ids[0], module)]
             _trim_in_place(module, ids[0], num_stages, per_stage[ids[0]])
@@ -154,11 +176,21 @@ def split_module(
     return stages
 
 
-def check_pipeline_split(module: nn.Module, num_stages: int) -> None:
-    """Raise ``ValueError`` naming the fix if the default convention cannot split ``module`` into ``num_stages``."""
-    if callable(getattr(module, "pipeline_split", None)):
+def check_pipeline_split(module: nn.Module, num_stages: int, stage_layers: Sequence[int] | None = None) -> None:
+    """Raise ``ValueError`` naming the fix if ``module`` cannot be split into ``num_stages`` stages (of
+    ``stage_layers`` blocks each, when given): by the default convention, or by a ``pipeline_split``
+    hook, which must then take ``stage_layers=``."""
+    check_stage_layers(stage_layers, num_stages)
+    hook = getattr(module, "pipeline_split", None)
+    if callable(hook):
+        if stage_layers is not None and "stage_layers" not in inspect.signature(hook).parameters:
+            raise ValueError(
+                f"pp_stage_layers={list(stage_layers)}: {type(module).__name__}.pipeline_split(stage_index, num_stages)"
+                " takes no stage_layers: add a stage_layers=None keyword (blocks per stage, in stage order) or"
+                " leave pp_stage_layers unset"
+            )
         return
-    _layer_keys_per_stage(module, num_stages)
+    _layer_keys_per_stage(module, num_stages, stage_layers)
     _end_modules(module)
 
 
@@ -167,10 +199,11 @@ def pipeline_stage_modules(module: nn.Module) -> list[tuple[int, nn.Module]] | N
     return getattr(module, _STAGES_ATTR, None)
 
 
-def stage_layer_keys(module: nn.Module, num_stages: int) -> list[list[str]]:
+def stage_layer_keys(module: nn.Module, num_stages: int, stage_layers: Sequence[int] | None = None) -> list[list[str]]:
     """The keys of the blocks each of ``num_stages`` stages runs under the default convention (an
-    even split, or ``pipeline_stage_layers``); ``ValueError`` naming the fix when there is none."""
-    return _layer_keys_per_stage(module, num_stages)
+    even split, ``stage_layers`` blocks per stage, or ``pipeline_stage_layers``); ``ValueError``
+    naming the fix when there is none."""
+    return _layer_keys_per_stage(module, num_stages, stage_layers)
 
 
 def tied_end_modules(module: nn.Module) -> tuple[str, ...]:
@@ -182,7 +215,9 @@ def tied_end_modules(module: nn.Module) -> tuple[str, ...]:
     return tuple(name for name in first if name in last)
 
 
-def _layer_keys_per_stage(module: nn.Module, num_stages: int) -> list[list[str]]:
+def _layer_keys_per_stage(
+    module: nn.Module, num_stages: int, stage_layers: Sequence[int] | None = None
+) -> list[list[str]]:
     layers = block_container(module)
     if layers is None:
         name = blocks_attr(module)
@@ -193,6 +228,14 @@ def _layer_keys_per_stage(module: nn.Module, num_stages: int) -> list[list[str]]
         )
     keys = list(module_child_table(layers))
     explicit = getattr(module, "pipeline_stage_layers", None)
+    if explicit is not None and stage_layers is not None:
+        raise ValueError(
+            f"pp_stage_layers={list(stage_layers)} and {type(module).__name__}.pipeline_stage_layers both split the"
+            " pipeline: keep one of them"
+        )
+    if stage_layers is not None:
+        check_stage_layers(stage_layers, num_stages, len(keys))
+        return [keys[part] for part in stage_slices(stage_layers)]
     if explicit is not None:
         explicit = [list(stage) for stage in explicit]
         if len(explicit) != num_stages:
@@ -204,7 +247,8 @@ def _layer_keys_per_stage(module: nn.Module, num_stages: int) -> list[list[str]]
     if len(keys) % num_stages:
         raise ValueError(
             f"{len(keys)} layers cannot be split evenly into pp*pp_stages_per_rank = {num_stages} pipeline stages:"
-            f" choose num_layers divisible by {num_stages} (or change pp / pp_stages_per_rank)"
+            f" choose num_layers divisible by {num_stages}, change pp / pp_stages_per_rank, or give the layers of"
+            " each stage with pp_stage_layers"
         )
     per = len(keys) // num_stages
     return [keys[s * per : (s + 1) * per] for s in range(num_stages)]

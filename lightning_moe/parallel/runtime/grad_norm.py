@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_moe._compat import foreach_mul_
+
 _COUNTED_ELSEWHERE = "_lightning_moe_norm_counted_elsewhere"
 
 
@@ -70,7 +72,7 @@ def _scale_grads(groups: Iterable[list[torch.Tensor]], max_norm: float, total: t
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             by_device_and_dtype[(grad.device, grad.dtype)].append(grad)
     for (device, _), grads in by_device_and_dtype.items():
-        torch._foreach_mul_(grads, coef.to(device))
+        foreach_mul_(grads, coef.to(device))
 
 
 def _combine_over(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
