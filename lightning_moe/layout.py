@@ -533,6 +533,29 @@ def ulysses_kv_heads(heads: int, kv_heads: int, cp: int) -> int:
     return kv_heads * (cp // math.gcd(kv_heads, cp))
 
 
+def ulysses_bytes_per_rank(
+    batch: int, heads_q: int, heads_kv: int, seq_len: int, head_dim: int, cp: int, dtype_bytes: int
+) -> int:
+    """Bytes one rank sends to its cp peers in the forward of one attention call.
+
+    Q, K and V go in (K/V after the repeat of :func:`ulysses_kv_heads`) and the output comes back:
+    of each local ``[batch, heads, seq_len / cp, head_dim]`` tensor the ``(cp - 1) / cp`` addressed
+    to other ranks. The backward sends as much again (dO in, dQ, dK, dV back). ``seq_len`` is the
+    full sequence; 0 for cp = 1.
+
+    Example::
+
+        ulysses_bytes_per_rank(1, 8, 2, 4096, 128, cp=4, dtype_bytes=2)   # 3/4 of (8+4+4+8) * 1024 * 128 * 2
+    """
+    if cp <= 1:
+        return 0
+    if seq_len % cp:
+        raise ValueError(f"seq_len {seq_len} is not divisible by cp = {cp}")
+    kv = ulysses_kv_heads(heads_q, heads_kv, cp)
+    per_peer = batch * (2 * heads_q + 2 * kv) // cp * (seq_len // cp) * head_dim * dtype_bytes
+    return per_peer * (cp - 1)
+
+
 def experts_problem(num_experts: int, ep: int) -> str | None:
     """Each ep rank holds ``num_experts / ep`` experts."""
     if num_experts % ep == 0:

@@ -273,7 +273,8 @@ CONFIG_ERRORS = [
     (["parallel=pp2", "parallel.pp_stage_layers=[2]"], r"pp_stage_layers=\[2\] lists 1 stages, the pipeline has"),
     (
         ["parallel=cp4", "parallel.cp_comm=a2a", "model.num_heads=2", "model.num_kv_heads=2"],
-        r"num_heads=2: cp_comm='a2a' gives each cp rank whole heads.*or cp_comm='ring'",
+        r"num_heads=2 over tp=1: all-to-all \(Ulysses\) context parallelism splits the 2 query heads .*"
+        r"or cp_comm='ring'",
     ),
     (["parallel=cp2", "parallel.cp_comm=ulysses"], r"cp_comm='ulysses' must be one of \('ring', 'a2a'\)"),
 ]

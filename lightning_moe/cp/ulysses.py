@@ -6,7 +6,8 @@ a head split: one all-to-all over the cp group turns the sequence shards of Q, K
 shards (``[B, H/cp, S, D]``: the whole sequence for ``H/cp`` heads), attention runs on the full
 sequence with any kernel and any mask (document masks included), and a second all-to-all turns the
 output back into sequence shards. Each rank sends ``(cp - 1) / cp`` of its Q, K, V and output per
-attention call (:func:`ulysses_bytes_per_rank`), the same again in the backward, independently of
+attention call (:func:`~lightning_moe.layout.ulysses_bytes_per_rank`, with the head rule, in the layout
+module, which the planner shares), the same again in the backward, independently of
 how the attention is masked; the ring (:func:`~lightning_moe.cp.ring_attention`) instead sends
 K/V ``cp - 1`` times but overlaps it with compute and has no head-count limit.
 
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from lightning_moe.cp.documents import DocumentAttentionMode, SequenceShardedAttentionMode, check_document_ids
 from lightning_moe.cp.sharding import LAYOUTS, Layout, shard_sequence
-from lightning_moe.layout import ulysses_heads_problem, ulysses_kv_heads
+from lightning_moe.layout import ulysses_bytes_per_rank, ulysses_heads_problem, ulysses_kv_heads
 
 __all__ = [
     "UlyssesAttentionMode",
@@ -50,33 +51,6 @@ __all__ = [
     "ulysses_bytes_per_rank",
     "ulysses_kv_heads",
 ]
-
-
-# --------------------------------------------------------------------------------------------------
-# Bytes (pure; the head rule, ulysses_kv_heads, is lightning_moe.layout's)
-
-
-def ulysses_bytes_per_rank(
-    batch: int, heads_q: int, heads_kv: int, seq_len: int, head_dim: int, cp: int, dtype_bytes: int
-) -> int:
-    """Bytes one rank sends to its cp peers in the forward of one attention call.
-
-    Q, K and V go in (K/V after the repeat of :func:`ulysses_kv_heads`) and the output comes back:
-    of each local ``[batch, heads, seq_len / cp, head_dim]`` tensor the ``(cp - 1) / cp`` addressed
-    to other ranks. The backward sends as much again (dO in, dQ, dK, dV back). ``seq_len`` is the
-    full sequence; 0 for cp = 1.
-
-    Example::
-
-        ulysses_bytes_per_rank(1, 8, 2, 4096, 128, cp=4, dtype_bytes=2)   # 3/4 of (8+4+4+8) * 1024 * 128 * 2
-    """
-    if cp <= 1:
-        return 0
-    if seq_len % cp:
-        raise ValueError(f"seq_len {seq_len} is not divisible by cp = {cp}")
-    kv = ulysses_kv_heads(heads_q, heads_kv, cp)
-    per_peer = batch * (2 * heads_q + 2 * kv) // cp * (seq_len // cp) * head_dim * dtype_bytes
-    return per_peer * (cp - 1)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 
 from lightning_moe.cp import check_seq_len, zigzag_shard
 from lightning_moe.cp.comm import CpComm
+from lightning_moe.layout import ulysses_heads_problem
 from lightning_moe.parallel.dims import ParallelDims
 
 # Sequence-shaped batch entries sharded by default (docs/architecture.md, "Batches"); users add their
@@ -75,12 +76,13 @@ def check_context_parallel_support(
     if dims.cp > 1 and cp_comm == CpComm.A2A:
         for name, layer in module.named_modules():
             heads = getattr(layer, "num_heads", None)
-            if isinstance(heads, int) and (heads % dims.tp or (heads // dims.tp) % dims.cp):
-                raise ValueError(
-                    f"{name or type(module).__name__}.num_heads={heads}: cp_comm='a2a' gives each cp rank whole heads,"
-                    f" which needs num_heads/tp = {heads}/{dims.tp} divisible by cp={dims.cp}: choose cp dividing the"
-                    " heads per tp rank, or cp_comm='ring'"
-                )
+            kv_heads = getattr(layer, "num_kv_heads", None) or heads
+            # Heads that tp does not divide are tp's to refuse (check_head_counts), with its own fix.
+            if not isinstance(heads, int) or heads % dims.tp or kv_heads % dims.tp:
+                continue
+            problem = ulysses_heads_problem(heads // dims.tp, kv_heads // dims.tp, dims.cp)
+            if problem:
+                raise ValueError(f"{name or type(module).__name__}.num_heads={heads} over tp={dims.tp}: {problem}")
     if dims.cp * dims.tp == 1:
         return
     for name, layer in module.named_modules():

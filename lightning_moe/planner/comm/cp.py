@@ -5,7 +5,7 @@ the pipeline's loss-token count."""
 from __future__ import annotations
 
 from lightning_moe.cp.comm import CpComm
-from lightning_moe.layout import ulysses_kv_heads
+from lightning_moe.layout import ulysses_bytes_per_rank
 from lightning_moe.planner.comm.collective_bytes import all_reduce_bytes
 from lightning_moe.planner.comm.record import CommRecord
 from lightning_moe.planner.comm.step import StepCounts
@@ -42,7 +42,7 @@ def ulysses_attention_bytes(
       autocast dtype before the exchange, so 2 under ``bf16-mixed``, 4 under ``32-true``);
     - ``backward``: add the backward's all-to-alls (dQ, dK, dV back to sequence shards and dO to
       head shards: the same bytes again); False gives the forward's alone
-      (``lightning_moe.cp.ulysses.ulysses_bytes_per_rank``).
+      (:func:`lightning_moe.layout.ulysses_bytes_per_rank`, which the runtime's accounting uses too).
 
     Forward: one all-to-all of Q, K and V (K and V with
     :func:`~lightning_moe.layout.ulysses_kv_heads` heads, repeated up to a multiple of cp) from
@@ -56,13 +56,7 @@ def ulysses_attention_bytes(
 
         ulysses_attention_bytes(1, 8, 2, 4096, 128, cp=4, dtype_bytes=2)   # 2 x 3/4 x (8+8+4+4) x 1024 x 128 x 2
     """
-    if cp <= 1:
-        return 0
-    if seq_len % cp:
-        raise ValueError(f"seq_len {seq_len} is not divisible by cp = {cp}")
-    kv = ulysses_kv_heads(heads, kv_heads, cp)
-    elements = batch * (2 * heads + 2 * kv) * (seq_len // cp) * head_dim  # q, output, k, v on one rank
-    forward = elements // cp * (cp - 1) * dtype_bytes  # heads and kv are multiples of cp: exact
+    forward = ulysses_bytes_per_rank(batch, heads, kv_heads, seq_len, head_dim, cp, dtype_bytes)
     return 2 * forward if backward else forward
 
 
