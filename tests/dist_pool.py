@@ -137,10 +137,10 @@ def close_pools(keep: int | None = None) -> None:
         _POOLS.pop(world_size).close()
 
 
-# Idle pools kept alive beside the one in use, up to this many processes: the pools of 1, 2 and 4 ranks that
-# most tests take turns on. An idle rank takes about 1% of a core (its gloo threads wake up), while a pool's
-# restart costs more than a second per run that follows it (its ranks fork, join a new world and pay the
-# first fit's one-time costs again).
+# Idle pools kept alive beside the one in use, up to this many processes: the pools of 1 and 2 ranks that
+# most comparisons take turns on. An idle rank takes about 1% of a core (its gloo threads wake up), while a
+# pool's restart costs more than a second per run that follows it (its ranks fork, join a new world and pay
+# the first fit's one-time costs again). Keeping 8-rank pools as well made the 8-rank runs slower, not faster.
 IDLE_RANKS = 3
 
 

@@ -324,7 +324,8 @@ class MoEGPT(CausalLMModule):
 
     def check_mtp_pipeline_split(self, num_stages: int, stage_layers: Sequence[int] | None = None) -> None:
         """The MTP blocks run on the last of `num_stages` pipeline stages, after its share of the
-        main layers (``stage_layers``: the strategy's ``pp_stage_layers``): refuse a split (`pipeline_stage_layers`) that gives it none, and warn when they
+        main layers (``stage_layers``: the strategy's ``pp_stage_layers``): refuse a split
+        (`pp_stage_layers` or `pipeline_stage_layers`) that gives it none, and warn when they
         make it at least twice as heavy, in blocks, as the heaviest other stage (the pipeline then
         runs at the last stage's pace), naming the fix for both."""
         depth = self.hparams.mtp_depth

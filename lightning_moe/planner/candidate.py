@@ -72,7 +72,8 @@ class Layout:
     pp_stage_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "pp_stage_layers", tuple(int(n) for n in self.pp_stage_layers))
+        # a list (Hydra's) and a tuple are one layout; the counts themselves are checked by layout_problems
+        object.__setattr__(self, "pp_stage_layers", tuple(self.pp_stage_layers))
         # "cp,tp", ["tp", "cp"] and ("cp", "tp") are one layout: one hash, one label
         object.__setattr__(self, "fold_ep", normalize_fold_ep(self.fold_ep))
         check_cp_comm(self.cp_comm)

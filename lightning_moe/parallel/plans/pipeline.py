@@ -157,10 +157,10 @@ def split_module(
         stages = split_module(model, pp_rank=1, pp=2, stage_layers=[1, 3])   # layers 1, 2, 3, norm, output
     """
     num_stages = pp * stages_per_rank
-    check_pipeline_split(module, num_stages, stage_layers)
     ids = stage_ids(pp_rank, pp, stages_per_rank, v_shape)
     hook = getattr(module, "pipeline_split", None)
     if callable(hook):
+        check_pipeline_split(module, num_stages, stage_layers)  # the counts, and a hook that takes them
         extra = {} if stage_layers is None else {"stage_layers": list(stage_layers)}
         stages = [(i, hook(i, num_stages, **extra)) for i in ids]
     else:
