@@ -86,6 +86,7 @@ def dry_run(
                 module,
                 dims,
                 data_parallel="hsdp" if layout.hsdp else "fsdp",
+                pp_schedule=layout.pp_schedule,  # the V schedules place a rank's two stages in a V
                 pp_stages_per_rank=layout.pp_stages_per_rank,
                 pp_stage_layers=layout.pp_stage_layers or None,
             )

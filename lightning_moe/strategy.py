@@ -143,9 +143,11 @@ class MoE5DStrategy(LaunchCheckedModelParallelStrategy):
             all-reducing across them), ``"ddp"`` (replication) or ``"none"``.
         dp_replicate, dp_shard: under ``"hsdp"``, dp = ``dp_replicate * dp_shard`` (give one or both): the
             replica groups and the ranks of each (torchtitan's names). Expert data parallel splits alike.
-        gather_once_per_step: under FSDP and gradient accumulation (pp = 1), all-gather each unit
-            once per optimizer step and reduce-scatter once, holding its unsharded parameters and
-            gradients for the step (:mod:`lightning_moe.parallel.engines.fsdp_accumulation`).
+        gather_once_per_step: under FSDP or HSDP with several micro-batches per optimizer step
+            (gradient accumulation, pipeline micro-batches and pipeline steps alike), all-gather each unit
+            once per optimizer step and reduce its gradients once, holding its unsharded parameters and
+            gradients for the step (:mod:`lightning_moe.parallel.engines.fsdp_accumulation`; Megatron's
+            distributed optimizer sends the same, docs/strategy.md).
         overlap_ep_comm: under gradient accumulation (pp = 1), run each micro-batch's backward interleaved
             with the next one's forward, so that each one's expert all-to-alls are in flight while the
             other computes (:class:`lightning_moe.parallel.engines.accumulation.OverlapEngine`); needs ep > 1 and

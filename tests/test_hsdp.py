@@ -80,8 +80,7 @@ def test_hsdp_sizes_and_their_errors():
         MoE5DStrategy(dp=4, data_parallel="hsdp")
     with pytest.raises(MisconfigurationException, match=r"split dp for HSDP, but data_parallel='fsdp'"):
         MoE5DStrategy(dp=4, dp_replicate=2)
-    with pytest.raises(MisconfigurationException, match=r"gather_once_per_step=True needs data_parallel='fsdp'"):
-        MoE5DStrategy(dp=4, data_parallel="hsdp", dp_replicate=2, gather_once_per_step=True)
+    assert MoE5DStrategy(dp=4, data_parallel="hsdp", dp_replicate=2, gather_once_per_step=True).gather_once_per_step
 
 
 def test_replica_groups_that_do_not_split_dp_fail_at_launch():

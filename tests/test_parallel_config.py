@@ -58,7 +58,7 @@ def test_the_strategy_arguments_are_the_config_fields_with_the_same_defaults():
         ({"data_parallel": "hsdp"}, r"data_parallel='hsdp' needs dp_replicate or dp_shard"),
         (
             {"gather_once_per_step": True, "data_parallel": "ddp"},
-            r"gather_once_per_step=True needs data_parallel='fsdp' and pp=1",
+            r"gather_once_per_step=True needs data_parallel='fsdp' or 'hsdp' \(got data_parallel='ddp'\)",
         ),
         (
             {"overlap_ep_comm": True},

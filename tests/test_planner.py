@@ -251,13 +251,14 @@ def test_hsdp_shards_within_replica_groups_and_all_reduces_across_them():
 
 
 def test_the_search_offers_hsdp_where_dp_spans_nodes():
-    """One replica group per node the dp group spans; none on one node (cpu_local), none with
-    gather_once_per_step (the strategy refuses it under HSDP)."""
+    """One replica group per node the dp group spans, gathering per micro-batch or once per step; none
+    on one node (cpu_local)."""
     shape = ModelShape.from_config(TINY)
     two_nodes = list(enumerate_layouts(4, shape, TINY_SEQ, TINY_GLOBAL_BATCH, gpus_per_node=2))
     hsdp = [lay for lay in two_nodes if lay.hsdp]
     assert {lay.label() for lay in hsdp} >= {"hsdp2x2 mb1", "tp2·hsdp2x1 mb1", "ep2·hsdp2x1 mb1"}
-    assert all(lay.dp_replicate == 2 and not lay.gather_once_per_step for lay in hsdp)
+    assert all(lay.dp_replicate == 2 for lay in hsdp)
+    assert {lay.label() for lay in hsdp if lay.gather_once_per_step} >= {"hsdp2x2 mb1 gather_once_per_step"}
     assert len({lay.label() for lay in two_nodes}) == len(two_nodes)
     assert not any(lay.hsdp for lay in enumerate_layouts(4, shape, TINY_SEQ, TINY_GLOBAL_BATCH, gpus_per_node=64))
     with pytest.raises(ValueError, match=r"dp_replicate\*dp_shard = 3\*None != dp = 4"):
@@ -379,10 +380,11 @@ def test_a_requested_layout_and_the_ranking_never_share_a_label_with_different_e
     best = next(e for e in out["layouts"] if e["label"].startswith("tp8·ep8·dp2·pp8 "))
     assert best["label"] != requested["label"] and best["step_time_s"] != requested["step_time_s"]
     assert f"pp_microbatches={best['pp_microbatches']}" in best["label"] and best["pp_microbatches"] == 32
+    once = [f"parallel.gather_once_per_step={str(best['label'].endswith(' gather_once_per_step')).lower()}"]
     capsys.readouterr()
 
     same = run_plan(
-        compose_plan(*common, *sizes, "parallel.pp_microbatches=32", "++data.micro_batch_size=1"),
+        compose_plan(*common, *sizes, "parallel.pp_microbatches=32", "++data.micro_batch_size=1", *once),
         None,
         {"model": "mixtral_8x22b", "cluster": "h100_sxm"},
     )

@@ -14,6 +14,7 @@ BENCHMARKS = (
     "ep_overlap",
     "ep_folding",
     "peak_memory",
+    "pipeline_gather",
     "data_loading",
     "cp_documents",
     "checkpoint_save",

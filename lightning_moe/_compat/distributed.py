@@ -177,7 +177,7 @@ def reduce_fsdp_gradients(units: list[nn.Module]) -> None:
     stages do the same for a stage module that is itself an FSDP unit
     (``_PipelineStageBase.perform_reduce_grad``); ours wrap its children. Private: each unit's state's
     param groups (``_fsdp_param_groups`` on 2.13, one ``_fsdp_param_group`` on 2.11) and their
-    ``post_backward()``, and the root state's ``_root_post_backward_final_callback()``.
+    ``post_backward()``, and each root state's ``_root_post_backward_final_callback()``.
     Checked on: torch 2.11-2.13."""
     from torch.distributed.fsdp import fully_shard
 
@@ -194,8 +194,10 @@ def reduce_fsdp_gradients(units: list[nn.Module]) -> None:
             groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
         for group in groups:
             group.post_backward()
-    root = next((state for state in states if state._is_root), states[0])
-    root._root_post_backward_final_callback()
+    # Each root's callback finalizes its own tree and frees the reduce-scatter inputs it keeps: under
+    # pp > 1 every top-level unit is a root, and a root left out would hold its inputs until its next backward.
+    for root in [state for state in states if state._is_root] or states[:1]:
+        root._root_post_backward_final_callback()
 
 
 def fake_store() -> dist.Store:

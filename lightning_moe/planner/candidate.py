@@ -28,7 +28,7 @@ class Layout:
 
     ``microbatches``: micro-batches per optimizer step on each data-parallel rank; under pp > 1 each
     pipeline step runs ``pp_microbatches`` of them (0: all, one pipeline step per optimizer step).
-    ``gather_once_per_step``: FSDP gathers each unit once per optimizer step (pp = 1).
+    ``gather_once_per_step``: FSDP gathers each unit once per optimizer step (any pipeline schedule).
     ``fold_ep``: parallel folding, the attention dims (``"tp"``, ``"cp"``) the expert ep group spans
     too (:func:`lightning_moe.layout.normalize_fold_ep`). ``ep`` is the expert-parallel size either
     way, as ``ParallelDims`` takes it; the mesh's ep dim holds its unfolded part (:attr:`mesh_ep`).

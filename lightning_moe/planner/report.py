@@ -207,10 +207,14 @@ def format_same_sizes(requested: Estimate, result: Plan) -> str:
                 f"parallel.pp_schedule={lay.pp_schedule}",
                 f"parallel.pp_stages_per_rank={lay.pp_stages_per_rank}",
             ]
+    for option in ("gather_once_per_step", "overlap_ep_comm"):
+        if getattr(lay, option) != getattr(req, option):
+            settings.append(f"parallel.{option}={str(getattr(lay, option)).lower()}")
+    why = "Not ranked as requested" if requested.fits else "Not ranked: the requested layout does not fit"
     return (
-        f"Not ranked as requested; the ranking's fastest with these sizes is #{i}, {lay.label()}:"
+        f"{why}; the ranking's fastest with these sizes is #{i}, {lay.label()}:"
         f" {best.step_time:.3g} s, {best.mfu:.1%} MFU (requested: {requested.step_time:.3g} s, {requested.mfu:.1%})."
-        f" To train it: {' '.join(settings)}."
+        + (f" To train it: {' '.join(settings)}." if settings else "")
     )
 
 

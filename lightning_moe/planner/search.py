@@ -53,8 +53,6 @@ def layout_problems(
         seq_len=seq_len, global_batch_size=global_batch_size,
         micro_batch_size=layout.micro_batch_size, pp_microbatches=mp, fold_ep=layout.fold_ep,
     )  # fmt: skip
-    if layout.hsdp and layout.gather_once_per_step:
-        problems.append("gather_once_per_step=True needs data_parallel='fsdp' (HSDP reduces every micro-batch)")
     if not model.num_moe_layers and ep > 1:
         problems.append("ep > 1 without MoE layers")
     if layout.overlap_ep_comm:
@@ -96,8 +94,8 @@ def overlap_ep_comm_problems(model: ModelShape, layout: Layout, checkpointing: s
             f"overlap_ep_comm=True with pp={layout.pp} needs pp_schedule='DualPipeV' (got {layout.pp_schedule!r}) or use pp=1"
         )
     # DualPipeV pairs passes of the rank's two stages, never of one FSDP unit: any data parallelism does
-    if layout.pp == 1 and (layout.hsdp or not layout.gather_once_per_step):
-        problems.append("overlap_ep_comm=True needs data_parallel='fsdp' with gather_once_per_step=True")
+    if layout.pp == 1 and not layout.gather_once_per_step:
+        problems.append("overlap_ep_comm=True needs gather_once_per_step=True")
     if checkpointing != "none":
         problems.append(f"overlap_ep_comm=True needs activation_checkpointing='none', got {checkpointing!r}")
     kind = dispatcher_kind(model.dispatcher)
@@ -220,8 +218,11 @@ def enumerate_layouts(
     Under pp > 1 one pipeline step runs all micro-batches of the optimizer step, and the interleaved
     and V schedules run two stages per rank. Where the strategy takes it (ep > 1, no activation
     checkpointing under ``checkpointing``, and pp = 1 with accumulation and ``gather_once_per_step``
-    or ``DualPipeV``), each layout is also tried with ``overlap_ep_comm``. Layouts come with ring
-    attention (``cp_comm="ring"``); :func:`plan` tries the all-to-all on each (:func:`estimate_cp_comm`).
+    or ``DualPipeV``), each layout is also tried with ``overlap_ep_comm``. With several micro-batches
+    per optimizer step, each is also tried with ``gather_once_per_step`` (memory decides), but for
+    the V schedules, which gather once per pipeline step already. Layouts
+    come with ring attention (``cp_comm="ring"``); :func:`plan` tries the all-to-all on each
+    (:func:`estimate_cp_comm`).
     """
     for sizes_of_mesh in mesh_factorizations(world_size):
         tp, cp, mesh_ep, pp, dp = (sizes_of_mesh[d] for d in ("tp", "cp", "ep", "pp", "dp"))
@@ -267,9 +268,9 @@ def _schedules(
             else [(sch, 2 if sch in ("Interleaved1F1B", *V_SCHEDULES) else 1) for sch in schedules]
         )
         for schedule, v in options:
-            # pp = 1 with accumulation: FSDP may gather once per optimizer step (more memory); the
-            # strategy refuses it under HSDP
-            for once in (False, True) if pp == 1 and m > 1 and replicas == 1 else (False,):
+            # several micro-batches per optimizer step: FSDP may gather once per step (more memory); the V
+            # schedules gather once per pipeline step already, and here one pipeline step is the optimizer step
+            for once in (False, True) if m > 1 and schedule not in V_SCHEDULES else (False,):
                 # micro-batch overlap needs the blocks kept gathered: FSDP2 would reshard one after the next
                 # forward while the previous backward still needs it (DualPipeV pairs two stages instead)
                 pairs = once if pp == 1 else schedule == "DualPipeV"

@@ -169,11 +169,10 @@ class ParallelConfig:
             )
         if data_parallel == "hsdp" and self.dp_replicate is None and self.dp_shard is None:
             raise MisconfigurationException(hsdp_problem(1))
-        if self.gather_once_per_step and (data_parallel != "fsdp" or self.pp > 1):
+        if self.gather_once_per_step and data_parallel not in ("fsdp", "hsdp"):
             raise MisconfigurationException(
-                f"gather_once_per_step=True needs data_parallel='fsdp' and pp=1 (got data_parallel={data_parallel!r},"
-                f" pp={self.pp}): only FSDP gathers parameters, and pipeline schedules already reduce gradients once per"
-                " pipeline step; set gather_once_per_step=False"
+                f"gather_once_per_step=True needs data_parallel='fsdp' or 'hsdp' (got data_parallel={data_parallel!r}):"
+                " only FSDP gathers parameters; set data_parallel='fsdp' or gather_once_per_step=False"
             )
 
     def _check_overlap_ep_comm(self) -> None:
@@ -207,14 +206,9 @@ class ParallelConfig:
             )
         # Under DualPipeV the paired forward and backward run on the rank's two stages, never on one FSDP unit.
         if pp == 1 and data_parallel in ("fsdp", "hsdp") and not self.gather_once_per_step:
-            fix = (
-                "gather_once_per_step=True"
-                if data_parallel == "fsdp"
-                else "data_parallel='fsdp' and gather_once_per_step=True"
-            )
             raise MisconfigurationException(
-                f"overlap_ep_comm=True with data_parallel={data_parallel!r} needs {fix}: FSDP2 would reshard a block"
-                " after the next micro-batch's forward while the previous one's backward still needs it"
+                f"overlap_ep_comm=True with data_parallel={data_parallel!r} needs gather_once_per_step=True: FSDP2 would"
+                " reshard a block after the next micro-batch's forward while the previous one's backward still needs it"
             )
 
     def replace(self, **changes: Any) -> ParallelConfig:

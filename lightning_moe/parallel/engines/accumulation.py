@@ -33,7 +33,7 @@ class AccumulationEngine(StepEngine):
     """Lightning's gradient accumulation: ``training_step`` then ``backward`` per loader micro-batch.
 
     ``cp``: the context-parallel size (each cp rank's MoE aux loss is a partial one while gradients
-    are averaged over cp, so the aux losses are scaled by cp). ``gather_once_per_step``: FSDP2 gathers
+    are averaged over cp, so the aux losses are scaled by cp). ``gather_once_per_step``: FSDP2 (or HSDP) gathers
     each unit once per optimizer step (:meth:`build` after ``fully_shard``).
 
     Example (what ``MoE5DStrategy`` does per Lightning batch)::

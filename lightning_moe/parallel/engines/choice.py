@@ -33,7 +33,9 @@ def choose_step_engine(
     """
     microbatches = dims.pp if pp_microbatches is None else pp_microbatches
     if dims.pp > 1:
-        return PipelineEngine(dims, pp_schedule, microbatches, pp_stages_per_rank, overlap_ep_comm)
+        return PipelineEngine(
+            dims, pp_schedule, microbatches, pp_stages_per_rank, overlap_ep_comm, gather_once_per_step
+        )
     # The pipeline's arguments are checked on every layout, so a preset fails alike whatever its pp.
     check_pipeline_config(dims.pp, pp_schedule, microbatches, pp_stages_per_rank)
     engine = OverlapEngine if overlap_ep_comm else AccumulationEngine

@@ -7,7 +7,9 @@ parameters gathered from the first forward of an optimizer step to the last back
 accumulates unsharded gradients until that backward reduce-scatters them once (FSDP2's
 ``set_reshard_after_forward``, ``set_reshard_after_backward`` and ``set_requires_gradient_sync``).
 The price is memory: each unit's unsharded parameters and gradients stay allocated for the whole
-step, as without FSDP (``MoE5DStrategy(gather_once_per_step=True)``, pp = 1 only).
+step, as without FSDP (``MoE5DStrategy(gather_once_per_step=True)``). This class serves pp = 1; under
+a pipeline :class:`~lightning_moe.parallel.engines.pipeline_runner.PipelineRunner` does the same
+around its schedule's steps.
 """
 
 from __future__ import annotations

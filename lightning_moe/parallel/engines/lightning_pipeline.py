@@ -10,6 +10,8 @@ of them inside ``training_step``. :class:`PipelineEngine` keeps Lightning's cont
   schedule's gradients are stashed and added back in ``backward``, as Lightning's backward would;
 - scaling: each micro-batch is ``1 / (pp_microbatches * accumulation)`` of the optimizer step, for
   the task loss and the MoE aux losses alike;
+- FSDP: with ``gather_once_per_step`` each unit is gathered in the optimizer step's first pipeline
+  step and its gradients reduced in the last (:class:`~lightning_moe.parallel.engines.pipeline_runner.PipelineRunner`);
 - evaluation: inside ``validation_step``/``test_step``/``predict_step``, ``self(...)`` runs the
   whole model through the stages (:meth:`PipelineRunner.forward_only`).
 """
@@ -25,6 +27,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
+from lightning_moe._compat import optimizer_steps_after_this_batch
 from lightning_moe.moe import set_aux_loss_scale
 from lightning_moe.parallel.dims import ParallelDims
 from lightning_moe.parallel.engines.pipeline_runner import PipelineRunner
@@ -54,12 +57,19 @@ class PipelineEngine(StepEngine):
     """
 
     def __init__(
-        self, dims: ParallelDims, schedule: str, microbatches: int, stages_per_rank: int, overlap_ep_comm: bool = False
+        self,
+        dims: ParallelDims,
+        schedule: str,
+        microbatches: int,
+        stages_per_rank: int,
+        overlap_ep_comm: bool = False,
+        gather_once_per_step: bool = False,
     ) -> None:
         check_pipeline_config(dims.pp, schedule, microbatches, stages_per_rank)
         super().__init__()
         self.dims = dims
         self.overlap_ep_comm = overlap_ep_comm
+        self.gather_once_per_step = gather_once_per_step
         self.schedule = schedule
         self.microbatches = microbatches
         self.stages_per_rank = stages_per_rank
@@ -135,6 +145,7 @@ class PipelineEngine(StepEngine):
             microbatches=self.microbatches,
             loss_fn=loss,
             overlap_ep_comm=self.overlap_ep_comm,
+            gather_once_per_step=self.gather_once_per_step,
         )
 
     def process_dataloader(self, dataloader: object) -> GroupedBatchLoader:
@@ -159,7 +170,9 @@ class PipelineEngine(StepEngine):
         stashed until :meth:`backward`.
         """
         with step_context(), self._precision.train_step_context():
-            loss, size = self._schedule_step(batch, trainer.accumulate_grad_batches, optimizers, module)
+            loss, size = self._schedule_step(
+                batch, trainer.accumulate_grad_batches, optimizers, module, optimizer_steps_after_this_batch(trainer)
+            )
         terms = {"loss": loss}
         if self._term_names != ("loss",):
             runner = self._built()
@@ -172,7 +185,12 @@ class PipelineEngine(StepEngine):
         return loss
 
     def _schedule_step(
-        self, batch: Any, accumulate_grad_batches: int, optimizers: Sequence[torch.optim.Optimizer], module: nn.Module
+        self,
+        batch: Any,
+        accumulate_grad_batches: int,
+        optimizers: Sequence[torch.optim.Optimizer],
+        module: nn.Module,
+        steps_optimizer: bool,
     ) -> tuple[torch.Tensor, int]:
         runner = self._built()
         inputs, kwargs, target = pipeline_batch(
@@ -192,7 +210,7 @@ class PipelineEngine(StepEngine):
         # Each cp rank holds a partial aux loss while gradients are averaged over cp: hence the factor cp.
         set_aux_loss_scale(self.dims.cp * grad_scale)
         self._step_terms = []
-        losses = runner.step(inputs, kwargs, target, train=True, grad_scale=grad_scale)
+        losses = runner.step(inputs, kwargs, target, train=True, grad_scale=grad_scale, steps_optimizer=steps_optimizer)
         loss = runner.broadcast_mean(losses)
         self._stashed_grads = [(p, p.grad) for p, _ in previous]
         for param, grad in previous:

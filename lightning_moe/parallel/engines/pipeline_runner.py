@@ -142,10 +142,17 @@ class PipelineRunner:
         loss_fn: ``loss_fn(output, target) -> scalar`` of one micro-batch on the last stage.
         overlap_ep_comm: DualPipeV runs each of its overlapped forward/backward pairs interleaved at the
             expert all-to-alls (:mod:`lightning_moe.comm.interleave`), not one after the other.
+        gather_once_per_step: every FSDP2 unit stays gathered, and its gradients accumulate unsharded,
+            from the first forward of an optimizer step to the end of its last pipeline step, which
+            reduce-scatters them once (:meth:`step`'s ``steps_optimizer``).
 
     :meth:`step` runs forward and backward of ``microbatches`` micro-batches; the gradient of each
     micro-batch loss is multiplied by ``grad_scale`` (torch's own 1/n scaling is off: it would also
-    divide gradients accumulated by earlier steps). It returns the micro-batch losses on the rank
+    divide gradients accumulated by earlier steps). FSDP2 gathers: under 1F1B, GPipe and
+    Interleaved1F1B each unit once per micro-batch in forward (a nested unit, e.g. experts, again in
+    backward) and reduces its gradients once per pipeline step; under the V schedules, whose weight
+    gradients come apart from autograd's backward, once per pipeline step; with
+    ``gather_once_per_step``, once per optimizer step, whatever the schedule. It returns the micro-batch losses on the rank
     that holds the last stage and None elsewhere. :meth:`forward_only` is the whole model's forward.
 
     Tied end modules (:func:`~lightning_moe.parallel.plans.pipeline.tied_end_modules`, e.g. the token
@@ -174,6 +181,7 @@ class PipelineRunner:
         microbatches: int,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
         overlap_ep_comm: bool = False,
+        gather_once_per_step: bool = False,
     ) -> None:
         self.modules = [module for _, module in stages]
         self.stage_indices = [index for index, _ in stages]
@@ -184,10 +192,13 @@ class PipelineRunner:
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.overlap_ep_comm = overlap_ep_comm
+        self.gather_once_per_step = gather_once_per_step
         self.grad_scale = 1.0
         self.holds_first_stage = 0 in self.stage_indices
         self.holds_last_stage = num_stages - 1 in self.stage_indices
         self.v_shape = schedule in V_SCHEDULES
+        # Units kept gathered through a pipeline step (or an optimizer step), reduced by reduce_fsdp_gradients.
+        self.holds_gathered = self.v_shape or gather_once_per_step
         self.last_stage_group_rank = stage_rank(num_stages - 1, dist.get_world_size(group), self.v_shape)
         self.forward_kwargs = _forward_parameters(self.modules[0])
         for module in self.modules:  # packed documents' ids reach the attention mode, not the stage
@@ -246,7 +257,7 @@ class PipelineRunner:
                 for index, module in zip(self.stage_indices, self.modules)
             ]
             for stage in stages:
-                stage.reduce_after_step = self.v_shape
+                stage.reduce_after_step = self.holds_gathered
             kwargs = dict(
                 n_microbatches=self.microbatches, loss_fn=None if kind == "forward" else self._loss, scale_grads=False
             )
@@ -280,23 +291,27 @@ class PipelineRunner:
         *,
         train: bool = True,
         grad_scale: float = 1.0,
+        steps_optimizer: bool = True,
     ) -> list[torch.Tensor] | None:
-        """Run one schedule step; ``inputs`` are used by the first stage, ``target`` by the last."""
+        """Run one schedule step; ``inputs`` are used by the first stage, ``target`` by the last.
+        ``steps_optimizer``: the optimizer steps after this pipeline step (with ``gather_once_per_step``
+        only then are the gradients reduced; until then they accumulate unsharded)."""
         self._sync_mode(train)
         self.grad_scale = grad_scale
         losses: list[torch.Tensor] | None = [] if self.holds_last_stage else None
         args = inputs if self.holds_first_stage else ()
         tgt = target if self.holds_last_stage else None
         if train:
-            units = self._fsdp_units() if self.v_shape else []
+            units = self._fsdp_units() if self.holds_gathered else []
             for unit in units:  # gathered and unreduced until the step's last weight gradient
                 unit.set_is_last_backward(False)
                 unit.set_reshard_after_forward(False, recurse=False)
                 unit.set_reshard_after_backward(False, recurse=False)
             with self.stats.collect():
                 self._schedule("train").step(*args, target=tgt, losses=losses, return_outputs=False, **kwargs)
-            reduce_fsdp_gradients(units)
-            self._sum_tied_gradients()
+            if steps_optimizer or not self.gather_once_per_step:
+                reduce_fsdp_gradients(units)
+                self._sum_tied_gradients()
         else:
             self._run_forward_only("eval", args, dict(kwargs, target=tgt, losses=losses))
         return [loss.detach() for loss in losses] if losses is not None else None

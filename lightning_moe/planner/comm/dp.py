@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from lightning_moe.planner.comm.collective_bytes import all_reduce_bytes
 from lightning_moe.planner.comm.record import CommRecord
-from lightning_moe.planner.comm.step import StepCounts, fsdp_reduces
+from lightning_moe.planner.comm.step import StepCounts, fsdp_gathers, fsdp_reduces
 from lightning_moe.planner.dtypes import FP32_BYTES, FSDP_GATHER_BYTES, FSDP_REDUCE_BYTES, INT64_BYTES
 from lightning_moe.planner.groups import fsdp_shard_group, group_size
 from lightning_moe.planner.rank_shards import fsdp_units
@@ -19,9 +19,10 @@ SIGTERM_FLAG_BYTES = INT64_BYTES
 def dp_records(step: StepCounts) -> list[CommRecord]:
     """The data-parallel groups' collectives of one optimizer step.
 
-    FSDP2 all-gathers each unit in forward, and again in backward for non-root units, and
-    reduce-scatters its gradients: once per micro-batch, or once per optimizer step with
-    ``gather_once_per_step`` (reductions: :func:`~lightning_moe.planner.comm.step.fsdp_reduces`).
+    FSDP2 all-gathers each unit in forward, and again in backward for non-root units, once per
+    micro-batch; under the V schedules once per pipeline step (the stages stay gathered until the
+    step's weight gradients); with ``gather_once_per_step`` once per optimizer step, whatever the
+    pipeline. It reduce-scatters the gradients as :func:`~lightning_moe.planner.comm.step.fsdp_reduces` counts.
     HSDP runs both within the shard group, then all-reduces each reduced gradient shard (fp32, padded
     as FSDP2 pads it) across the replica groups (``foreach_reduce``'s ``all_reduce_group``). Over the
     token group, ``global_aux_loss`` all-reduces each MoE layer's expert counts per micro-batch and
@@ -30,12 +31,11 @@ def dp_records(step: StepCounts) -> list[CommRecord]:
     model, layout = step.model, step.layout
     m, moe = layout.microbatches, step.moe_layers
     records = []
-    once = layout.gather_once_per_step and layout.pp == 1
     scatters = fsdp_reduces(layout)
     for unit in fsdp_units(model, layout):
         group = fsdp_shard_group(layout, unit.group)
         n = group_size(layout, group)
-        gathers = 1 if once else (1 if unit.root else 2) * m
+        gathers = fsdp_gathers(layout, unit.root)
         frac = unit.ranks_fraction * unit.count
         if n > 1:
             shard = unit.padded_shard_numel * (n - 1)

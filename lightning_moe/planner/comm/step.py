@@ -86,10 +86,22 @@ class StepCounts:
 
 
 def fsdp_reduces(layout: Layout) -> int:
-    """FSDP2 gradient reductions per optimizer step: after every micro-batch's backward (pp = 1), once
-    (``gather_once_per_step``: gradient sync only in the step's last backward), or in the last
-    backward of each pipeline step (pp > 1, ``lightning_moe._compat.pipeline_stage_class``'s
+    """FSDP2 gradient reductions per optimizer step: once with ``gather_once_per_step`` (gradient
+    sync only after the step's last backward), after every micro-batch's backward (pp = 1), or at the
+    end of each pipeline step (pp > 1, ``lightning_moe._compat.pipeline_stage_class``'s
     ``backward_maybe_with_nosync``)."""
-    if layout.pp > 1:
+    if layout.gather_once_per_step:
+        return 1
+    return layout.pipeline_steps if layout.pp > 1 else layout.microbatches
+
+
+def fsdp_gathers(layout: Layout, root: bool) -> int:
+    """FSDP2 all-gathers of one unit per optimizer step: once with ``gather_once_per_step``; once per
+    pipeline step under the V schedules (``PipelineRunner`` keeps their stages gathered until the
+    step's weight gradients); otherwise in every micro-batch's forward and, for a unit that is not a
+    root (which FSDP2 reshards after forward), again in its backward."""
+    if layout.gather_once_per_step:
+        return 1
+    if layout.v_schedule:
         return layout.pipeline_steps
-    return 1 if layout.gather_once_per_step else layout.microbatches
+    return (1 if root else 2) * layout.microbatches
