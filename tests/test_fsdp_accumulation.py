@@ -8,6 +8,7 @@ whose FSDP part no longer grows with the micro-batches or the pipeline steps.
 from __future__ import annotations
 
 import csv
+import dataclasses
 
 import pytest
 import torch
@@ -98,32 +99,39 @@ def _pp_layout(overrides: list[str]):
     return layout_from_parallel(parallel, 4, 16, 1)
 
 
-def _planned_dp_bytes(overrides: list[str]) -> float:
-    return accounted_comm_bytes(ModelShape.from_config(PP_MODEL), _pp_layout(overrides), SEQ, precision="32-true")["dp"]
-
-
 @pytest.mark.slow
 def test_gathering_once_under_a_pipeline_sends_the_planned_dp_bytes_whatever_the_micro_batches(tmp_path):
     """pp2 x dp2, 8 micro-batches per optimizer step in 1 pipeline step or in 4 of 2: the measured dp
     bytes are the planner's to the byte, the same for both, and under a fifth of gathering per
-    micro-batch (whose planned bytes equal the measured ones: tests/test_planner.py, pp presets)."""
+    micro-batch (whose planned bytes equal the measured ones: tests/test_planner.py, pp presets).
+    DualPipeV without the option gathers once per pipeline step (2 of 4 here), and its middle stage
+    boundary stays on one rank: dp and pp to the byte too."""
     once = {}
     for microbatches in (8, 2):
         overrides = [*PP2_DP2, f"parallel.pp_microbatches={microbatches}", "parallel.gather_once_per_step=true"]
-        measured = _measured_dp_bytes(tmp_path / f"mb{microbatches}", overrides)
-        assert measured == pytest.approx(_planned_dp_bytes(overrides), abs=0.5), microbatches
+        measured = _measured_bytes(tmp_path / f"mb{microbatches}", overrides)["dp"]
+        assert measured == pytest.approx(_planned_bytes(overrides)["dp"], abs=0.5), microbatches
         once[microbatches] = measured
     assert once[8] == once[2] > 0
-    per_micro_batch = _planned_dp_bytes([*PP2_DP2, "parallel.pp_microbatches=8"])
+    per_micro_batch = _planned_bytes([*PP2_DP2, "parallel.pp_microbatches=8"])["dp"]
     assert once[8] * 5 <= per_micro_batch, (once, per_micro_batch)
 
+    dualpipev = ["parallel=pp2_ep2_dualpipev"]
+    measured, planned = _measured_bytes(tmp_path / "dualpipev", dualpipev), _planned_bytes(dualpipev)
+    assert measured["dp"] == pytest.approx(planned["dp"], abs=0.5) and measured["dp"] > 0, (measured, planned)
+    assert measured["pp"] == pytest.approx(planned["pp"], abs=0.5) and measured["pp"] > 0, (measured, planned)
 
-def _measured_dp_bytes(run_dir, overrides: list[str]) -> float:
+
+def _planned_bytes(overrides: list[str]) -> dict[str, float]:
+    return accounted_comm_bytes(ModelShape.from_config(PP_MODEL), _pp_layout(overrides), SEQ, precision="32-true")
+
+
+def _measured_bytes(run_dir, overrides: list[str]) -> dict[str, float]:
     # Clipping's norm all-reduces are not in the planner: the bytes come from a run without it.
     train_in_pool(run_dir, *overrides, "trainer.max_steps=3", "++trainer.gradient_clip_val=null", "logger=csv",
                   "trainer.log_every_n_steps=1", "~callbacks.progress_bar", base=PP_RUN)  # fmt: skip
     rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("comm/dp_bytes")]
-    return float(rows[-1]["comm/dp_bytes"])  # the last step: no set-up
+    return {d: float(rows[-1][f"comm/{d}_bytes"]) for d in PARALLEL_DIMS}  # the last step: no set-up
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +166,43 @@ def test_gathering_once_under_a_pipeline_or_hsdp_matches_one_process(tmp_path, p
         tmp_path / "once", *overrides, "parallel.gather_once_per_step=true", "trainer.max_steps=20", base=PP_RUN
     )
     torch.testing.assert_close(torch.tensor(once["losses"]), torch.tensor(pp_single_losses), rtol=1e-5, atol=0.0)
+
+
+def test_the_search_offers_gathering_once_under_a_pipeline_where_it_saves_bytes():
+    """Under pp the search tries ``gather_once_per_step`` with 1F1B, GPipe and Interleaved1F1B, whose
+    units gather per micro-batch otherwise, but not with the V schedules, which gather once per
+    pipeline step already (one pipeline step per optimizer step in the search); under HSDP too."""
+    from lightning_moe.planner import enumerate_layouts
+
+    layouts = list(enumerate_layouts(8, ModelShape.from_config(PP_MODEL), SEQ, 16, gpus_per_node=2))
+    once = [lay for lay in layouts if lay.gather_once_per_step]
+    assert {lay.pp_schedule for lay in once if lay.pp > 1} >= {"1F1B", "Interleaved1F1B"}
+    assert not any(lay.v_schedule for lay in once) and any(lay.v_schedule for lay in layouts)
+    assert any(lay.hsdp and lay.pp > 1 for lay in once)
+    # Twins differ in bytes: the option is offered only where it changes them.
+    for lay in once:
+        base = dataclasses.replace(lay, gather_once_per_step=False)
+        shape = ModelShape.from_config(PP_MODEL)
+        assert accounted_comm_bytes(shape, lay, SEQ)["dp"] < accounted_comm_bytes(shape, base, SEQ)["dp"], lay.label()
+
+
+def test_a_plan_names_the_gathering_setting_of_the_ranked_variant():
+    """A requested layout that gathers once but does not fit the memory budget, where gathering per
+    micro-batch fits: the report says the request is not ranked and which setting trains the variant."""
+    from lightning_moe.planner import Layout, estimate, memory_per_rank, plan
+    from lightning_moe.planner.report import format_same_sizes
+    from tests.test_planner import cluster
+
+    shape, h100 = ModelShape.from_config(PP_MODEL), cluster("h100_sxm")
+    sizes = dict(dp=4, micro_batch_size=1, microbatches=4)
+    once, per_micro_batch = Layout(**sizes, gather_once_per_step=True), Layout(**sizes)
+    needs = {lay: memory_per_rank(shape, lay, SEQ, "32-true")[0].total("none") for lay in (once, per_micro_batch)}
+    assert needs[once] > needs[per_micro_batch]
+    budget = (needs[once] + needs[per_micro_batch]) / 2
+    options = dict(seq_len=SEQ, global_batch_size=16, precision="32-true", memory_budget=budget)
+    result = plan(4, shape, h100, micro_batch_sizes=[1], **options)
+    requested = estimate(shape, once, h100, SEQ, 16, precision="32-true", memory_budget=budget)
+    assert not requested.fits
+    text = format_same_sizes(requested, result)
+    assert text.startswith("Not ranked: the requested layout does not fit"), text
+    assert "parallel.gather_once_per_step=false" in text, text

@@ -19,7 +19,7 @@ PIPELINE_LOSS_BYTES = FP32_BYTES
 
 def pp_records(step: StepCounts) -> list[CommRecord]:
     """The pp group's collectives of one optimizer step (none for pp = 1): each micro-batch's
-    activations forward and gradients backward over every stage boundary (a tp rank's
+    activations forward and gradients backward over every stage boundary between two ranks (a tp rank's
     sequence-parallel shard of the hidden states), point to point along the pipeline; the mean loss
     broadcast from the last stage per pipeline step, and with MTP the logged loss terms and the tied
     embedding's gradient sum (:func:`tied_embedding_records`)."""
@@ -29,7 +29,10 @@ def pp_records(step: StepCounts) -> list[CommRecord]:
         return []
     v = layout.pp_stages_per_rank
     boundary = step.tokens * model.hidden_size * step.activation_bytes  # a tp rank's sequence-parallel shard
-    sends = 2 * (pp * v - 1) * layout.microbatches  # forward activations and backward gradients over every boundary
+    # Forward activations and backward gradients over every boundary between ranks: in a V the middle
+    # boundary (stages pp-1 and pp, both on the last rank) stays on one rank.
+    crossings = pp * v - 1 - (1 if layout.v_schedule else 0)
+    sends = 2 * crossings * layout.microbatches
     steps = layout.pipeline_steps
     records = [
         CommRecord("stage activations/gradients", "pp", "pp", boundary * sends / pp, sends / pp, pattern="chain"),
