@@ -1,8 +1,9 @@
 """Does the cost model rank CPU layouts like the measured step times? ``python -m experiments.bench.plan_check``.
 
 ``--anchors`` instead plans the published runs (:data:`ANCHORS`, as ``python -m lightning_moe.plan``
-with the same overrides) and prints each first choice's estimate as a range beside the published
-figure: no overlap, the modelled overlap, perfect overlap. Pure planner, about a minute.
+with the same overrides): for each, two rows beside the published figure, the published layout and
+the planner's first choice, each estimate as a range (no overlap, the modelled overlap, perfect
+overlap) with tokens/s per GPU. Pure planner, about a minute.
 
 Trains a small MoEGPT for a few steps under six 2-process layouts (dp2, tp2, tp2 with etp=1, cp2,
 ep2, pp2) with ``python -m lightning_moe.train``, reads each run's tokens/s (steps after the first),
@@ -22,7 +23,9 @@ import json
 import math
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -44,42 +47,93 @@ LAYOUTS = {  # name: (CLI overrides, planner layout)
 }
 
 
-# Published runs: (name, published figure, unit, plan overrides). The unit "MFU" compares MFU; "TFLOP/s"
-# compares model FLOP/s per GPU (MFU x the bf16 peak, both counting full attention).
-ANCHORS = [
-    ("Mixtral-8x22B, 1024 H100, bf16 (MoE Parallel Folding, arXiv 2504.14960)", 0.493, "MFU",
-     ["model=mixtral_8x22b", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=1024"]),
-    ("DeepSeek-V3, 1024 H100, FP8 (Megatron-Bridge performance summary)", 338e12, "TFLOP/s",
-     ["model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192", "fp8_gemms=true",
-      "model.moe.dispatcher=hierarchical", "model.moe.max_nodes_per_token=4", "model.moe.dispatch_dtype=fp8"]),
-    ("DeepSeek-V3, flat all-to-all (no per-node dispatch)", 338e12, "TFLOP/s",
-     ["model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192", "fp8_gemms=true",
-      "model.moe.max_nodes_per_token=4", "model.moe.dispatch_dtype=fp8"]),
-    ("DeepSeek-V3 with its MTP depth (as published)", 338e12, "TFLOP/s",
-     ["model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192", "fp8_gemms=true",
-      "model.moe.dispatcher=hierarchical", "model.moe.max_nodes_per_token=4", "model.moe.dispatch_dtype=fp8",
-      "model.mtp_depth=1"]),
-]  # fmt: skip
+@dataclass(frozen=True)
+class Anchor:
+    """A published run: its figure (``unit`` "TFLOP/s": model FLOP/s per GPU; "MFU"), where it comes
+    from, the plan overrides of its setting (GPUs, batch, micro-batch, precision, MTP, router regime,
+    recomputation) and those of its layout (``parallel.*``)."""
+
+    name: str
+    published: float
+    unit: str
+    source: str
+    setting: tuple[str, ...]
+    layout: tuple[str, ...]
 
 
-def anchors() -> None:
-    """Print each published run's figure beside the planner's first choice, as a range."""
+# Each setting as its recipe gives it (the sources are cited in docs/planner.md, "Published anchors").
+MIXTRAL_8X22B = Anchor(
+    "Mixtral-8x22B, 128 H100, bf16, dropless",
+    455e12,
+    "TFLOP/s",
+    "Megatron-MoE-ModelZoo: runtime_configs/benchmarking/runtime.conf (TP2 PP8 EP8 VPP1 MBS1 GBS256, 16 nodes),"
+    " model_configs/benchmarking/Mixtral-8x22B.yaml (expert TP 1, aux-loss router, no recomputation),"
+    " best_practice/Mixtral/run_mixtral_8x22B.sh (dropless about 455 TFLOP/s per H100)",
+    ("model=mixtral_8x22b", "cluster=h100_sxm", "world_size=128", "data.global_batch_size=256",
+     "data.micro_batch_size=1", "model.moe.dispatcher=alltoall"),
+    # Megatron's EP8 with expert TP 1 over TP2: ep folded over tp (4 x 2), dp 2; all 32 micro-batches
+    # of a rank in one 1F1B pipeline step.
+    ("parallel=single", "parallel.tp=2", "parallel.pp=8", "parallel.ep=8", "parallel.fold_ep=[tp]", "parallel.etp=1",
+     "parallel.pp_microbatches=32"),
+)  # fmt: skip
+DEEPSEEK_V3 = Anchor(
+    "DeepSeek-V3, 1024 H100, FP8, MTP 1, forced balance",
+    338e12,
+    "TFLOP/s",
+    "Megatron-MoE-ModelZoo: best_practice/DeepSeekV3/run.sh (H100: PP8 VPP4 TP2 EP64, 128 nodes, GBS 8192, fp8,"
+    " selective recomputation, MTP 1, layout Et|(tt|)*30mL) and its readme (forced balance for benchmarks);"
+    " 338 TFLOP/s: Megatron-Bridge's performance summary",
+    ("model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192",
+     "data.micro_batch_size=1", "fp8_gemms=true", "model.mtp_depth=1", "expert_load_imbalance=1.0",
+     "checkpointing=selective", "model.moe.dispatcher=hierarchical", "model.moe.max_nodes_per_token=4",
+     "model.moe.dispatch_dtype=fp8"),
+    # EP64 with expert TP 1 over TP2: ep folded over tp (32 x 2), dp 2. Megatron's layout puts one layer
+    # with the embedding, two on each of 30 stages and only MTP and the loss on the last; every stage
+    # here runs a layer, so the last two stages take one each.
+    ("parallel=single", "parallel.tp=2", "parallel.pp=8", "parallel.ep=64", "parallel.fold_ep=[tp]",
+     "parallel.etp=1", "parallel.pp_schedule=Interleaved1F1B", "parallel.pp_stages_per_rank=4",
+     f"parallel.pp_stage_layers=[1,{','.join(['2'] * 29)},1,1]", "parallel.pp_microbatches=128"),
+)  # fmt: skip
+ANCHORS = (MIXTRAL_8X22B, DEEPSEEK_V3)
+
+
+def plan_anchor(anchor: Anchor) -> dict[str, Any]:
+    """``python -m lightning_moe.plan`` of the anchor's setting with its layout requested: the JSON
+    (``requested`` the published layout, ``layouts[0]`` the first choice)."""
     from lightning_moe.conf import CONF_DIR
     from lightning_moe.plan import run_plan
 
-    print("| run | published | estimate: modelled (no overlap – perfect overlap) | first choice |\n|---|---|---|---|")
-    for name, published, unit, overrides in ANCHORS:
+    overrides = [*anchor.setting, *anchor.layout]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("plan", overrides=overrides)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return run_plan(cfg, None, dict(o.split("=", 1) for o in overrides if o.startswith(("model=", "cluster="))))
+
+
+def anchors() -> None:
+    """Print, for each published run, its published layout's estimate and the planner's first choice:
+    tokens/s per GPU, model TFLOP/s per GPU and MFU, each modelled with its range (no overlap –
+    perfect overlap)."""
+    from lightning_moe.conf import CONF_DIR
+
+    print(
+        "| run | layout | published | estimate: modelled (no overlap – perfect overlap) | tokens/s/GPU | MFU | fits |"
+        "\n|---|---|---|---|---|---|---|"
+    )
+    for anchor in ANCHORS:
+        out = plan_anchor(anchor)
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            cfg = compose("plan", overrides=overrides)
-        with contextlib.redirect_stdout(io.StringIO()):
-            out = run_plan(cfg, None, dict(o.split("=", 1) for o in overrides if o.startswith(("model=", "cluster="))))
-        best = out["layouts"][0]
-        scale = 1.0 if unit == "MFU" else cfg.cluster.peak_flops
-        figures = [best["mfu_bounds"][k] * scale for k in ("modelled", "no_overlap", "perfect_overlap")]
-        show = (lambda x: f"{x:.1%}") if unit == "MFU" else (lambda x: f"{x / 1e12:.0f}")
-        print(
-            f"| {name} | {show(published)} {unit} | {show(figures[0])} ({show(figures[1])} – {show(figures[2])}) | {best['label']} |"
-        )
+            peak = compose("plan", overrides=list(anchor.setting)).cluster.peak_flops
+        world = next(int(o.split("=")[1]) for o in anchor.setting if o.startswith("world_size="))
+        for role, row in (("published", out["requested"]), ("first choice", out["layouts"][0])):
+            bounds = row["mfu_bounds"]
+            flops = [bounds[k] * peak / 1e12 for k in ("modelled", "no_overlap", "perfect_overlap")]
+            published = f"{anchor.published / 1e12:.0f} {anchor.unit}" if role == "published" else ""
+            print(
+                f"| {anchor.name if role == 'published' else ''} | {role}: `{row['label']}` | {published} |"
+                f" {flops[0]:.0f} ({flops[1]:.0f} – {flops[2]:.0f}) TFLOP/s | {row['tokens_per_second'] / world:,.0f} |"
+                f" {bounds['modelled']:.1%} | {'yes' if row['fits'] else 'no: ' + row['reason']} |"
+            )
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
