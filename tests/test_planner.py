@@ -372,6 +372,7 @@ def test_a_requested_layout_and_the_ranking_never_share_a_label_with_different_e
     out = run_plan(compose_plan(*common, *sizes), None, {"model": "mixtral_8x22b", "cluster": "h100_sxm"})
     requested = out["requested"]
     assert requested["micro_batch_size"] == 2 and requested["pp_microbatches"] == 8  # as the run would be
+    assert requested["tokens_per_second_per_gpu"] == pytest.approx(requested["tokens_per_second"] / 1024, rel=1e-12)
     by_label = {e["label"]: e for e in out["layouts"] + out["rejected"]}
     assert len(by_label) == len(out["layouts"]) + len(out["rejected"])
     if requested["label"] in by_label:

@@ -124,14 +124,13 @@ def anchors() -> None:
         out = plan_anchor(anchor)
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
             peak = compose("plan", overrides=list(anchor.setting)).cluster.peak_flops
-        world = next(int(o.split("=")[1]) for o in anchor.setting if o.startswith("world_size="))
         for role, row in (("published", out["requested"]), ("first choice", out["layouts"][0])):
             bounds = row["mfu_bounds"]
             flops = [bounds[k] * peak / 1e12 for k in ("modelled", "no_overlap", "perfect_overlap")]
             published = f"{anchor.published / 1e12:.0f} {anchor.unit}" if role == "published" else ""
             print(
                 f"| {anchor.name if role == 'published' else ''} | {role}: `{row['label']}` | {published} |"
-                f" {flops[0]:.0f} ({flops[1]:.0f} – {flops[2]:.0f}) TFLOP/s | {row['tokens_per_second'] / world:,.0f} |"
+                f" {flops[0]:.0f} ({flops[1]:.0f} – {flops[2]:.0f}) TFLOP/s | {row['tokens_per_second_per_gpu']:,.0f} |"
                 f" {bounds['modelled']:.1%} | {'yes' if row['fits'] else 'no: ' + row['reason']} |"
             )
 

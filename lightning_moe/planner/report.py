@@ -54,7 +54,7 @@ def format_table(estimates: Sequence[Estimate], checkpointing: str = "none") -> 
         mem = e.memory
         acts = "/".join(_gib(mem.activations[m]) for m in CHECKPOINT_MODES)
         rows.append(
-            f"| {i} | {e.layout.label()} | {e.step_time:.3g} | {e.mfu:.1%} | {_mfu_range(e)} | {e.tokens_per_second / e.layout.world_size:,.0f}"
+            f"| {i} | {e.layout.label()} | {e.step_time:.3g} | {e.mfu:.1%} | {_mfu_range(e)} | {e.tokens_per_second_per_gpu:,.0f}"
             f" | {e.bubble_fraction:.1%} | {_gib(mem.total(checkpointing))} | {_gib(mem.parameters)} | {_gib(mem.gradients)}"
             f" | {_gib(mem.optimizer)} | {acts} | {'yes' if e.fits else 'no'} |"
         )

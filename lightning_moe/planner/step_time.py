@@ -89,7 +89,7 @@ class Estimate:
     bubble_fraction: float
     optimizer_time: float
     mfu: float
-    tokens_per_second: float
+    tokens_per_second: float  # of the whole job (tokens_per_second_per_gpu: per rank)
     memory: Memory
     memory_pp_rank: int
     checkpointing: str | None  # mode used (the requested one) when it fits, else None
@@ -107,6 +107,11 @@ class Estimate:
     def mfu_at(self, step_time: float) -> float:
         """The MFU the step would reach in ``step_time`` seconds (one of :attr:`bounds`)."""
         return self.mfu * self.step_time / step_time
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        """Training tokens per second and rank: the unit published runs give beside MFU."""
+        return self.tokens_per_second / self.layout.world_size
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -138,6 +143,7 @@ class Estimate:
             "overlap_slowdown_time_s": self.overlap_slowdown_time,
             "end_of_step_reduction_time_s": self.end_of_step_reduction_time,
             "tokens_per_second": self.tokens_per_second,
+            "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
             "checkpointing": self.checkpointing,
             "fits": self.fits,
             "reason": self.reason,
