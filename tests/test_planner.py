@@ -846,3 +846,16 @@ def test_plan_json_reads_back_as_the_plan_a_layout_a_line():
     text = plan_json(out)
     assert json.loads(text) == out
     assert text.splitlines()[3] == '{"tp": 1, "fold_ep": []},'
+
+
+def test_one_expert_per_rank_computes_at_the_dense_gemm_efficiency():
+    """A grouped GEMM of one group is a plain GEMM: where each ep rank holds one expert (Mixtral-8x7B at
+    ep 8) the expert FLOPs take the dense GEMM's efficiency, with two or more the grouped GEMM's. The
+    expert FLOPs per rank are the same at ep 4 and 8 (each rank routes its own tokens)."""
+    from lightning_moe.planner.step_time import forward_seconds_by_kind
+
+    model, h100 = preset_shape("mixtral_8x7b"), cluster("h100_sxm")
+    one, two = (
+        forward_seconds_by_kind(model, Layout(ep=ep, microbatches=1), h100, 4096, imbalance=1.0) for ep in (8, 4)
+    )
+    assert two["expert"] / one["expert"] == pytest.approx(h100.gemm_efficiency / h100.grouped_gemm_efficiency)

@@ -190,12 +190,16 @@ def forward_seconds_by_kind(
     imbalance: float = 1.0,
 ) -> dict[str, float]:
     """Seconds one micro-batch's forward computes on the busiest pipeline rank, by op kind: the GEMM
-    kinds at their efficiency of the peak (with ``fp8_gemms`` at the FP8 peak and efficiency; the
+    kinds at their efficiency of the peak (the routed experts at the dense GEMM's where a rank holds
+    one expert, whose grouped GEMM is a plain GEMM; with ``fp8_gemms`` at the FP8 peak and efficiency; the
     attention core stays bf16), the expert GEMMs of the busiest ep rank (``imbalance`` x the mean),
     and ``elementwise``, the memory-bound ops' bytes at ``cluster.elementwise_efficiency`` of the HBM
     bandwidth (none where it is None); slowed down when more ranks run than compute at once
     (``cluster.concurrent_ranks``)."""
     gemm_peak, fp8_efficiency = cluster.gemm_peak(fp8_gemms)
+    efficiency = {kind: getattr(cluster, name) for kind, name in KIND_EFFICIENCY.items()}
+    if model.num_experts and model.num_experts // layout.ep == 1:
+        efficiency["expert"] = cluster.gemm_efficiency  # a grouped GEMM of one group is a plain GEMM
     worst: dict[str, float] = {}
     for pp_rank in edge_pp_ranks(layout):
         layers = rank_layers(model, layout, pp_rank)
@@ -204,7 +208,7 @@ def forward_seconds_by_kind(
         seconds = {}
         for kind, flops in f.items():
             if kind == "attention" or fp8_efficiency is None:
-                seconds[kind] = flops / (cluster.peak_flops * getattr(cluster, KIND_EFFICIENCY[kind]))
+                seconds[kind] = flops / (cluster.peak_flops * efficiency[kind])
             else:
                 seconds[kind] = flops / (gemm_peak * fp8_efficiency)
         seconds["expert"] *= imbalance
