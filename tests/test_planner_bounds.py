@@ -246,3 +246,31 @@ def test_node_limited_routing_sends_each_token_to_few_nodes_under_the_hierarchic
     # an ep group inside one node has no second stage: the search leaves it out, as the runtime refuses it
     one_node = plan(4, model["hierarchical"], four_per_node, seq_len=SEQ, global_batch_size=8)
     assert all(e.layout.ep == 1 for e in one_node.ranked)
+
+
+def test_group_limited_routing_bounds_the_nodes_and_ranks_a_token_reaches():
+    """DeepSeek-V3's 8 expert groups, of which a token takes 4: at EP64 over 8 nodes a group is a node
+    (at most 4 nodes), at EP256 over 32 nodes a group spans 4 (at most 16: 6.60 expected, not the 3.72
+    of a 4-node limit). The hierarchical dispatcher's rows across nodes and the default dispatcher's
+    rows per rank follow."""
+    from lightning_moe.planner.comm.ep import token_span_limit
+
+    groups = toy_model(num_experts=256, top_k=8, num_groups=8, group_topk=4, dispatcher="hierarchical")
+    assert (token_span_limit(groups, 8), token_span_limit(groups, 32)) == (4, 16)
+    assert token_span_limit(toy_model(num_experts=256, top_k=8), 32) is None
+    assert token_span_limit(replace(groups, num_groups=64, group_topk=4), 32) == 4  # 2 groups a node: a bound
+    assert expected_nodes_per_token(32, 8, 8, 16) == pytest.approx(6.60, abs=0.01)
+    layout = Layout(ep=256, microbatches=1)
+
+    def across(model):
+        records = comm_records(model, layout, SEQ, "bf16-mixed", gpus_per_node=8)
+        return sum(r.bytes for r in records if r.what == "hierarchical rows across nodes")
+
+    unlimited = replace(groups, num_groups=None, group_topk=None)
+    assert across(groups) / across(unlimited) == pytest.approx(
+        expected_nodes_per_token(32, 8, 8, 16) / expected_nodes_per_token(32, 8, 8)
+    )
+    # a node limit of its own still applies, the tighter of the two
+    assert across(replace(groups, max_nodes_per_token=4)) / across(unlimited) == pytest.approx(
+        expected_nodes_per_token(32, 8, 8, 4) / expected_nodes_per_token(32, 8, 8)
+    )

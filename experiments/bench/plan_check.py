@@ -85,8 +85,7 @@ DEEPSEEK_V3 = Anchor(
     " 338 TFLOP/s: Megatron-Bridge's performance summary",
     ("model=deepseek_v3", "cluster=h100_sxm", "world_size=1024", "data.global_batch_size=8192",
      "data.micro_batch_size=1", "fp8_gemms=true", "model.mtp_depth=1", "expert_load_imbalance=1.0",
-     "checkpointing=selective", "model.moe.dispatcher=hierarchical", "model.moe.max_nodes_per_token=4",
-     "model.moe.dispatch_dtype=fp8"),
+     "checkpointing=selective", "model.moe.dispatcher=hierarchical", "model.moe.dispatch_dtype=fp8"),
     # EP64 with expert TP 1 over TP2: ep folded over tp (32 x 2), dp 2. Megatron's layout puts one layer
     # with the embedding, two on each of 30 stages and only MTP and the loss on the last; every stage
     # here runs a layer, so the last two stages take one each.

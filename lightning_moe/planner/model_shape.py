@@ -25,6 +25,8 @@ MOE_FIELDS: dict[str, str] = {
     "dispatch_chunks": "dispatch_chunks",
     "dispatch_dtype": "dispatch_dtype",
     "max_nodes_per_token": "max_nodes_per_token",
+    "num_groups": "num_groups",
+    "group_topk": "group_topk",
 }
 # Terms of a published architecture that MoEGPT cannot build, read by the planner alone from the plan
 # config's ``architecture`` (conf/architecture/<model>.yaml): leading dense layers, and attention
@@ -76,6 +78,8 @@ class ModelShape:
     dispatch_chunks: int = MoEConfig.default("dispatch_chunks")
     dispatch_dtype: str | None = MoEConfig.default("dispatch_dtype")
     max_nodes_per_token: int | None = MoEConfig.default("max_nodes_per_token")
+    num_groups: int | None = MoEConfig.default("num_groups")  # group-limited routing: expert groups,
+    group_topk: int | None = MoEConfig.default("group_topk")  # of which each token takes this many
     # ARCHITECTURE_FIELDS: the published model's terms (None: MoEGPT's hidden / heads)
     first_dense_layers: int = 0
     qk_head_dim: int | None = None

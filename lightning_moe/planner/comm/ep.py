@@ -16,6 +16,7 @@ from lightning_moe.planner.comm.record import CommRecord
 from lightning_moe.planner.comm.step import StepCounts
 from lightning_moe.planner.dtypes import BF16_BYTES, FP32_BYTES, INT32_BYTES, INT64_BYTES
 from lightning_moe.planner.groups import nodes_spanned
+from lightning_moe.planner.model_shape import ModelShape
 
 # Bytes a dispatched row of h elements travels as, by MoELayer(dispatch_dtype=...) (lightning_moe.moe.exchange):
 # bf16 2 per element; fp8 1 per element plus the row's fp32 scale.
@@ -53,6 +54,28 @@ def expected_nodes_per_token(num_nodes: int, experts_per_node: int, top_k: int, 
     return nodes * (1 - missed)
 
 
+def token_span_limit(model: ModelShape, num_parts: int) -> int | None:
+    """Of ``num_parts`` equal, contiguous parts of the experts (the ep group's nodes, or its ranks),
+    how many at most hold one token's experts (None: no limit below all of them).
+
+    - Group-limited routing (``num_groups``, ``group_topk``; DeepSeek's): a token's experts lie in
+      ``group_topk`` of ``num_groups`` contiguous expert groups. Where a group spans whole parts
+      (``num_groups`` divides ``num_parts``) that is ``group_topk * num_parts / num_groups`` parts;
+      where several groups share a part, at most ``group_topk`` parts (an upper bound: two of the
+      chosen groups may share one).
+
+    ``max_nodes_per_token`` (a node limit of its own) is applied by the caller where the parts are nodes.
+
+    ``token_span_limit(deepseek_v3, 8)`` is 4 (EP64 over 8 nodes: a group per node) and
+    ``token_span_limit(deepseek_v3, 32)`` is 16 (EP256 over 32 nodes: a group over 4 nodes).
+    """
+    if model.num_groups and model.group_topk:
+        if num_parts % model.num_groups == 0:
+            return model.group_topk * (num_parts // model.num_groups)
+        return min(model.group_topk, num_parts)
+    return None
+
+
 def ep_records(step: StepCounts) -> list[CommRecord]:
     """The ep group's collectives of one optimizer step: those of ``model.dispatcher``'s kind for each
     micro-batch's tokens in each MoE layer (none for ep = 1 or without MoE layers)."""
@@ -82,14 +105,14 @@ def _alltoall_records(step: StepCounts) -> list[CommRecord]:
 
 def _dedup_records(step: StepCounts) -> list[CommRecord]:
     """One row per (token, other ep rank holding one of its experts): ``step.ep_ranks_per_token`` such
-    ranks on average, by default the expectation of uniform routing over all ep ranks (node limits
-    left out), each row with its slots' expert ids (int32) and gate weights (fp32, and their
+    ranks on average, by default the expectation of uniform routing over the ranks its expert groups
+    allow (:func:`token_span_limit`; node limits left out), each row with its slots' expert ids (int32) and gate weights (fp32, and their
     gradient); one int64 row count per peer."""
     model, ep = step.model, step.layout.ep
     per_step = step.layout.microbatches * step.moe_layers
     ranks = step.ep_ranks_per_token
     if ranks is None:
-        ranks = expected_nodes_per_token(ep, model.num_experts // ep, model.top_k)
+        ranks = expected_nodes_per_token(ep, model.num_experts // ep, model.top_k, token_span_limit(model, ep))
     elif not 1 <= ranks <= min(ep, model.top_k):
         raise ValueError(
             f"ep_ranks_per_token={ranks} must lie in [1, min(ep, top_k)] = [1, {min(ep, model.top_k)}]: the mean"
@@ -132,7 +155,8 @@ def _hierarchical_records(step: StepCounts) -> list[CommRecord]:
     h, k, tokens, chunks = model.hidden_size, model.top_k, step.tokens, step.dispatch_chunks
     row = token_exchange_row_bytes(h, step.activation_bytes, model.dispatch_dtype)
     experts_per_node = model.num_experts // num_nodes
-    nodes = expected_nodes_per_token(num_nodes, experts_per_node, k, model.max_nodes_per_token)
+    limits = [n for n in (model.max_nodes_per_token, token_span_limit(model, num_nodes)) if n is not None]
+    nodes = expected_nodes_per_token(num_nodes, experts_per_node, k, min(limits, default=None))
     remote_rows = tokens * nodes * (num_nodes - 1) / num_nodes
     across, inside = (0.0, 1.0), (1.0, 0.0)
     node_counts = chunks * peer_share_bytes(num_nodes * INT64_BYTES, num_nodes)
