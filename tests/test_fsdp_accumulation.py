@@ -100,6 +100,16 @@ def _pp_layout(overrides: list[str]):
 
 
 @pytest.mark.slow
+def test_an_evaluation_inside_an_optimizer_step_under_a_pipeline_is_refused(tmp_path):
+    """Validation after one of the 4 pipeline steps of an optimizer step would discard the gradients the
+    stages hold unreduced: the run stops with the fix instead of training on wrong gradients."""
+    overrides = [*PP2_DP2, "parallel.pp_microbatches=2", "parallel.gather_once_per_step=true", "trainer.max_steps=2",
+                 "trainer.val_check_interval=1", "trainer.limit_val_batches=1"]  # fmt: skip
+    with pytest.raises(Exception, match=r"evaluation forward ran in the middle of an optimizer step"):
+        train_in_pool(tmp_path / "run", *overrides, base=PP_RUN)
+
+
+@pytest.mark.slow
 def test_gathering_once_under_a_pipeline_sends_the_planned_dp_bytes_whatever_the_micro_batches(tmp_path):
     """pp2 x dp2, 8 micro-batches per optimizer step in 1 pipeline step or in 4 of 2: the measured dp
     bytes are the planner's to the byte, the same for both, and under a fifth of gathering per

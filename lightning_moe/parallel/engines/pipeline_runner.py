@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_moe._compat import (
@@ -199,6 +200,7 @@ class PipelineRunner:
         self.v_shape = schedule in V_SCHEDULES
         # Units kept gathered through a pipeline step (or an optimizer step), reduced by reduce_fsdp_gradients.
         self.holds_gathered = self.v_shape or gather_once_per_step
+        self._gradients_pending = False  # gather_once_per_step: unreduced gradients until the optimizer step
         self.last_stage_group_rank = stage_rank(num_stages - 1, dist.get_world_size(group), self.v_shape)
         self.forward_kwargs = _forward_parameters(self.modules[0])
         for module in self.modules:  # packed documents' ids reach the attention mode, not the stage
@@ -309,7 +311,8 @@ class PipelineRunner:
                 unit.set_reshard_after_backward(False, recurse=False)
             with self.stats.collect():
                 self._schedule("train").step(*args, target=tgt, losses=losses, return_outputs=False, **kwargs)
-            if steps_optimizer or not self.gather_once_per_step:
+            self._gradients_pending = not steps_optimizer and self.gather_once_per_step
+            if not self._gradients_pending:
                 reduce_fsdp_gradients(units)
                 self._sum_tied_gradients()
         else:
@@ -342,6 +345,12 @@ class PipelineRunner:
         return broadcast_from_last_stage(output if self.holds_last_stage else None, self)
 
     def _run_forward_only(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._gradients_pending:
+            raise MisconfigurationException(
+                "gather_once_per_step=True under pp > 1: an evaluation forward ran in the middle of an optimizer step,"
+                " while the stages hold the step's unreduced gradients, which it would discard; evaluate between"
+                " optimizer steps (val_check_interval a multiple of the accumulation) or set gather_once_per_step=False"
+            )
         # Plain no_grad, not inference mode (Lightning's evaluation context on some backends):
         # FSDP's unshard and the stages' receive buffers cannot be inference tensors.
         with torch.inference_mode(False), torch.no_grad():
