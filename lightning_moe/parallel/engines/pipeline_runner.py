@@ -153,8 +153,8 @@ class PipelineRunner:
     Interleaved1F1B each unit once per micro-batch in forward (a nested unit, e.g. experts, again in
     backward) and reduces its gradients once per pipeline step; under the V schedules, whose weight
     gradients come apart from autograd's backward, once per pipeline step; with
-    ``gather_once_per_step``, once per optimizer step, whatever the schedule. It returns the micro-batch losses on the rank
-    that holds the last stage and None elsewhere. :meth:`forward_only` is the whole model's forward.
+    ``gather_once_per_step``, once per optimizer step, whatever the schedule. It returns the
+    micro-batch losses on the rank that holds the last stage and None elsewhere. :meth:`forward_only` is the whole model's forward.
 
     Tied end modules (:func:`~lightning_moe.parallel.plans.pipeline.tied_end_modules`, e.g. the token
     embedding that multi-token prediction uses on the last stage): when the first and the last stage
