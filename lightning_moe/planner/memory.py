@@ -113,9 +113,10 @@ def fsdp_buffer_bytes(
     in it), ``unit_counts`` (how many units like it the rank holds) and ``gathered`` (all units'
     elements, each counted as often as the rank holds it).
 
-    - ``gather_once_per_step``: every unit of the rank (all its pipeline stages) stays gathered with
-      its unsharded gradients, accumulated in fp32 (``gathered x (param dtype + fp32)``), plus the
-      reduce-scatter input of the largest unit when the step's last backward reduces it.
+    - ``gather_once_per_step``, and the V schedules (whose stages ``PipelineRunner`` keeps gathered
+      through each pipeline step): every unit of the rank (all its pipeline stages) stays gathered
+      with its unsharded gradients, accumulated in fp32 (``gathered x (param dtype + fp32)``), plus
+      the reduce-scatter input of the largest unit when the last backward reduces it.
     - Otherwise, the backward of the largest nested (non-root) unit: its gathered parameters and the
       next unit's, prefetched (2 units in the param dtype); then a unit's unsharded gradients (param
       dtype) and the flat reduce-scatter input ``foreach_reduce`` copies them into (fp32, the reduce
@@ -128,7 +129,7 @@ def fsdp_buffer_bytes(
       reduce dtype, for the step's last backward (``backward_maybe_with_nosync``).
     """
     g = FSDP_GATHER_BYTES[precision]
-    if layout.gather_once_per_step:
+    if layout.gather_once_per_step or layout.v_schedule:
         return gathered * (g + FP32_BYTES) + max(unit_sizes.values(), default=0) * FSDP_REDUCE_BYTES
     roots = [u for u in unit_sizes if u in ("first", "last") or (layout.pp > 1 and "." not in u)]
     held = sum(unit_counts[u] * unit_sizes[u] for u in roots) * g
