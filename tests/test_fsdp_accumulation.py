@@ -162,6 +162,12 @@ def pp_single_losses(tmp_path_factory) -> list[float]:
         ),
         # 2 pipeline steps of 4, experts on 2 ranks, paired forward and backward interleaved
         pytest.param(["parallel=pp2_ep2_dualpipev"], id="DualPipeV_ep2_overlap"),
+        # the other schedules: GPipe (one pipeline step of 8) and ZB-V (2 pipeline steps of 4, ep2)
+        pytest.param([*PP2_DP2, "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=8"], id="GPipe_dp2"),
+        pytest.param(
+            ["parallel=pp2_ep2_dualpipev", "parallel.pp_schedule=ZBVZeroBubble", "parallel.overlap_ep_comm=false"],
+            id="ZBVZeroBubble_ep2",
+        ),  # fmt: skip
         # 2 replica groups of 1 rank: only the replica all-reduce, once per step
         pytest.param(
             [*PP2_DP2, "parallel.data_parallel=hsdp", "parallel.dp_replicate=2", "parallel.pp_microbatches=4"],
