@@ -88,21 +88,28 @@ def measure(parallel: str, overrides: Sequence[str], run_dir: Path, timeout: flo
     return sorted((json.loads(p.read_text()) for p in ranks), key=lambda r: r["rank"])
 
 
-def planned_bytes(parallel: str, overrides: Sequence[str], world_size: int) -> float:
-    """The planner's memory per rank (busiest pipeline rank, no activation checkpointing) for the
-    layout ``parallel=<parallel>`` trains with these overrides."""
+def planned_run(parallel: str, overrides: Sequence[str], world_size: int) -> tuple[Any, Any]:
+    """The training config ``parallel=<parallel>`` with these overrides composes, and the planner's
+    ``Layout`` of it on ``world_size`` ranks."""
     from hydra import compose, initialize_config_dir
 
     from lightning_moe.conf import CONF_DIR
-    from lightning_moe.plan import model_shape
-    from lightning_moe.planner import memory_per_rank
     from lightning_moe.planner.presets import layout_from_parallel
 
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"parallel={parallel}", "trainer.default_root_dir=/tmp/unused"])
-    layout = layout_from_parallel(
+    return cfg, layout_from_parallel(
         cfg.parallel, world_size, cfg.data.global_batch_size, cfg.data.get("micro_batch_size")
     )
+
+
+def planned_bytes(parallel: str, overrides: Sequence[str], world_size: int) -> float:
+    """The planner's memory per rank (busiest pipeline rank, no activation checkpointing) for the
+    layout ``parallel=<parallel>`` trains with these overrides."""
+    from lightning_moe.plan import model_shape
+    from lightning_moe.planner import memory_per_rank
+
+    cfg, layout = planned_run(parallel, overrides, world_size)
     precision = "bf16-mixed" if str(cfg.trainer.get("precision") or "32-true").startswith("bf16") else "32-true"
     memory, _ = memory_per_rank(model_shape(cfg.model), layout, cfg.data.seq_len, precision)
     return memory.total("none")

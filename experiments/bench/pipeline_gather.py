@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from experiments.bench.peak_memory import MODEL, compare, measure, planned_bytes
+from experiments.bench.peak_memory import MODEL, compare, measure, planned_bytes, planned_run
 
 LAYOUT = "pp2"
 WORLD = 4
@@ -32,16 +32,10 @@ VARIANTS = {"per micro-batch": "false", "once per step": "true"}
 
 def planned_dp_bytes(overrides: list[str]) -> float:
     """The planner's dp bytes per optimizer step and rank for the layout these overrides train."""
-    from hydra import compose, initialize_config_dir
-
-    from lightning_moe.conf import CONF_DIR
     from lightning_moe.plan import model_shape
     from lightning_moe.planner import accounted_comm_bytes
-    from lightning_moe.planner.presets import layout_from_parallel
 
-    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        cfg = compose("train", overrides=[*overrides, f"parallel={LAYOUT}", "trainer.default_root_dir=/tmp/unused"])
-    layout = layout_from_parallel(cfg.parallel, WORLD, cfg.data.global_batch_size, cfg.data.micro_batch_size)
+    cfg, layout = planned_run(LAYOUT, overrides, WORLD)
     return accounted_comm_bytes(model_shape(cfg.model), layout, cfg.data.seq_len, precision="32-true")["dp"]
 
 

@@ -96,9 +96,9 @@ DEEPSEEK_V3 = Anchor(
 ANCHORS = (MIXTRAL_8X22B, DEEPSEEK_V3)
 
 
-def plan_anchor(anchor: Anchor) -> dict[str, Any]:
-    """``python -m lightning_moe.plan`` of the anchor's setting with its layout requested: the JSON
-    (``requested`` the published layout, ``layouts[0]`` the first choice)."""
+def plan_anchor(anchor: Anchor) -> tuple[Any, dict[str, Any]]:
+    """``python -m lightning_moe.plan`` of the anchor's setting with its layout requested: the composed
+    plan config and the JSON (``requested`` the published layout, ``layouts[0]`` the first choice)."""
     from lightning_moe.conf import CONF_DIR
     from lightning_moe.plan import run_plan
 
@@ -106,23 +106,21 @@ def plan_anchor(anchor: Anchor) -> dict[str, Any]:
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose("plan", overrides=overrides)
     with contextlib.redirect_stdout(io.StringIO()):
-        return run_plan(cfg, None, dict(o.split("=", 1) for o in overrides if o.startswith(("model=", "cluster="))))
+        out = run_plan(cfg, None, dict(o.split("=", 1) for o in overrides if o.startswith(("model=", "cluster="))))
+    return cfg, out
 
 
 def anchors() -> None:
     """Print, for each published run, its published layout's estimate and the planner's first choice:
     tokens/s per GPU, model TFLOP/s per GPU and MFU, each modelled with its range (no overlap –
     perfect overlap)."""
-    from lightning_moe.conf import CONF_DIR
-
     print(
         "| run | layout | published | estimate: modelled (no overlap – perfect overlap) | tokens/s/GPU | MFU | fits |"
         "\n|---|---|---|---|---|---|---|"
     )
     for anchor in ANCHORS:
-        out = plan_anchor(anchor)
-        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            peak = compose("plan", overrides=list(anchor.setting)).cluster.peak_flops
+        cfg, out = plan_anchor(anchor)
+        peak = cfg.cluster.peak_flops
         for role, row in (("published", out["requested"]), ("first choice", out["layouts"][0])):
             bounds = row["mfu_bounds"]
             flops = [bounds[k] * peak / 1e12 for k in ("modelled", "no_overlap", "perfect_overlap")]
