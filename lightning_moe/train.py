@@ -41,6 +41,7 @@ from lightning_moe.callbacks import SummaryCallback
 from lightning_moe.callbacks.routing_replay import RoutingReplayCallback
 from lightning_moe.checkpoint import latest_checkpoint
 from lightning_moe.data import resolve_batch_layout
+from lightning_moe.health import RunHealthError
 from lightning_moe.layout import PARALLEL_DIMS, size_problems
 from lightning_moe.parallel.config.world_size import resolve_world_size
 from lightning_moe.parallel.plans.context_parallel import check_context_parallel_support
@@ -125,6 +126,8 @@ def build(cfg: DictConfig) -> TrainingRun:
     datamodule = hydra.utils.instantiate(cfg.data)
     strategy = hydra.utils.instantiate(cfg.parallel)
     callbacks = _instantiate_all(cfg.callbacks)
+    if cfg.get("health"):  # the `health` group: checks of every step (docs/health.md)
+        callbacks.append(hydra.utils.instantiate(cfg.health))
     if cfg.get("link"):  # the `link` group: simulated link speeds (lightning_moe.comm.link_simulator)
         callbacks.append(hydra.utils.instantiate(cfg.link))
     loggers = _instantiate_all(cfg.logger)
@@ -289,9 +292,14 @@ def quiet_known_harmless_output() -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """``python -m lightning_moe.train``; the return value serves Hydra sweepers (e.g. Optuna)."""
+    """``python -m lightning_moe.train``; the return value serves Hydra sweepers (e.g. Optuna). A run the
+    health checks stop exits with their code (16: restart it, 17: do not; docs/cluster.md)."""
     quiet_known_harmless_output()
-    return train(cfg)
+    try:
+        return train(cfg)
+    except RunHealthError as error:
+        print(f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        sys.exit(error.exit_code)
 
 
 def _end_launched_rank() -> None:

@@ -7,7 +7,7 @@ Floors: lightning >= 2.6 (what the suite runs; ModelParallelStrategy internals).
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +122,44 @@ class LaunchCheckedModelParallelStrategy(ModelParallelStrategy):
         return self._timeout
 
 
+# Set while replay_training_batch re-runs a batch of an optimizer step: whether that batch is the step's last.
+_REPLAYED_BATCH_STEPS_OPTIMIZER: bool | None = None
+
+
 def optimizer_steps_after_this_batch(trainer: Any) -> bool:
     """Whether Lightning's fit loop steps the optimizers after the current training batch (the last
     micro-batch of an accumulation window, or the epoch's last batch): the negation of the private
     ``trainer.fit_loop.epoch_loop._should_accumulate()``, valid from ``training_step`` on, which
-    Lightning itself uses to skip DDP's gradient sync. Checked on: lightning 2.6-2.6."""
+    Lightning itself uses to skip DDP's gradient sync. While :func:`replay_training_batch` runs,
+    what it was told. Checked on: lightning 2.6-2.6."""
+    if _REPLAYED_BATCH_STEPS_OPTIMIZER is not None:
+        return _REPLAYED_BATCH_STEPS_OPTIMIZER
     return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def replay_training_batch(
+    trainer: Any, batch: Any, batch_idx: int, optimizer: Any, steps_optimizer: bool
+) -> torch.Tensor | None:
+    """Run one training batch again as Lightning's automatic optimization runs it: the strategy's
+    ``training_step`` (its hooks and ``self.log`` allowed), the loss divided by
+    ``accumulate_grad_batches``, the strategy's ``backward``. ``steps_optimizer``: the batch is the
+    last of its optimizer step (:func:`optimizer_steps_after_this_batch` says so meanwhile). Returns
+    the loss as ``training_step`` returned it (detached), None when it returned none. The optimizer
+    does not step. Uses the private ``lightning.pytorch.trainer.call._call_strategy_hook``, which sets
+    the module's current hook name as the loop does. Checked on: lightning 2.6-2.6."""
+    from lightning.pytorch.trainer import call
+
+    global _REPLAYED_BATCH_STEPS_OPTIMIZER
+    _REPLAYED_BATCH_STEPS_OPTIMIZER = steps_optimizer
+    try:
+        output = call._call_strategy_hook(trainer, "training_step", batch, batch_idx)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if loss is None:
+            return None
+        call._call_strategy_hook(trainer, "backward", loss / trainer.accumulate_grad_batches, optimizer)
+        return loss.detach()
+    finally:
+        _REPLAYED_BATCH_STEPS_OPTIMIZER = None
 
 
 def route_gradient_clipping(plugin: Any, clip_by_norm: Callable[[Any, float], None]) -> None:

@@ -20,7 +20,8 @@ class OptimizerStepCallback(Callback):
     - :meth:`on_step_start`: before the forward of the step's first micro-batch;
     - :meth:`on_micro_batch_end`: after every micro-batch (its forward and backward);
     - :meth:`on_step_end`: after the micro-batch that stepped the optimizer (gradients reduced,
-      parameters updated, ``trainer.global_step`` advanced).
+      parameters updated, ``trainer.global_step`` advanced);
+    - :meth:`on_step_rerun`: the step's micro-batches ran again (the ``health`` checks' rerun).
 
     A subclass that overrides ``on_train_batch_start`` or ``on_train_batch_end`` must call
     ``super()``.
@@ -47,6 +48,11 @@ class OptimizerStepCallback(Callback):
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Called after the micro-batch that completed an optimizer step."""
+
+    def on_step_rerun(self, trainer: pl.Trainer, pl_module: pl.LightningModule, losses: list[torch.Tensor]) -> None:
+        """Called when the health checks ran the step's micro-batches again on the same data (before the
+        optimizer step); ``losses``: the rerun's, one per micro-batch, as ``training_step`` returned
+        them. The step's last :meth:`on_micro_batch_end` still follows, with the first run's outputs."""
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int

@@ -94,6 +94,7 @@ class SummaryCallback(OptimizerStepCallback):
         self._step_loss_sum = torch.zeros((), dtype=torch.float64)
         self._step_micro_batches = 0
         self._step_tokens = 0
+        self._rerun_last_loss: torch.Tensor | None = None
         self._clock = StepClock()
 
     @property
@@ -116,9 +117,18 @@ class SummaryCallback(OptimizerStepCallback):
         # accumulate_grad_batches (it is the loss that was backpropagated); undo it.
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         # A tensor sum: no device sync per micro-batch.
-        self._step_loss_sum = self._step_loss_sum + loss.detach().double() * scale
+        value = loss.detach().double() * scale
+        if self._rerun_last_loss is not None:  # the step ran again: its last micro-batch's loss is the rerun's
+            value, self._rerun_last_loss = self._rerun_last_loss, None
+        self._step_loss_sum = self._step_loss_sum + value
         self._step_micro_batches += 1
         self._step_tokens += count_tokens(batch)
+
+    def on_step_rerun(self, trainer: pl.Trainer, pl_module: pl.LightningModule, losses: list[torch.Tensor]) -> None:
+        # The step's loss is the rerun's: the earlier micro-batches' now, the last one's when it ends.
+        self._step_loss_sum = sum((loss.double() for loss in losses[:-1]), torch.zeros((), dtype=torch.float64))
+        self._step_micro_batches = len(losses) - 1
+        self._rerun_last_loss = losses[-1].double() if losses else None
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._step_micro_batches:  # training_step skipped every micro-batch
