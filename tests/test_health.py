@@ -96,7 +96,9 @@ def test_a_transient_fault_is_rerun_and_gives_the_one_process_losses(tmp_path, s
     """A NaN in rank 1's gradients (or loss) at step 5, on the first execution of that step only: the
     step runs again on the same data, finite, and its update is used; the run's losses are the
     one-process ones (rel 1e-5, 10 steps) and one transient fault is recorded at step 5, seen on rank 1."""
-    summary = train_in_pool(tmp_path / "run", f"parallel={preset}", f"health.inject.kind={kind}", *INJECT_AT_5_ON_RANK_1)
+    summary = train_in_pool(
+        tmp_path / "run", f"parallel={preset}", f"health.inject.kind={kind}", *INJECT_AT_5_ON_RANK_1
+    )
     _same_curve(summary["losses"], single_losses)
     faults = summary["health"]["transient_faults"]
     assert len(faults) == 1 and faults[0]["step"] == 5 and 1 in faults[0]["ranks"], faults
@@ -174,7 +176,9 @@ def test_a_flipped_gradient_bit_is_caught_by_the_silent_data_corruption_check(tm
         )
     message = str(failed.value)
     assert "RestartRequestedError: silent data corruption at step 5" in message
-    assert "first on rank 1" in message and "parameter layers.0.attention.wq.weight" in message  # the first with a gradient
+    assert (
+        "first on rank 1" in message and "parameter layers.0.attention.wq.weight" in message
+    )  # the first with a gradient
 
 
 @pytest.mark.slow
@@ -222,3 +226,24 @@ def test_the_cli_exits_with_the_persistent_fault_code(tmp_path):
     assert proc.returncode == EXIT_PERSISTENT, proc.stderr[-3000:]
     assert "PersistentFaultError: persistent fault at step 3" in proc.stderr
     assert "the output of output" in proc.stderr  # the model's last module, where the injection put the NaN
+
+
+@pytest.mark.slow
+def test_a_rollback_resumes_before_the_spike_and_drops_the_window(tmp_path):
+    """health.spike.action=rollback: a spike at step 7 stops the run (a restart asked); restarted with
+    ckpt_path=auto it resumes from step 6's checkpoint, drops the updates of steps 6 and 7 (their
+    samples logged) and trains on. Without periodic checkpoints rollback is refused before training."""
+    run_dir = tmp_path / "run"
+    rollback = ["parallel=single", "health.spike.window=4", "health.spike.action=rollback"]
+    with pytest.raises(AssertionError, match="MisconfigurationException: health.spike.action=rollback resumes"):
+        train_in_pool(tmp_path / "no_checkpoints", *rollback)
+    checkpoints = ["callbacks=checkpoint", "callbacks.checkpoint.every_n_train_steps=2"]
+    spike = ["health.inject.kind=loss_spike", "health.inject.step=7"]
+    with pytest.raises(AssertionError, match="RestartRequestedError: loss spike at step 7"):
+        train_in_pool(run_dir, *rollback, *checkpoints, *spike)
+    assert json.loads((run_dir / "health" / "rollback.json").read_text())["to_step"] == 7
+    resumed = train_in_pool(run_dir, *rollback, *checkpoints, "ckpt_path=auto")
+    skipped = resumed["health"]["skipped_steps"]
+    assert [(s["step"], s["reason"]) for s in skipped] == [(6, "rollback"), (7, "rollback")]
+    assert all(s["sample_index"][0].isdigit() for s in skipped)
+    assert len(resumed["losses"]) == 4 and (run_dir / "health" / "rollback_done_step7.json").exists()

@@ -19,6 +19,7 @@ BENCHMARKS = (
     "cp_documents",
     "checkpoint_save",
     "muon",
+    "health_cost",
 )
 
 

@@ -216,8 +216,10 @@ class MoEMetricsCallback(OptimizerStepCallback):
         self._bias_norms: torch.Tensor | None = None
 
     def add_step_listener(self, listener: Callable[[pl.Trainer, MoEStepResult], None]) -> None:
-        """Call ``listener(trainer, result)`` on every rank after each optimizer step's metrics."""
-        self._listeners.append(listener)
+        """Call ``listener(trainer, result)`` on every rank after each optimizer step's metrics (once,
+        however often it is added)."""
+        if listener not in self._listeners:
+            self._listeners.append(listener)
 
     @property
     def scalar_names(self) -> tuple[str, ...]:

@@ -3,6 +3,7 @@ corruption, stragglers and starving experts (docs/health.md)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Mapping
@@ -20,8 +21,11 @@ from torch.distributed.tensor import DTensor
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
 from lightning_moe.callbacks.comm_accounting import uncounted
 from lightning_moe.callbacks.moe_metrics import MoEMetricsCallback, MoEStepResult
+from lightning_moe.callbacks.summary import write_json_atomic
+from lightning_moe.checkpoint.periodic import PeriodicCheckpoint
 from lightning_moe.health.attribution import NonFiniteWatch, first_event
 from lightning_moe.health.errors import (
+    ROLLBACK_MARKER,
     PersistentFaultError,
     RestartRequestedError,
     check_no_persistent_fault,
@@ -136,8 +140,17 @@ class HealthCallback(OptimizerStepCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        check_no_persistent_fault(Path(trainer.default_root_dir))
+        run_dir = Path(trainer.default_root_dir)
+        check_no_persistent_fault(run_dir)
         self.inject.check_world(trainer.world_size)
+        if self.spike.action == "rollback" and self.spike.window and not _saves_periodically(trainer):
+            raise MisconfigurationException(
+                "health.spike.action=rollback resumes from the newest periodic checkpoint, and this run saves none:"
+                " add callbacks=checkpoint (callbacks.checkpoint.every_n_train_steps=N), or use"
+                " health.spike.action=skip"
+            )
+        marker = run_dir / ROLLBACK_MARKER
+        self._rollback_to = json.loads(marker.read_text())["to_step"] if marker.exists() else None
         if not pl_module.automatic_optimization and (self.nonfinite == "rerun" or self.sdc_check_every_n_steps):
             raise MisconfigurationException(
                 "health.nonfinite=rerun and health.sdc_check_every_n_steps re-run a step's micro-batches, which"
@@ -153,6 +166,8 @@ class HealthCallback(OptimizerStepCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
+        self.spike.reset()
+        self.expert.reset()
         if self.straggler.every_n_steps:
             self._wait_clock.install()
             self._hosts = _gather_objects(socket.gethostname(), trainer.world_size)
@@ -196,6 +211,9 @@ class HealthCallback(OptimizerStepCallback):
     ) -> None:
         step, rank = trainer.global_step, trainer.global_rank
         params = _parameters(optimizer)
+        if self._rollback_to is not None:
+            self._skip_rolled_back_step(trainer, pl_module, params)
+            return
         self.inject.after_backward(params, step, rank)
         busy = None
         if self._wait_clock.running:
@@ -208,7 +226,7 @@ class HealthCallback(OptimizerStepCallback):
         elif self.sdc_check_every_n_steps and (step + 1) % self.sdc_check_every_n_steps == 0:
             self._check_silent_corruption(trainer, pl_module, optimizer, params)
         elif loss is not None:
-            self._check_spike(step, loss, params, pl_module)
+            self._check_spike(trainer, step, loss, params, pl_module)
         self.inject.end_execution()
 
     def on_step_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -377,13 +395,17 @@ class HealthCallback(OptimizerStepCallback):
             )
         self._step_metrics["health/sdc_checks"] = 1.0
 
-    def _check_spike(self, step: int, loss: float, params: list[nn.Parameter], pl_module: pl.LightningModule) -> None:
+    def _check_spike(
+        self, trainer: pl.Trainer, step: int, loss: float, params: list[nn.Parameter], pl_module: pl.LightningModule
+    ) -> None:
         z = self.spike.observe(loss)
         if z is not None:
             self._step_metrics["health/loss_zscore"] = z
         if not self.spike.is_spike(z):
             return
         self.spikes.append({"step": step, "loss": loss, "zscore": z, "action": self.spike.action})
+        if self.spike.action == "rollback":
+            self._request_rollback(trainer, step, loss, z)
         if self.spike.action == "skip":
             clear_step_state(params, _rank_model(pl_module))
             self.skipped_steps.append({"step": step, "reason": "loss spike", "loss": loss, "zscore": z})
@@ -391,6 +413,34 @@ class HealthCallback(OptimizerStepCallback):
             f"health: loss spike at step {step}: {loss:.4f} is {z:.1f} robust standard deviations above the median"
             f" of the last {self.spike.window} steps" + ("; update skipped" if self.spike.action == "skip" else "")
         )
+
+    def _request_rollback(self, trainer: pl.Trainer, step: int, loss: float, z: float) -> None:
+        run_dir = Path(trainer.default_root_dir)
+        if trainer.is_global_zero:
+            write_json_atomic(run_dir / ROLLBACK_MARKER, {"to_step": step, "loss": loss, "zscore": z})
+        raise RestartRequestedError(
+            f"loss spike at step {step} ({loss:.4f}, robust z-score {z:.1f}; health.spike.action=rollback): restart"
+            " the job with ckpt_path=auto; it resumes from the newest checkpoint and drops the updates of the steps"
+            f" from there to step {step} ({run_dir / ROLLBACK_MARKER})",
+            {"step": step, "loss": loss, "zscore": z},
+        )
+
+    def _skip_rolled_back_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, params: list[nn.Parameter]
+    ) -> None:
+        """A step of the window a rollback drops: no update, its samples logged; the window's last step
+        retires the marker."""
+        assert self._rollback_to is not None
+        step = trainer.global_step
+        clear_step_state(params, _rank_model(pl_module))
+        samples = sorted({i for part in _gather_objects(self._step_samples(), trainer.world_size) for i in part})
+        self.skipped_steps.append({"step": step, "reason": "rollback", "sample_index": _ranges(samples, limit=1000)})
+        rank_zero_warn(f"health: step {step} dropped by the rollback to before step {self._rollback_to}'s loss spike")
+        if step >= self._rollback_to:
+            if trainer.is_global_zero:
+                marker = Path(trainer.default_root_dir) / ROLLBACK_MARKER
+                marker.replace(marker.with_name(f"rollback_done_step{self._rollback_to}.json"))
+            self._rollback_to = None
 
     def _report_stragglers(self, step: int, busy_seconds: list[float]) -> None:
         ratio, slowest = straggler_ratio(busy_seconds)
@@ -444,6 +494,11 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
         for param in group["params"]:
             seen.setdefault(id(param), param)
     return list(seen.values())
+
+
+def _saves_periodically(trainer: pl.Trainer) -> bool:
+    """Whether checkpoints are saved during training (``callbacks=checkpoint``)."""
+    return any(isinstance(c, PeriodicCheckpoint) for c in trainer.callbacks)
 
 
 def _rank_model(pl_module: pl.LightningModule) -> nn.Module:

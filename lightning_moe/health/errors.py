@@ -22,6 +22,7 @@ __all__ = [
     "EXIT_PERSISTENT",
     "EXIT_RESTART",
     "FAULT_MARKER",
+    "ROLLBACK_MARKER",
     "PersistentFaultError",
     "RestartRequestedError",
     "RunHealthError",
@@ -33,6 +34,8 @@ EXIT_RESTART = 16
 EXIT_PERSISTENT = 17
 # In the run directory: written when a persistent fault stops the run, read when it starts again.
 FAULT_MARKER = Path("health") / "persistent_fault.json"
+# In the run directory: written when a loss spike asks for a rollback, read by the restarted run.
+ROLLBACK_MARKER = Path("health") / "rollback.json"
 
 
 class RunHealthError(RuntimeError):

@@ -38,6 +38,11 @@ class ExpertStarvation:
         if self.max_load_ratio is not None and self.max_load_ratio <= 1:
             raise ValueError(f"health.expert.max_load_ratio={self.max_load_ratio} must be > 1 (or null)")
 
+    def reset(self) -> None:
+        """Forget the streaks (a new fit counts them again)."""
+        self._low_streak.clear()
+        self._lopsided_streak.clear()
+
     def observe(self, step: int, counts: list[list[float]]) -> list[dict[str, float | int | str]]:
         """The step's tokens per expert, one list per MoE layer; returns what became reportable."""
         if not self.patience:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 __all__ = ["SPIKE_ACTIONS", "SpikeDetection"]
 
-SPIKE_ACTIONS = ("warn", "skip")
+SPIKE_ACTIONS = ("warn", "skip", "rollback")
 # The median absolute deviation of a normal distribution is 0.6745 standard deviations.
 _MAD_TO_STD = 1.4826
 
@@ -17,9 +17,11 @@ _MAD_TO_STD = 1.4826
 class SpikeDetection:
     """Flag a step whose loss lies more than ``zscore`` robust standard deviations above the median of
     the last ``window`` steps (``health.spike``). The spread is the median absolute deviation, so
-    earlier spikes do not hide later ones. ``action``: ``warn`` (log it and go on) or ``skip`` (drop
-    the step's update, as for a non-finite step); ``window=0`` turns detection off. A flagged step
-    does not enter the window.
+    earlier spikes do not hide later ones. ``action``: ``warn`` (log it and go on), ``skip`` (drop
+    the step's update, as for a non-finite step) or ``rollback`` (stop with exit code 16; the
+    restarted run resumes from the newest periodic checkpoint and drops the updates of the steps
+    from there to the spike, so their data never reaches the model); ``window=0`` turns detection
+    off. A flagged step does not enter the window.
 
     Example::
 
@@ -39,6 +41,10 @@ class SpikeDetection:
         if self.action not in SPIKE_ACTIONS:
             raise ValueError(f"health.spike.action={self.action!r} is not one of {', '.join(SPIKE_ACTIONS)}")
         self._losses: deque[float] = deque(maxlen=max(self.window, 1))
+
+    def reset(self) -> None:
+        """Forget the window (a new fit starts it again)."""
+        self._losses.clear()
 
     def score(self, loss: float) -> float | None:
         """The robust z-score of ``loss`` against the window (None while it is not full, or off)."""
