@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import lightning as L
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from lightning_moe.health import (
 )
 from lightning_moe.health.callback import _ranges
 from lightning_moe.health.stragglers import straggler_ratio
+from lightning_moe.moe import MoELayer
 from tests.cli import NO_PLOTS, TINY_RUN, train_in_pool
 
 REL = 1e-5  # the layouts' tolerance against one process (tests/test_strategy_invariance.py)
@@ -247,3 +249,54 @@ def test_a_rollback_resumes_before_the_spike_and_drops_the_window(tmp_path):
     assert [(s["step"], s["reason"]) for s in skipped] == [(6, "rollback"), (7, "rollback")]
     assert all(s["sample_index"][0].isdigit() for s in skipped)
     assert len(resumed["losses"]) == 4 and (run_dir / "health" / "rollback_done_step7.json").exists()
+
+
+@pytest.mark.slow
+def test_more_transient_faults_than_allowed_ask_for_a_restart(tmp_path):
+    with pytest.raises(AssertionError, match=r"RestartRequestedError: 1 transient faults \(more than health\.max"):
+        train_in_pool(
+            tmp_path / "run", "parallel=single", "health.max_transient_faults=0", "health.inject.kind=nan_grad",
+            "health.inject.step=2",
+        )  # fmt: skip
+
+
+class _TinyMoELM(L.LightningModule):
+    """A user's own module (README's example): embedding, one MoE layer, head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.moe = MoELayer(16, 32, num_experts=4, top_k=2)
+        self.head = torch.nn.Linear(16, 64)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.head(self.moe(self.embed(batch[:, :-1])))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _fit_tiny(tmp_path, *callbacks) -> _TinyMoELM:
+    torch.manual_seed(0)
+    module = _TinyMoELM()
+    data = torch.utils.data.DataLoader(torch.randint(0, 64, (32, 9)), batch_size=4)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=6, accumulate_grad_batches=2, callbacks=list(callbacks),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    return module
+
+
+@pytest.mark.slow
+def test_the_callback_in_a_plain_trainer_reruns_a_users_module(tmp_path):
+    """HealthCallback() in a user's Trainer (no lightning-moe strategy, 2 micro-batches per step): a
+    transient NaN gradient at step 3 is rerun, and the parameters end as without the fault."""
+    health = HealthCallback(inject=FaultInjection(kind="nan_grad", step=3))
+    faulted = _fit_tiny(tmp_path / "faulted", health)
+    clean = _fit_tiny(tmp_path / "clean")
+    assert [(f["step"], f["ranks"]) for f in health.transient_faults] == [(3, [0])]
+    for a, b in zip(faulted.parameters(), clean.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
