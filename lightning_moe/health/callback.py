@@ -244,7 +244,8 @@ class HealthCallback(OptimizerStepCallback):
         """One all-reduce: which ranks hold a non-finite loss or gradient, the step's mean loss, and
         (on measured steps) every rank's busy seconds."""
         world, rank = trainer.world_size, trainer.global_rank
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        # A rank's shard of a small parameter can be empty, which has no max-abs norm.
+        grads = [g for g in (_local(p.grad) for p in params if p.grad is not None) if g.numel()]
         nonfinite = torch.zeros((), dtype=torch.bool)
         if grads:
             nonfinite = ~torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=float("inf")))
