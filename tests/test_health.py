@@ -300,3 +300,22 @@ def test_the_callback_in_a_plain_trainer_reruns_a_users_module(tmp_path):
     assert [(f["step"], f["ranks"]) for f in health.transient_faults] == [(3, [0])]
     for a, b in zip(faulted.parameters(), clean.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_step_check_takes_empty_shards_and_finds_a_nan(tmp_path):
+    """The per-step check on one rank: an empty local shard (FSDP's of a small parameter on many ranks)
+    has no max-abs norm and is left out; a NaN anywhere else is found, and so is a non-finite loss."""
+    trainer = type(
+        "Trainer",
+        (),
+        {"world_size": 1, "global_rank": 0, "strategy": type("S", (), {"root_device": torch.device("cpu")})},
+    )()
+    health = HealthCallback()
+    empty, finite = torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.ones(3))
+    empty.grad, finite.grad = torch.zeros(0), torch.ones(3)
+    assert health._check(trainer, [empty, finite], None) == ([], None, None)
+    finite.grad[1] = math.nan
+    assert health._check(trainer, [empty, finite], None)[0] == [0]
+    finite.grad[1] = 0.0
+    health.on_before_backward(trainer, None, torch.tensor(math.inf))
+    assert health._check(trainer, [empty, finite], None)[0] == [0]
