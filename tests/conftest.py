@@ -33,5 +33,23 @@ def pool4() -> DistributedPool:
     return get_pool(4)
 
 
+@pytest.fixture(scope="session")
+def one_process_losses(tmp_path_factory):
+    """``losses(*overrides, base=TINY_RUN)``: the per-step losses of ``parallel=single`` with ``overrides``
+    on ``base`` (the reference of the layout tests), trained once per distinct config in the session."""
+    from tests.cli import TINY_RUN, train_in_pool
+
+    cache: dict[tuple[tuple[str, ...], tuple[str, ...]], list[float]] = {}
+
+    def losses(*overrides: str, base=TINY_RUN) -> list[float]:
+        key = (tuple(base), overrides)
+        if key not in cache:
+            run_dir = tmp_path_factory.mktemp("one_process") / "run"
+            cache[key] = train_in_pool(run_dir, "parallel=single", *overrides, base=base)["losses"]
+        return cache[key]
+
+    return losses
+
+
 def pytest_sessionfinish(session, exitstatus):
     close_pools()

@@ -131,9 +131,9 @@ def test_interleaved_micro_batches_give_the_same_bits_under_fsdp():
         assert rank_result["hand_offs"] == (42, 42), rank_result
 
 
-@pytest.fixture(scope="module")
-def single_losses(tmp_path_factory) -> list[float]:
-    return train_in_pool(tmp_path_factory.mktemp("single") / "run", "parallel=single")["losses"]
+@pytest.fixture
+def single_losses(one_process_losses) -> list[float]:
+    return one_process_losses()
 
 
 @pytest.mark.slow

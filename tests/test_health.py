@@ -35,9 +35,9 @@ def _same_curve(losses: list[float], reference: list[float]) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=REL, atol=0.0)
 
 
-@pytest.fixture(scope="module")
-def single_losses(tmp_path_factory) -> list[float]:
-    return train_in_pool(tmp_path_factory.mktemp("health_single") / "run", "parallel=single")["losses"]
+@pytest.fixture
+def single_losses(one_process_losses) -> list[float]:
+    return one_process_losses()
 
 
 # -- settings ---------------------------------------------------------------------------------------

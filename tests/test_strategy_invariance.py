@@ -12,12 +12,11 @@ from tests.cli import TINY_RUN, compose_train_config, run_cli, run_cli_error, tr
 REL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def single_losses(tmp_path_factory) -> list[float]:
-    summary = train_in_pool(tmp_path_factory.mktemp("single") / "run", "parallel=single")
-    assert summary["layout"] == {"tp": 1, "cp": 1, "ep": 1, "dp": 1, "pp": 1, "etp": 1}
-    assert len(summary["losses"]) == 10
-    return summary["losses"]
+@pytest.fixture
+def single_losses(one_process_losses) -> list[float]:
+    losses = one_process_losses()
+    assert len(losses) == 10
+    return losses
 
 
 def _assert_same_curve(losses: list[float], reference: list[float]) -> None:
@@ -109,18 +108,14 @@ def presets_without_cp_up_to_8_processes() -> list[str]:
 PRESET_LAYERS = {"pp2_interleaved": 4, "pp2_ep2_dualpipev": 4}
 
 
-@pytest.fixture(scope="module")
-def single_default_losses(tmp_path_factory):
-    """Single-process losses per layer count, run once each on first use."""
-    cache: dict[int, list[float]] = {}
+@pytest.fixture
+def single_default_losses(one_process_losses):
+    """Single-process losses per layer count, with the data modules' defaults."""
 
     def losses(num_layers: int) -> list[float]:
-        if num_layers not in cache:
-            run_dir = tmp_path_factory.mktemp(f"single_default_{num_layers}") / "run"
-            summary = train_in_pool(run_dir, "parallel=single", f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
-            assert len(summary["losses"]) == 6
-            cache[num_layers] = summary["losses"]
-        return cache[num_layers]
+        reference = one_process_losses(f"model.num_layers={num_layers}", base=DEFAULT_DATA_RUN)
+        assert len(reference) == 6
+        return reference
 
     return losses
 

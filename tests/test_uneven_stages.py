@@ -129,18 +129,14 @@ UNEVEN_RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def single_losses(tmp_path_factory):
-    """One-process losses per layer count, each run once on first use."""
-    cache: dict[int, list[float]] = {}
+@pytest.fixture
+def single_losses(one_process_losses):
+    """One-process losses per layer count."""
 
     def losses(num_layers: int) -> list[float]:
-        if num_layers not in cache:
-            run_dir = tmp_path_factory.mktemp(f"single_{num_layers}") / "run"
-            overrides = ["parallel=single", f"model.num_layers={num_layers}", f"trainer.max_steps={STEPS}"]
-            cache[num_layers] = train_in_pool(run_dir, *overrides)["losses"]
-            assert len(cache[num_layers]) == STEPS
-        return cache[num_layers]
+        reference = one_process_losses(f"model.num_layers={num_layers}", f"trainer.max_steps={STEPS}")
+        assert len(reference) == STEPS
+        return reference
 
     return losses
 
