@@ -16,7 +16,6 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_moe.callbacks.base import OptimizerStepCallback, log_to_loggers
 from lightning_moe.callbacks.comm_accounting import uncounted
@@ -32,7 +31,7 @@ from lightning_moe.health.errors import (
     write_fault_marker,
 )
 from lightning_moe.health.experts import ExpertStarvation
-from lightning_moe.health.injection import FaultInjection
+from lightning_moe.health.injection import FaultInjection, local_view
 from lightning_moe.health.replay import StepRecord, clear_step_state, sample_indices
 from lightning_moe.health.spike import SpikeDetection
 from lightning_moe.health.stragglers import CollectiveWaitClock, StragglerDetection, straggler_ratio
@@ -48,10 +47,6 @@ def _as(kind: type, value: Any) -> Any:
     if value is None:
         return kind()
     return kind(**value) if isinstance(value, Mapping) else value
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _ranges(indices: list[int], limit: int = 32) -> str:
@@ -166,6 +161,8 @@ class HealthCallback(OptimizerStepCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
+        # The modules this rank runs (its pipeline stages under pp), built by now and fixed for the fit.
+        self._model = _rank_model(pl_module)
         self.spike.reset()
         self.expert.reset()
         if self.straggler.every_n_steps:
@@ -199,7 +196,7 @@ class HealthCallback(OptimizerStepCallback):
         if self.straggler.measures(trainer.global_step):
             self._step_started = time.perf_counter()
             self._wait_clock.start()
-        self.inject.begin_execution(_rank_model(pl_module), trainer.global_step, trainer.global_rank)
+        self.inject.begin_execution(self._model, trainer.global_step, trainer.global_rank)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         # The loss as backpropagated: divided by the micro-batches per step, so the step's sum is its mean.
@@ -245,7 +242,7 @@ class HealthCallback(OptimizerStepCallback):
         (on measured steps) every rank's busy seconds."""
         world, rank = trainer.world_size, trainer.global_rank
         # A rank's shard of a small parameter can be empty, which has no max-abs norm.
-        grads = [g for g in (_local(p.grad) for p in params if p.grad is not None) if g.numel()]
+        grads = [g for g in (local_view(p.grad) for p in params if p.grad is not None) if g.numel()]
         nonfinite = torch.zeros((), dtype=torch.bool)
         if grads:
             nonfinite = ~torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=float("inf")))
@@ -280,12 +277,12 @@ class HealthCallback(OptimizerStepCallback):
         """The step's micro-batches again (under ``watch`` when given); the fault injection counts it
         as another execution of the step."""
         self._clear_losses()
-        self.inject.begin_execution(_rank_model(pl_module), trainer.global_step, trainer.global_rank)
+        self.inject.begin_execution(self._model, trainer.global_step, trainer.global_rank)
         if watch is None:
-            losses = self._record.rerun(trainer, optimizer, params, _rank_model(pl_module))
+            losses = self._record.rerun(trainer, optimizer, params, self._model)
         else:
             with watch:
-                losses = self._record.rerun(trainer, optimizer, params, _rank_model(pl_module))
+                losses = self._record.rerun(trainer, optimizer, params, self._model)
             if self._loss_count and not bool(torch.isfinite(self._loss_sum)):
                 watch.record("the loss", "loss")
         self.inject.after_backward(params, trainer.global_step, trainer.global_rank)
@@ -314,11 +311,11 @@ class HealthCallback(OptimizerStepCallback):
                 f" samples of the step on this rank: {_ranges(self._step_samples())}"
             )
         if self.nonfinite == "skip":
-            clear_step_state(params, _rank_model(pl_module))
+            clear_step_state(params, self._model)
             self.skipped_steps.append({"step": step, "reason": "nonfinite", "ranks": bad_ranks})
             rank_zero_warn(f"health: non-finite loss or gradients at step {step} on ranks {bad_ranks}: update skipped")
             return
-        watch = NonFiniteWatch(_rank_model(pl_module), trainer.global_rank)
+        watch = NonFiniteWatch(self._model, trainer.global_rank)
         self._rerun(trainer, pl_module, optimizer, params, watch)
         again, _, _ = self._check(trainer, params, None)
         if not again:
@@ -371,14 +368,14 @@ class HealthCallback(OptimizerStepCallback):
         params: list[nn.Parameter],
     ) -> None:
         step, world = trainer.global_step, trainer.world_size
-        first_run = [_local(p.grad).clone() if p.grad is not None else None for p in params]
+        first_run = [local_view(p.grad).clone() if p.grad is not None else None for p in params]
         self._rerun(trainer, pl_module, optimizer, params)
         differs = next(
             (
                 i
                 for i, (before, p) in enumerate(zip(first_run, params))
                 if (before is None) != (p.grad is None)
-                or (before is not None and not torch.equal(before, _local(p.grad)))
+                or (before is not None and not torch.equal(before, local_view(p.grad)))
             ),
             None,
         )
@@ -408,7 +405,7 @@ class HealthCallback(OptimizerStepCallback):
         if self.spike.action == "rollback":
             self._request_rollback(trainer, step, loss, z)
         if self.spike.action == "skip":
-            clear_step_state(params, _rank_model(pl_module))
+            clear_step_state(params, self._model)
             self.skipped_steps.append({"step": step, "reason": "loss spike", "loss": loss, "zscore": z})
         rank_zero_warn(
             f"health: loss spike at step {step}: {loss:.4f} is {z:.1f} robust standard deviations above the median"
@@ -433,7 +430,7 @@ class HealthCallback(OptimizerStepCallback):
         retires the marker."""
         assert self._rollback_to is not None
         step = trainer.global_step
-        clear_step_state(params, _rank_model(pl_module))
+        clear_step_state(params, self._model)
         samples = sorted({i for part in _gather_objects(self._step_samples(), trainer.world_size) for i in part})
         self.skipped_steps.append({"step": step, "reason": "rollback", "sample_index": _ranges(samples, limit=1000)})
         rank_zero_warn(f"health: step {step} dropped by the rollback to before step {self._rollback_to}'s loss spike")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["ExpertStarvation"]
 
@@ -55,9 +56,7 @@ class ExpertStarvation:
             if mean <= 0:
                 continue
             for expert, load in enumerate(loads):
-                key = (layer, expert)
-                streak = self._low_streak.get(key, 0) + 1 if load < self.min_load_fraction * mean else 0
-                self._low_streak[key] = streak
+                streak = _advance(self._low_streak, (layer, expert), load < self.min_load_fraction * mean)
                 if streak == self.patience:
                     found.append(
                         {
@@ -71,8 +70,7 @@ class ExpertStarvation:
                     )
             if self.max_load_ratio is not None:
                 ratio = max(loads) / mean
-                streak = self._lopsided_streak.get(layer, 0) + 1 if ratio > self.max_load_ratio else 0
-                self._lopsided_streak[layer] = streak
+                streak = _advance(self._lopsided_streak, layer, ratio > self.max_load_ratio)
                 if streak == self.patience:
                     found.append(
                         {
@@ -84,3 +82,9 @@ class ExpertStarvation:
                         }
                     )
         return found
+
+
+def _advance(streaks: dict[Any, int], key: Any, holds: bool) -> int:
+    """One more step of ``key``'s streak when the condition ``holds``, else back to 0; returns it."""
+    streaks[key] = streaks.get(key, 0) + 1 if holds else 0
+    return streaks[key]

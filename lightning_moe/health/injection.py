@@ -90,7 +90,7 @@ class FaultInjection:
             return
         if self.times != -1 and self._executions > self.times:
             return
-        grad = next((_local(p.grad) for p in parameters if p.grad is not None and _local(p.grad).numel()), None)
+        grad = next((local_view(p.grad) for p in parameters if p.grad is not None and local_view(p.grad).numel()), None)
         if grad is not None:
             flat = grad.view(-1)
             bits = flat[:1].view(torch.int32) if flat.dtype == torch.float32 else None
@@ -113,7 +113,8 @@ def _compute_for(seconds: float) -> None:
         x = (x @ x).clamp_(-1, 1)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's block of a DTensor (the tensor itself otherwise)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
